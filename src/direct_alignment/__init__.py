@@ -1,0 +1,1 @@
+"""direct_alignment."""

@@ -1,0 +1,68 @@
+"""Held-out evaluation for SFT: teacher-forced completion loss and task accuracy by generation.
+
+Accuracy is measured by generating from the rendered prompt: greedy, and optionally one sample at
+T=1 per prompt (under a forked, seeded RNG so evaluation never changes the training run's random
+stream). Reported: exact match and the task's partial-credit score (`rlhf_core.scoring`).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from instruction_tuning.data import SFTData, collate
+from instruction_tuning.losses import CompletionNLLLoss
+from rlhf_core.generation import generate_completions
+from rlhf_core.logprobs import causal_lm_token_logprobs
+from rlhf_core.models import with_padding_side
+from rlhf_core.scoring import exact_match, task_score
+
+
+@torch.no_grad()
+def evaluate(
+    model: torch.nn.Module,
+    tokenizer,
+    data: SFTData,
+    *,
+    batch_size: int,
+    max_new_tokens: int,
+    sampled: bool,
+    seed: int,
+) -> dict[str, float]:
+    device = next(model.parameters()).device
+    was_training = model.training
+    model.eval()
+    nll_sum, tokens = 0.0, 0
+    loss_fn = CompletionNLLLoss()
+    for start in range(0, len(data.examples), batch_size):
+        batch = collate(data.examples[start : start + batch_size], tokenizer.pad_token_id)
+        batch = {k: v.to(device) for k, v in batch.items()}
+        logps = causal_lm_token_logprobs(model, batch["input_ids"], batch["attention_mask"])
+        _, metrics = loss_fn(logps, batch["loss_mask"], 1.0)
+        nll_sum += metrics["nll_sum"].item()
+        tokens += int(metrics["tokens"].item())
+    results = {"eval/loss": nll_sum / max(1, tokens)}
+
+    left = with_padding_side(tokenizer, "left")
+    prompts = [e.prompt_text for e in data.examples]
+    modes = [("greedy", 0.0)] + ([("sampled", 1.0)] if sampled else [])
+    for label, temperature in modes:
+        with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
+            torch.manual_seed(seed)
+            outs = generate_completions(
+                model,
+                left,
+                prompts,
+                max_new_tokens=max_new_tokens,
+                temperature=temperature,
+                batch_size=batch_size,
+            )
+        exact = [exact_match(o.text, e.reference) for o, e in zip(outs, data.examples, strict=True)]
+        score = [
+            task_score(o.text, e.reference, e.entry, data.scorer)
+            for o, e in zip(outs, data.examples, strict=True)
+        ]
+        results[f"eval/{label}_exact_match"] = sum(exact) / len(exact)
+        results[f"eval/{label}_task_score"] = sum(score) / len(score)
+        results[f"eval/{label}_length"] = sum(len(o.token_ids) for o in outs) / len(outs)
+    model.train(was_training)
+    return results

@@ -1,0 +1,274 @@
+"""YAML -> Pydantic v2 configs, `--set a.b=value` overrides, and the common command line.
+
+Every package's `train.py` does
+
+    cfg, run = parse_run_args(argv, SFTConfig, prog="instruction_tuning.train")
+
+which reads `--config FILE`, applies each `--set key.path=value` (the value parsed as a YAML scalar,
+so `--set optim.lr=3e-4` and `--set model.lora=null` do what they say), validates against the
+Pydantic model (`extra="forbid"` everywhere) and returns the config plus the run options
+(`--output-dir`, `--resume [auto|PATH]`, `--dry-run`).
+
+Errors name the file, the key path and what was expected:
+  unknown key   -> the key path, the file, and the keys allowed at that level
+  wrong type    -> the key path, the expected type, and the value given
+  missing file  -> the path that was tried
+"""
+
+from __future__ import annotations
+
+import argparse
+import types
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, TypeVar
+
+import yaml
+from pydantic import BaseModel, ConfigDict, ValidationError
+
+C = TypeVar("C", bound=BaseModel)
+
+
+class StrictModel(BaseModel):
+    """Base for every config block: unknown keys are errors, values are validated on assignment."""
+
+    model_config = ConfigDict(extra="forbid", validate_assignment=True, protected_namespaces=())
+
+
+class ConfigError(ValueError):
+    """A config that cannot be used, with a message naming the file and key path."""
+
+
+@dataclass
+class RunArgs:
+    """Command-line options shared by every trainer (everything except the config contents)."""
+
+    config_path: Path
+    overrides: list[str] = field(default_factory=list)
+    output_dir: Path | None = None
+    resume: str | None = None  # None, "auto", or a path
+    dry_run: bool = False
+
+
+# ----------------------------------------------------------------------------- loading
+
+
+def read_yaml(path: str | Path) -> dict[str, Any]:
+    """Read a YAML mapping from `path`; a missing file or a non-mapping top level raises."""
+    path = Path(path)
+    if not path.is_file():
+        raise ConfigError(f"config file not found: {path} (resolved to {path.resolve()})")
+    try:
+        data = yaml.safe_load(path.read_text())
+    except yaml.YAMLError as exc:
+        raise ConfigError(f"{path}: not valid YAML: {exc}") from exc
+    if data is None:
+        data = {}
+    if not isinstance(data, dict):
+        raise ConfigError(
+            f"{path}: the top level must be a mapping of keys, got {type(data).__name__}"
+        )
+    return data
+
+
+def apply_overrides(data: dict[str, Any], overrides: list[str]) -> dict[str, Any]:
+    """Apply `a.b.c=value` overrides in order; values are parsed as YAML scalars."""
+    for item in overrides:
+        if "=" not in item:
+            raise ConfigError(f"--set {item!r}: expected key.path=value")
+        key, raw = item.split("=", 1)
+        parts = key.strip().split(".")
+        if not all(parts):
+            raise ConfigError(f"--set {item!r}: empty component in key path {key!r}")
+        try:
+            value = yaml.safe_load(raw) if raw.strip() else ""
+        except yaml.YAMLError as exc:
+            raise ConfigError(f"--set {item!r}: value is not valid YAML: {exc}") from exc
+        node = data
+        for depth, part in enumerate(parts[:-1]):
+            child = node.get(part)
+            if child is None:
+                child = node[part] = {}
+            if not isinstance(child, dict):
+                where = ".".join(parts[: depth + 1])
+                raise ConfigError(
+                    f"--set {item!r}: {where!r} is a {type(child).__name__}, not a mapping"
+                )
+            node = child
+        node[parts[-1]] = value
+    return data
+
+
+def validate_config(cls: type[C], data: dict[str, Any], source: str = "<config>") -> C:
+    """Validate `data` against `cls`, turning pydantic's errors into one readable ConfigError."""
+    try:
+        return cls.model_validate(data)
+    except ValidationError as exc:
+        lines = [_describe_error(cls, err) for err in exc.errors()]
+        raise ConfigError(f"{source}: invalid config\n  " + "\n  ".join(lines)) from None
+
+
+def load_config(cls: type[C], path: str | Path, overrides: list[str] | None = None) -> C:
+    """Read YAML at `path`, apply overrides, validate as `cls`."""
+    data = apply_overrides(read_yaml(path), list(overrides or []))
+    source = str(path) + (f" (with --set {', '.join(overrides)})" if overrides else "")
+    return validate_config(cls, data, source)
+
+
+def dump_config(cfg: BaseModel) -> str:
+    """The resolved config as YAML (what is saved in the run dir and printed by --dry-run)."""
+    return yaml.safe_dump(cfg.model_dump(mode="json"), sort_keys=False, default_flow_style=False)
+
+
+# ----------------------------------------------------------------------------- command line
+
+
+def build_arg_parser(prog: str, description: str) -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog=prog, description=description)
+    parser.add_argument("--config", required=True, type=Path, help="YAML config file")
+    parser.add_argument(
+        "--set",
+        dest="overrides",
+        action="append",
+        default=[],
+        metavar="KEY.PATH=VALUE",
+        help="override a config value (repeatable); VALUE is parsed as YAML",
+    )
+    parser.add_argument("--output-dir", type=Path, default=None, help="run directory to use")
+    parser.add_argument(
+        "--resume",
+        nargs="?",
+        const="auto",
+        default=None,
+        metavar="auto|PATH",
+        help="resume from the newest checkpoint (auto) or from a checkpoint/run directory",
+    )
+    parser.add_argument(
+        "--dry-run",
+        action="store_true",
+        help="validate and resolve the config, load the tokenizer, print the plan; train nothing",
+    )
+    return parser
+
+
+def parse_run_args(
+    argv: list[str] | None, cls: type[C], *, prog: str, description: str = ""
+) -> tuple[C, RunArgs]:
+    """Parse the common trainer command line and load the config it names."""
+    args = build_arg_parser(prog, description).parse_args(argv)
+    run = RunArgs(
+        config_path=args.config,
+        overrides=list(args.overrides),
+        output_dir=args.output_dir,
+        resume=args.resume,
+        dry_run=args.dry_run,
+    )
+    return load_config(cls, run.config_path, run.overrides), run
+
+
+# ----------------------------------------------------------------------------- error messages
+
+
+def _unwrap(annotation: Any) -> list[Any]:
+    """The concrete types inside Optional/Union/Annotated/list annotations."""
+    origin = typing.get_origin(annotation)
+    if origin is typing.Annotated:
+        return _unwrap(typing.get_args(annotation)[0])
+    if origin in (typing.Union, types.UnionType):
+        out: list[Any] = []
+        for arg in typing.get_args(annotation):
+            out.extend(_unwrap(arg))
+        return out
+    return [annotation]
+
+
+def _type_name(annotation: Any) -> str:
+    names = []
+    for t in _unwrap(annotation):
+        if t is type(None):
+            names.append("null")
+        elif isinstance(t, type):
+            names.append(t.__name__)
+        else:
+            names.append(str(t).replace("typing.", ""))
+    return " | ".join(names)
+
+
+def _item_type(annotation: Any) -> Any:
+    """The item type of a list[X] (or value type of a dict[K, X]) annotation, else None."""
+    for t in _unwrap(annotation):
+        origin, args = typing.get_origin(t), typing.get_args(t)
+        if origin is list and args:
+            return args[0]
+        if origin is dict and len(args) == 2:
+            return args[1]
+    return None
+
+
+def _model_at(
+    cls: type[BaseModel], loc: tuple[Any, ...]
+) -> tuple[type[BaseModel] | None, Any, tuple[Any, ...]]:
+    """Walk `loc` from `cls`; return (model that owns the last key, that key's annotation, the
+    key path as the user wrote it, i.e. `loc` without discriminated-union tags)."""
+    model: type[BaseModel] | None = cls
+    annotation: Any = None
+    skip_tag = False
+    in_container = False  # this part is a list index or dict key, not a field name
+    keys: list[Any] = []
+    for i, part in enumerate(loc):
+        if skip_tag:  # a discriminated union puts the member's tag in the path: skip it
+            skip_tag = False
+            continue
+        keys.append(part)
+        rest = tuple(keys) + tuple(loc[i + 1 :])
+        if in_container:
+            annotation = _item_type(annotation)
+        else:
+            info = model.model_fields.get(str(part)) if model is not None else None
+            if info is None:
+                return (model if i == len(loc) - 1 else None), None, rest
+            annotation = info.annotation
+        if i == len(loc) - 1:
+            return model, annotation, tuple(keys)
+        model, skip_tag, in_container = _descend(annotation, loc[i + 1])
+        if model is None and not in_container:
+            return None, None, rest
+    return model, annotation, tuple(keys)
+
+
+def _descend(annotation: Any, next_part: Any) -> tuple[type[BaseModel] | None, bool, bool]:
+    """What the part after a key of type `annotation` is: (the model whose field it names, whether
+    it is a discriminated-union tag to skip, whether it is a list index / dict key)."""
+    direct = [t for t in _unwrap(annotation) if isinstance(t, type) and issubclass(t, BaseModel)]
+    if _item_type(annotation) is not None and (isinstance(next_part, int) or not direct):
+        return None, False, True
+    tagged = [t for t in direct if _has_tag(t, next_part)]
+    if len(direct) > 1 and tagged:
+        return tagged[0], True, False
+    return (direct[0] if len(direct) == 1 else None), False, False
+
+
+def _has_tag(model: type[BaseModel], tag: Any) -> bool:
+    for info in model.model_fields.values():
+        if typing.get_origin(info.annotation) is typing.Literal and tag in typing.get_args(
+            info.annotation
+        ):
+            return True
+    return False
+
+
+def _describe_error(cls: type[BaseModel], err: dict[str, Any]) -> str:
+    loc = tuple(err.get("loc", ()))
+    owner, annotation, keys = _model_at(cls, loc)
+    path = ".".join(str(p) for p in keys) or "<top level>"
+    kind = err.get("type", "")
+    if kind == "extra_forbidden":
+        allowed = ", ".join(owner.model_fields) if owner is not None else "?"
+        return f"unknown key '{path}'; allowed keys here: {allowed}"
+    if kind == "missing":
+        return f"missing required key '{path}'"
+    expected = f"expected {_type_name(annotation)}" if annotation is not None else "invalid value"
+    given = err.get("input")
+    given_repr = f"{given!r} ({type(given).__name__})"
+    return f"field '{path}': {expected}, got {given_repr}: {err.get('msg', '')}"

@@ -1,0 +1,237 @@
+"""Loading policies, tokenizers and reference models: a hub id, a local directory or a tiny preset.
+
+`ModelConfig` is the one model block every package uses. `name_or_path` is resolved as
+  1. a tiny-world preset name (`rlhf_core.tiny.PRESETS`, built offline into a cache dir), else
+  2. whatever `from_pretrained` accepts: a local directory or a hub id (downloads need network).
+Both end in the same `from_pretrained` call.
+
+dtype `auto`: bf16 on a CUDA device that supports it, else fp32. attention `auto`: flash-attn 2
+when it is installed and the device is CUDA, else PyTorch SDPA.
+
+Tokenizers: padding side is an explicit argument (left for generation, right for training); a
+tokenizer without a pad token gets pad = eos with a warning.
+
+Reference policy: `ReferencePolicy(policy, mode="copy")` keeps a frozen deep copy; with a LoRA
+policy, `mode="adapter"` runs the same model with the adapter disabled (no second copy of weights).
+"""
+
+from __future__ import annotations
+
+import copy
+import importlib.util
+import warnings
+from collections.abc import Iterator
+from contextlib import contextmanager, nullcontext
+from pathlib import Path
+from typing import Literal
+
+import torch
+from pydantic import Field
+
+from rlhf_core.chat import ensure_chat_template
+from rlhf_core.config import StrictModel
+from rlhf_core.logprobs import causal_lm_token_logprobs
+from rlhf_core.tiny import is_preset, preset_dir
+
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+#: LoRA targets per `config.model_type` when `lora.target_modules` is not given.
+LORA_TARGETS: dict[str, list[str]] = {
+    "llama": ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"],
+    "gpt2": ["c_attn", "c_proj", "c_fc"],
+    "gpt_neox": ["query_key_value", "dense", "dense_h_to_4h", "dense_4h_to_h"],
+}
+for _arch in ("qwen2", "qwen3", "qwen3_moe", "mistral", "gemma", "gemma2", "gemma3_text", "phi3"):
+    LORA_TARGETS[_arch] = LORA_TARGETS["llama"]
+
+
+class LoraConfig(StrictModel):
+    r: int = Field(16, gt=0, description="LoRA rank")
+    alpha: float = Field(32, gt=0, description="LoRA scaling numerator (scale = alpha / r)")
+    dropout: float = Field(0.0, ge=0, lt=1, description="dropout on the LoRA input")
+    target_modules: list[str] | None = Field(
+        None, description="module names to adapt; null = the per-architecture default"
+    )
+
+
+class ModelConfig(StrictModel):
+    name_or_path: str = Field(
+        description="tiny preset name (e.g. tiny-qwen3), local model directory, or hub id"
+    )
+    tokenizer: str | None = Field(None, description="tokenizer dir/id if not the model's own")
+    revision: str | None = Field(None, description="hub revision (branch, tag or commit)")
+    dtype: Literal["auto", "fp32", "bf16", "fp16"] = Field(
+        "auto", description="weights dtype; auto = bf16 on capable CUDA, else fp32"
+    )
+    attention: Literal["auto", "flash_attention_2", "sdpa", "eager"] = Field(
+        "auto", description="attention kernel; auto = flash-attn 2 if installed on CUDA, else sdpa"
+    )
+    gradient_checkpointing: bool = Field(False, description="recompute activations to save memory")
+    trust_remote_code: bool = Field(False, description="allow model code from the hub (unsafe)")
+    chat_template: str | None = Field(
+        None, description="Jinja chat template overriding the tokenizer's"
+    )
+    lora: LoraConfig | None = Field(None, description="train a LoRA adapter instead of all weights")
+
+
+def resolve_model_path(name_or_path: str) -> str:
+    """A tiny preset name -> its built directory; anything else is passed through."""
+    if is_preset(name_or_path):
+        return str(preset_dir(name_or_path))
+    # A hub id is "name" or "org/name" and may contain dots (Qwen/Qwen3-0.6B), so only an explicit
+    # path (./x, /x, ~/x) or one with more than one "/" is known to be local.
+    looks_local = name_or_path.startswith((".", "/", "~")) or name_or_path.count("/") > 1
+    if looks_local and not Path(name_or_path).expanduser().exists():
+        raise FileNotFoundError(f"model directory not found: {name_or_path}")
+    return name_or_path
+
+
+def resolve_dtype(cfg: ModelConfig, device: torch.device) -> torch.dtype:
+    if cfg.dtype != "auto":
+        return DTYPES[cfg.dtype]
+    if device.type == "cuda" and torch.cuda.is_bf16_supported():
+        return torch.bfloat16
+    return torch.float32
+
+
+def resolve_attention(cfg: ModelConfig, device: torch.device) -> str:
+    if cfg.attention != "auto":
+        return cfg.attention
+    if device.type == "cuda" and importlib.util.find_spec("flash_attn") is not None:
+        return "flash_attention_2"
+    return "sdpa"
+
+
+def load_tokenizer(cfg: ModelConfig, *, padding_side: Literal["left", "right"]):
+    """Load the tokenizer; set pad = eos (with a warning) if it has none; set the chat template."""
+    from transformers import AutoTokenizer
+
+    source = resolve_model_path(cfg.tokenizer or cfg.name_or_path)
+    tokenizer = AutoTokenizer.from_pretrained(
+        source, revision=cfg.revision, trust_remote_code=cfg.trust_remote_code
+    )
+    if tokenizer.eos_token is None:
+        raise ValueError(f"tokenizer {source!r} has no eos token; set one in its tokenizer_config")
+    if tokenizer.pad_token is None:
+        warnings.warn(
+            f"tokenizer {source!r} has no pad token; using eos {tokenizer.eos_token!r} as pad",
+            stacklevel=2,
+        )
+        tokenizer.pad_token = tokenizer.eos_token
+    tokenizer.padding_side = padding_side
+    ensure_chat_template(tokenizer, cfg.chat_template)
+    return tokenizer
+
+
+def with_padding_side(tokenizer, side: Literal["left", "right"]):
+    """A shallow copy of `tokenizer` with another padding side (the original is not changed)."""
+    other = copy.copy(tokenizer)
+    other.padding_side = side
+    return other
+
+
+def load_causal_lm(
+    cfg: ModelConfig,
+    device: torch.device | str = "cpu",
+    *,
+    weights_from: str | Path | None = None,
+):
+    """Load a causal LM per `cfg` (LoRA applied if configured) on `device`.
+
+    `weights_from` loads full weights from another directory (a checkpoint), or, with LoRA, the
+    base from `cfg.name_or_path` and the adapter from `weights_from`.
+    """
+    from transformers import AutoModelForCausalLM
+
+    device = torch.device(device)
+    base_path = resolve_model_path(cfg.name_or_path)
+    full_path = str(weights_from) if (weights_from is not None and cfg.lora is None) else base_path
+    model = AutoModelForCausalLM.from_pretrained(
+        full_path,
+        revision=cfg.revision if full_path == base_path else None,
+        dtype=resolve_dtype(cfg, device),
+        attn_implementation=resolve_attention(cfg, device),
+        trust_remote_code=cfg.trust_remote_code,
+    ).to(device)
+    if cfg.gradient_checkpointing:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        model.config.use_cache = False
+    if cfg.lora is not None:
+        if weights_from is not None:
+            from peft import PeftModel
+
+            model = PeftModel.from_pretrained(model, str(weights_from), is_trainable=True)
+        else:
+            model = apply_lora(model, cfg.lora)
+    return model
+
+
+def apply_lora(model, lora: LoraConfig):
+    """Wrap `model` in a peft LoRA adapter with per-architecture default target modules."""
+    from peft import LoraConfig as PeftLoraConfig
+    from peft import get_peft_model
+
+    targets = lora.target_modules or LORA_TARGETS.get(model.config.model_type, "all-linear")
+    peft_cfg = PeftLoraConfig(
+        r=lora.r,
+        lora_alpha=lora.alpha,
+        lora_dropout=lora.dropout,
+        target_modules=targets,
+        task_type="CAUSAL_LM",
+    )
+    # `is_gradient_checkpointing` is a deprecated alias (FutureWarning) in transformers >= 5.
+    checkpointing = getattr(model, "is_activation_checkpointing", None)
+    if checkpointing is None:
+        checkpointing = getattr(model, "is_gradient_checkpointing", False)
+    if checkpointing:
+        model.enable_input_require_grads()
+    return get_peft_model(model, peft_cfg)
+
+
+def is_peft_model(model) -> bool:
+    try:
+        from peft import PeftModel
+    except ImportError:  # pragma: no cover - peft is a dependency
+        return False
+    return isinstance(model, PeftModel)
+
+
+class ReferencePolicy:
+    """The frozen reference pi_ref: a deep copy (mode "copy") or the LoRA policy with its adapter
+    disabled (mode "adapter", no second copy of the weights)."""
+
+    def __init__(self, policy: torch.nn.Module, mode: Literal["copy", "adapter"] = "copy") -> None:
+        self.mode = mode
+        if mode == "adapter":
+            if not is_peft_model(policy):
+                raise ValueError(
+                    "reference mode 'adapter' needs a LoRA policy (set model.lora); "
+                    "use mode 'copy' for full fine-tuning"
+                )
+            self._model = policy
+        elif mode == "copy":
+            self._model = copy.deepcopy(policy)
+            self._model.requires_grad_(False)
+            self._model.eval()
+        else:
+            raise ValueError(f"unknown reference mode {mode!r}; expected 'copy' or 'adapter'")
+
+    @contextmanager
+    def model(self) -> Iterator[torch.nn.Module]:
+        """The module to run as pi_ref, in eval mode, inside this context."""
+        ctx = self._model.disable_adapter() if self.mode == "adapter" else nullcontext()
+        was_training = self._model.training
+        self._model.eval()
+        try:
+            with ctx:
+                yield self._model
+        finally:
+            self._model.train(was_training)
+
+    @torch.no_grad()
+    def token_logprobs(
+        self, input_ids: torch.Tensor, attention_mask: torch.Tensor, *, temperature: float = 1.0
+    ) -> torch.Tensor:
+        """Next-token log-probs under pi_ref, (B, S - 1); see `causal_lm_token_logprobs`."""
+        with self.model() as ref:
+            return causal_lm_token_logprobs(ref, input_ids, attention_mask, temperature=temperature)

@@ -1,0 +1,374 @@
+"""rlhf_core.logprobs against float64 reference implementations written out explicitly."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from rlhf_core.logprobs import (
+    AGGREGATION_MODES,
+    aggregate,
+    causal_lm_token_logprobs,
+    masked_mean,
+    masked_sum,
+    token_logprobs,
+)
+from rlhf_core.models import ModelConfig, load_causal_lm
+
+
+def reference_logprobs(logits: torch.Tensor, labels: torch.Tensor, temperature: float = 1.0):
+    """log_softmax in float64, then gather: the textbook definition."""
+    logp = torch.log_softmax(logits.double() / temperature, dim=-1)
+    return logp.gather(-1, labels.unsqueeze(-1)).squeeze(-1)
+
+
+def random_inputs(shape, vocab, dtype=torch.float64, scale=3.0, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    logits = (torch.randn(*shape, vocab, generator=g, dtype=torch.float64) * scale).to(dtype)
+    labels = torch.randint(0, vocab, shape, generator=g)
+    return logits, labels
+
+
+# ----------------------------------------------------------------------------- token_logprobs
+
+
+@pytest.mark.parametrize("chunk_rows", [1, 3, 7, 24, 1024])
+def test_token_logprobs_float64_matches_reference(chunk_rows):
+    logits, labels = random_inputs((4, 6), 37)  # 24 rows
+    out = token_logprobs(logits, labels, chunk_rows=chunk_rows)
+    assert out.dtype == torch.float64
+    assert out.shape == labels.shape
+    torch.testing.assert_close(out, reference_logprobs(logits, labels), rtol=0, atol=1e-10)
+
+
+@pytest.mark.parametrize("chunk_rows", [1, 5, 1000])
+def test_token_logprobs_float32(chunk_rows):
+    logits, labels = random_inputs((3, 10), 50, dtype=torch.float32)
+    out = token_logprobs(logits, labels, chunk_rows=chunk_rows)
+    assert out.dtype == torch.float32
+    torch.testing.assert_close(out.double(), reference_logprobs(logits, labels), rtol=0, atol=1e-5)
+
+
+def test_token_logprobs_chunking_does_not_change_values():
+    logits, labels = random_inputs((5, 9), 31, dtype=torch.float32)
+    full = token_logprobs(logits, labels, chunk_rows=10_000)
+    for chunk_rows in (1, 2, 4, 44, 45, 46):
+        torch.testing.assert_close(
+            token_logprobs(logits, labels, chunk_rows=chunk_rows), full, rtol=0, atol=1e-6
+        )
+
+
+@pytest.mark.parametrize("temperature", [0.3, 0.7, 1.0, 2.5])
+def test_token_logprobs_temperature(temperature):
+    logits, labels = random_inputs((2, 8), 23)
+    out = token_logprobs(logits, labels, temperature=temperature, chunk_rows=3)
+    expected = reference_logprobs(logits, labels, temperature)
+    torch.testing.assert_close(out, expected, rtol=0, atol=1e-10)
+    if temperature != 1.0:  # temperature genuinely changes the result
+        assert not torch.allclose(out, reference_logprobs(logits, labels), atol=1e-3)
+
+
+@pytest.mark.parametrize("bad", [0.0, -1.0])
+def test_token_logprobs_rejects_non_positive_temperature(bad):
+    logits, labels = random_inputs((2, 3), 5)
+    with pytest.raises(ValueError, match="temperature"):
+        token_logprobs(logits, labels, temperature=bad)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_token_logprobs_large_logits(dtype):
+    logits, labels = random_inputs((3, 5), 40, dtype=dtype, scale=1e4)
+    out = token_logprobs(logits, labels, chunk_rows=4)
+    assert torch.isfinite(out).all()
+    assert (out <= 0).all()
+    expected = reference_logprobs(logits, labels)
+    # relative to the logit scale (1e4), float32 rounding is ~1e-3 in absolute terms
+    atol = 1e-10 * 1e4 if dtype == torch.float64 else 1e-2
+    torch.testing.assert_close(out.double(), expected, rtol=1e-6, atol=atol)
+    # the argmax label has log-prob ~0, others very negative
+    top = token_logprobs(logits, logits.argmax(-1))
+    assert torch.isfinite(top).all()
+    assert (top <= 0).all() and (top > -1.0).all()
+
+
+def test_token_logprobs_bf16_gives_float32():
+    logits, labels = random_inputs((2, 7), 19, dtype=torch.bfloat16)
+    out = token_logprobs(logits, labels, chunk_rows=5)
+    assert out.dtype == torch.float32
+    # computed from the bf16 values exactly, upcast to float32
+    torch.testing.assert_close(out.double(), reference_logprobs(logits, labels), rtol=0, atol=1e-5)
+
+
+def test_token_logprobs_float16_gives_float32():
+    logits, labels = random_inputs((2, 3), 11, dtype=torch.float16)
+    assert token_logprobs(logits, labels).dtype == torch.float32
+
+
+def test_token_logprobs_probabilities_sum_to_one():
+    logits, _ = random_inputs((2,), 13)
+    labels_all = torch.arange(13).expand(2, 13)
+    logits_rep = logits[:, None, :].expand(2, 13, 13)
+    out = token_logprobs(logits_rep, labels_all, chunk_rows=4)
+    torch.testing.assert_close(out.exp().sum(-1), torch.ones(2, dtype=torch.float64))
+
+
+@pytest.mark.parametrize("shape", [(7,), (2, 3, 4)])
+def test_token_logprobs_other_ranks(shape):
+    logits, labels = random_inputs(shape, 9)
+    out = token_logprobs(logits, labels, chunk_rows=5)
+    assert out.shape == labels.shape
+    torch.testing.assert_close(out, reference_logprobs(logits, labels), rtol=0, atol=1e-10)
+
+
+def test_token_logprobs_empty():
+    logits = torch.zeros(2, 0, 5)
+    labels = torch.zeros(2, 0, dtype=torch.long)
+    out = token_logprobs(logits, labels)
+    assert out.shape == (2, 0)
+    assert out.dtype == torch.float32
+
+
+@pytest.mark.parametrize(
+    ("logits_shape", "labels_shape"),
+    [((2, 3, 5), (2, 4)), ((2, 3, 5), (2, 3, 5)), ((6, 5), (2, 3))],
+)
+def test_token_logprobs_shape_mismatch_raises(logits_shape, labels_shape):
+    with pytest.raises(ValueError, match="token_logprobs"):
+        token_logprobs(torch.zeros(logits_shape), torch.zeros(labels_shape, dtype=torch.long))
+
+
+def test_token_logprobs_gradient_matches_reference():
+    logits, labels = random_inputs((2, 4), 6)
+    a = logits.clone().requires_grad_(True)
+    b = logits.clone().requires_grad_(True)
+    token_logprobs(a, labels, chunk_rows=3).sum().backward()
+    reference_logprobs(b, labels).sum().backward()
+    torch.testing.assert_close(a.grad, b.grad, rtol=0, atol=1e-12)
+    assert torch.autograd.gradcheck(
+        lambda x: token_logprobs(x, labels, chunk_rows=3, temperature=0.7),
+        (logits.clone().requires_grad_(True),),
+    )
+
+
+# ----------------------------------------------------------------------------- causal LM
+
+
+@pytest.fixture(scope="module")
+def tiny_model():
+    torch.manual_seed(0)
+    model = load_causal_lm(ModelConfig(name_or_path="tiny-qwen3", dtype="fp32", attention="sdpa"))
+    model.eval()
+    return model
+
+
+def test_causal_lm_token_logprobs_matches_manual(tiny_model):
+    vocab = tiny_model.config.vocab_size
+    g = torch.Generator().manual_seed(1)
+    ids = torch.randint(6, vocab, (3, 12), generator=g)
+    mask = torch.ones_like(ids)
+    with torch.no_grad():
+        out = causal_lm_token_logprobs(tiny_model, ids, mask, chunk_rows=5)
+        logits = tiny_model(input_ids=ids, attention_mask=mask).logits
+    assert out.shape == (3, 11)
+    assert out.dtype == torch.float32
+    expected = torch.log_softmax(logits[:, :-1].double(), -1).gather(-1, ids[:, 1:, None])[..., 0]
+    torch.testing.assert_close(out.double(), expected, rtol=0, atol=1e-5)
+    # a position-wise check that the shift is right: out[:, t] predicts ids[:, t + 1]
+    t = 4
+    manual = torch.log_softmax(logits[1, t].double(), -1)[ids[1, t + 1]]
+    assert abs(out[1, t].item() - manual.item()) < 1e-5
+
+
+def test_causal_lm_token_logprobs_temperature(tiny_model):
+    ids = torch.randint(6, tiny_model.config.vocab_size, (2, 8), generator=torch.manual_seed(2))
+    mask = torch.ones_like(ids)
+    with torch.no_grad():
+        out = causal_lm_token_logprobs(tiny_model, ids, mask, temperature=0.5)
+        logits = tiny_model(input_ids=ids, attention_mask=mask).logits
+    expected = reference_logprobs(logits[:, :-1], ids[:, 1:], temperature=0.5)
+    torch.testing.assert_close(out.double(), expected, rtol=0, atol=1e-5)
+
+
+def test_causal_lm_token_logprobs_padding_side_invariant(tiny_model):
+    vocab = tiny_model.config.vocab_size
+    g = torch.Generator().manual_seed(3)
+    lengths = [9, 5, 2]
+    width = max(lengths)
+    pad_id = 0
+    seqs = [torch.randint(6, vocab, (n,), generator=g) for n in lengths]
+    right = torch.full((len(seqs), width), pad_id)
+    left = torch.full((len(seqs), width), pad_id)
+    right_mask = torch.zeros_like(right)
+    left_mask = torch.zeros_like(left)
+    for i, s in enumerate(seqs):
+        right[i, : len(s)] = s
+        right_mask[i, : len(s)] = 1
+        left[i, width - len(s) :] = s
+        left_mask[i, width - len(s) :] = 1
+    with torch.no_grad():
+        out_right = causal_lm_token_logprobs(tiny_model, right, right_mask)
+        out_left = causal_lm_token_logprobs(tiny_model, left, left_mask)
+        alone = [causal_lm_token_logprobs(tiny_model, s[None], torch.ones(1, len(s))) for s in seqs]
+    for i, s in enumerate(seqs):
+        n = len(s) - 1  # real next-token predictions
+        real_right = out_right[i, :n]
+        real_left = out_left[i, width - len(s) : width - 1]
+        torch.testing.assert_close(real_right, real_left, rtol=0, atol=1e-5)
+        torch.testing.assert_close(real_right, alone[i][0], rtol=0, atol=1e-5)
+
+
+# ----------------------------------------------------------------------------- masked reductions
+
+
+def loop_masked_sum(values, mask):
+    total = 0.0
+    for v, m in zip(values.flatten().tolist(), mask.flatten().tolist(), strict=True):
+        if m:
+            total += v
+    return total
+
+
+def random_loss_and_mask(b=5, t=7, seed=0, empty_row=None):
+    g = torch.Generator().manual_seed(seed)
+    loss = torch.randn(b, t, generator=g, dtype=torch.float64)
+    mask = torch.rand(b, t, generator=g) < 0.6
+    mask[:, 0] = True  # every row non-empty unless asked
+    if empty_row is not None:
+        mask[empty_row] = False
+    return loss, mask
+
+
+@pytest.mark.parametrize("mask_dtype", [torch.bool, torch.float64, torch.float32, torch.long])
+def test_masked_sum_and_mean_match_loops(mask_dtype):
+    loss, mask = random_loss_and_mask(empty_row=2)
+    m = mask.to(mask_dtype)
+    assert masked_sum(loss, m).item() == pytest.approx(loop_masked_sum(loss, mask), abs=1e-12)
+    per_row = masked_sum(loss, m, dim=-1)
+    for i in range(loss.shape[0]):
+        assert per_row[i].item() == pytest.approx(loop_masked_sum(loss[i], mask[i]), abs=1e-12)
+    mean_all = masked_mean(loss, m)
+    assert mean_all.item() == pytest.approx(
+        loop_masked_sum(loss, mask) / mask.sum().item(), abs=1e-12
+    )
+    row_means = masked_mean(loss, m, dim=-1)
+    for i in range(loss.shape[0]):
+        n = int(mask[i].sum())
+        expected = loop_masked_sum(loss[i], mask[i]) / n if n else 0.0
+        assert row_means[i].item() == pytest.approx(expected, abs=1e-12)
+    assert row_means[2].item() == 0.0  # the fully masked row
+
+
+def test_masked_mean_over_columns():
+    loss, mask = random_loss_and_mask()
+    col = masked_mean(loss, mask, dim=0)
+    for j in range(loss.shape[1]):
+        n = int(mask[:, j].sum())
+        expected = loop_masked_sum(loss[:, j], mask[:, j]) / n if n else 0.0
+        assert col[j].item() == pytest.approx(expected, abs=1e-12)
+
+
+def test_masked_mean_fully_masked_is_zero():
+    values = torch.randn(3, 4)
+    mask = torch.zeros(3, 4, dtype=torch.bool)
+    assert masked_mean(values, mask).item() == 0.0
+    assert torch.equal(masked_mean(values, mask, dim=-1), torch.zeros(3))
+    assert masked_sum(values, mask).item() == 0.0
+
+
+def test_masked_reductions_ignore_inf_and_nan_in_masked_positions():
+    values = torch.tensor([[1.0, 2.0, float("inf")], [float("-inf"), 4.0, float("nan")]])
+    mask = torch.tensor([[1, 1, 0], [0, 1, 0]])
+    assert masked_sum(values, mask).item() == 7.0
+    assert masked_mean(values, mask).item() == pytest.approx(7.0 / 3.0)
+    assert torch.equal(masked_mean(values, mask, dim=-1), torch.tensor([1.5, 4.0]))
+    # and the gradient is finite too
+    v = values.clone().requires_grad_(True)
+    masked_mean(v, mask).backward()
+    assert torch.isfinite(v.grad).all()
+    assert torch.equal(v.grad, mask.float() / 3.0)
+
+
+def test_masked_sum_shape_mismatch_raises():
+    with pytest.raises(ValueError, match="masked_sum"):
+        masked_sum(torch.zeros(2, 3), torch.ones(3, 2))
+    with pytest.raises(ValueError):
+        masked_mean(torch.zeros(2, 3), torch.ones(2, 3, 1))
+
+
+# ----------------------------------------------------------------------------- aggregate
+
+
+def loop_aggregate(loss, mask, mode, normalizer=None):
+    rows = []
+    total, count = 0.0, 0
+    for i in range(loss.shape[0]):
+        row_sum, row_n = 0.0, 0
+        for j in range(loss.shape[1]):
+            if mask[i, j]:
+                row_sum += float(loss[i, j])
+                row_n += 1
+        total += row_sum
+        count += row_n
+        if mode == "seq-mean-token-mean":
+            rows.append(row_sum / row_n if row_n else 0.0)
+        else:
+            rows.append(row_sum)
+    if mode == "token-mean":
+        return total / count if count else 0.0
+    if mode == "seq-mean-token-mean":
+        return sum(rows) / len(rows)
+    return sum(rows) / len(rows) / normalizer
+
+
+@pytest.mark.parametrize("mode", AGGREGATION_MODES)
+@pytest.mark.parametrize("empty_row", [None, 1])
+def test_aggregate_matches_loops(mode, empty_row):
+    loss, mask = random_loss_and_mask(b=6, t=9, seed=4, empty_row=empty_row)
+    normalizer = 9.0 if mode == "seq-mean-token-sum-norm" else None
+    out = aggregate(loss, mask, mode, normalizer=normalizer)
+    assert out.dim() == 0
+    assert out.dtype == torch.float64
+    assert out.item() == pytest.approx(loop_aggregate(loss, mask, mode, normalizer), abs=1e-12)
+
+
+def test_aggregate_modes_differ_on_ragged_masks():
+    loss, mask = random_loss_and_mask(b=4, t=8, seed=5)
+    values = {m: aggregate(loss, mask, m, normalizer=8).item() for m in AGGREGATION_MODES}
+    assert len({round(v, 9) for v in values.values()}) == 3
+
+
+def test_aggregate_known_values():
+    loss = torch.tensor([[1.0, 2.0, 3.0], [4.0, 0.0, 0.0]], dtype=torch.float64)
+    mask = torch.tensor([[1, 1, 1], [1, 0, 0]])
+    assert aggregate(loss, mask, "token-mean").item() == pytest.approx(10 / 4)
+    assert aggregate(loss, mask, "seq-mean-token-mean").item() == pytest.approx((2 + 4) / 2)
+    assert aggregate(loss, mask, "seq-mean-token-sum-norm", normalizer=3).item() == pytest.approx(
+        (6 + 4) / 2 / 3
+    )
+
+
+def test_aggregate_gradients_match_loop_weights():
+    loss, mask = random_loss_and_mask(b=3, t=5, seed=6)
+    x = loss.clone().requires_grad_(True)
+    aggregate(x, mask, "seq-mean-token-mean").backward()
+    expected = mask.double() / mask.sum(-1, keepdim=True) / mask.shape[0]
+    torch.testing.assert_close(x.grad, expected, rtol=0, atol=1e-15)
+
+
+@pytest.mark.parametrize("normalizer", [None, 0, -2.0])
+def test_aggregate_sum_norm_needs_positive_normalizer(normalizer):
+    loss, mask = random_loss_and_mask()
+    with pytest.raises(ValueError, match="normalizer"):
+        aggregate(loss, mask, "seq-mean-token-sum-norm", normalizer=normalizer)
+
+
+def test_aggregate_unknown_mode_raises():
+    loss, mask = random_loss_and_mask()
+    with pytest.raises(ValueError, match="unknown mode 'sum'"):
+        aggregate(loss, mask, "sum")
+
+
+@pytest.mark.parametrize(("loss_shape", "mask_shape"), [((6,), (6,)), ((2, 3), (3, 2))])
+def test_aggregate_shape_checks(loss_shape, mask_shape):
+    with pytest.raises(ValueError, match="aggregate"):
+        aggregate(torch.zeros(loss_shape), torch.ones(mask_shape), "token-mean")
