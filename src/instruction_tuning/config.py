@@ -8,7 +8,7 @@ from pydantic import Field, model_validator
 
 from rlhf_core.checkpoint import CheckpointConfig
 from rlhf_core.config import StrictModel
-from rlhf_core.data import DataSource
+from rlhf_core.data import DataSource, check_heldout_seeds
 from rlhf_core.models import ModelConfig
 from rlhf_core.optim import OptimConfig
 from rlhf_core.tracking import TrackingConfig
@@ -26,6 +26,11 @@ class SFTDataConfig(StrictModel):
     max_prompt_length: int | None = Field(
         None, gt=0, description="cut prompts to their last N tokens; null = max_length - completion"
     )
+
+    @model_validator(mode="after")
+    def _heldout_is_heldout(self) -> SFTDataConfig:
+        check_heldout_seeds(self.train, self.eval)
+        return self
 
 
 class SFTTrainConfig(StrictModel):

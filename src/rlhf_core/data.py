@@ -55,6 +55,23 @@ class DataSource(StrictModel):
         return f"{self.path}[{self.split}]"
 
 
+def check_heldout_seeds(train: DataSource, heldout: DataSource | None) -> None:
+    """Reject reasoning-gym train/held-out sources whose examples coincide.
+
+    reasoning-gym draws example i of a dataset with seed s from Random(s + i), so seeds 1 and 2
+    share all but one example: held-out seed ranges [seed, seed + size) must not overlap.
+    """
+    if heldout is None or train.reasoning_gym is None or heldout.reasoning_gym is None:
+        return
+    a, b = train.reasoning_gym, heldout.reasoning_gym
+    if a.task == b.task and a.seed < b.seed + b.size and b.seed < a.seed + a.size:
+        raise ValueError(
+            f"reasoning_gym held-out seed range [{b.seed}, {b.seed + b.size}) overlaps the training "
+            f"range [{a.seed}, {a.seed + a.size}); example i uses Random(seed + i), so the sets "
+            "would share examples. Use a held-out seed far from the training one (e.g. 10000000)."
+        )
+
+
 def is_local_path(path: str) -> bool:
     """A path we must find on disk (has a data-file suffix, or exists) rather than a hub id."""
     p = Path(path).expanduser()

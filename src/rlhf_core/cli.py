@@ -1,0 +1,47 @@
+"""`rlhf-lab`: a front door to the package trainers (the primary interface stays
+`python -m <package>.train --config ...`).
+
+    rlhf-lab sft --config configs/instruction_tuning/tiny_sft.yaml [--set k=v ...]
+    rlhf-lab tiny [--build]        list (and build) the offline tiny-world presets
+
+Trainers are found by module name, so rlhf_core does not import the chapter packages.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+
+TRAINERS = {"sft": "instruction_tuning.train"}
+
+
+def _tiny(args: list[str]) -> int:
+    from rlhf_core.tiny import PRESETS, preset_dir
+
+    parser = argparse.ArgumentParser(prog="rlhf-lab tiny", description="tiny-world presets")
+    parser.add_argument("--build", action="store_true", help="build every preset into the cache")
+    opts = parser.parse_args(args)
+    for name, preset in PRESETS.items():
+        where = f" -> {preset_dir(name)}" if opts.build else ""
+        print(f"{name:18s} tokenizer={preset.tokenizer:6s} hidden={preset.hidden_size}{where}")
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    commands = sorted([*TRAINERS, "tiny"])
+    if not argv or argv[0] in ("-h", "--help"):
+        print(f"usage: rlhf-lab {{{','.join(commands)}}} [options]\n\n{__doc__}")
+        return 0 if argv else 2
+    command, rest = argv[0], argv[1:]
+    if command == "tiny":
+        return _tiny(rest)
+    if command not in TRAINERS:
+        print(f"rlhf-lab: unknown command {command!r}; choose from {', '.join(commands)}")
+        return 2
+    return importlib.import_module(TRAINERS[command]).main(rest)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
