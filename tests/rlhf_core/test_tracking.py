@@ -1,0 +1,237 @@
+"""Run directories and metric logs (rlhf_core.tracking): config.yaml, metrics.jsonl, curves.png,
+summary.json, resume truncation, `--resume` resolution, and wandb in offline mode."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import pytest
+import yaml
+from pydantic import Field
+
+from rlhf_core.checkpoint import STATE_FILE
+from rlhf_core.config import StrictModel
+from rlhf_core.tracking import (
+    Tracker,
+    TrackingConfig,
+    metric_family,
+    new_run_dir,
+    resolve_resume,
+)
+
+PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
+
+
+class RunConfig(StrictModel):
+    name: str = Field("demo", description="run name")
+    lr: float = Field(3e-4, description="learning rate")
+    tags: list[str] = Field(default_factory=lambda: ["a", "b"], description="tags")
+    tracking: TrackingConfig = Field(default_factory=TrackingConfig, description="tracking")
+
+
+def read_metrics(run_dir: Path) -> list[dict]:
+    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+def make_tracker(run_dir: Path, *, plot_every: int = 100, **kwargs) -> Tracker:
+    tracking = TrackingConfig(log_every=1, plot_every=plot_every)
+    cfg = RunConfig(tracking=tracking)
+    return Tracker(run_dir, cfg, tracking, total_steps=10, **kwargs)
+
+
+def fake_checkpoint(run_dir: Path, step: int) -> Path:
+    """A directory that `latest_checkpoint` counts as complete (it only checks the state file)."""
+    ckpt = run_dir / "checkpoints" / f"checkpoint-{step}"
+    ckpt.mkdir(parents=True)
+    (ckpt / STATE_FILE).write_bytes(b"")
+    return ckpt
+
+
+# ----------------------------------------------------------------------------- Tracker files
+
+
+def test_config_yaml_round_trips(tmp_path):
+    cfg = RunConfig(name="x", lr=1e-3, tags=["t"])
+    Tracker(tmp_path / "run", cfg, cfg.tracking, total_steps=1)
+    loaded = yaml.safe_load((tmp_path / "run" / "config.yaml").read_text())
+    assert loaded == cfg.model_dump(mode="json")
+    assert RunConfig.model_validate(loaded) == cfg
+
+
+def test_metrics_jsonl_lines(tmp_path, capsys):
+    tracker = make_tracker(tmp_path)
+    tracker.log(1, {"train/loss": 2.5, "train/lr": 1e-3})
+    tracker.log(2, {"train/loss": float("nan"), "eval/loss": 1.5}, show=False)
+    rows = read_metrics(tmp_path)
+    assert [r["step"] for r in rows] == [1, 2]
+    assert rows[0]["train/loss"] == 2.5 and rows[0]["train/lr"] == 1e-3
+    assert rows[1]["train/loss"] is None  # non-finite values are logged as null, not NaN
+    assert rows[1]["eval/loss"] == 1.5
+    assert all(r["elapsed_s"] >= 0 for r in rows)
+    err = capsys.readouterr().err
+    assert "[1/10" in err and "train/loss 2.5" in err
+    assert "[2/10" not in err  # show=False prints nothing
+
+
+def test_curves_png_is_written_and_redrawn(tmp_path):
+    tracker = make_tracker(tmp_path, plot_every=2)
+    png = tmp_path / "curves.png"
+    tracker.log(1, {"train/loss": 3.0}, show=False)
+    assert not png.exists()  # drawn every plot_every lines
+    tracker.log(2, {"train/loss": 2.0, "eval/loss": 2.5}, show=False)
+    first = png.read_bytes()
+    assert first.startswith(PNG_SIGNATURE)
+    tracker.log(3, {"train/loss": 1.0, "train/reward": 0.5}, show=False)
+    tracker.log(4, {"train/loss": 0.5}, show=False)
+    second = png.read_bytes()
+    assert second.startswith(PNG_SIGNATURE) and second != first
+
+    import matplotlib.image
+
+    image = matplotlib.image.imread(png)
+    assert image.ndim == 3 and image.shape[0] > 100 and image.shape[1] > 100
+    assert not list(tmp_path.glob(".*.tmp"))
+
+
+def test_finish_writes_summary_with_wall_time(tmp_path):
+    tracker = make_tracker(tmp_path)
+    tracker.log(1, {"train/loss": 1.0}, show=False)
+    summary = tracker.finish({"final/loss": 0.25, "steps": 1})
+    on_disk = json.loads((tmp_path / "summary.json").read_text())
+    assert on_disk == summary
+    assert on_disk["final/loss"] == 0.25 and on_disk["steps"] == 1
+    assert isinstance(on_disk["wall_time_s"], float) and on_disk["wall_time_s"] >= 0
+    assert (tmp_path / "curves.png").read_bytes().startswith(PNG_SIGNATURE)
+
+
+def test_resume_truncates_metrics_to_resume_step(tmp_path):
+    tracker = make_tracker(tmp_path)
+    for step in range(1, 6):
+        tracker.log(step, {"train/loss": float(step)}, show=False)
+    resumed = make_tracker(tmp_path, resume_step=3)
+    assert [r["step"] for r in read_metrics(tmp_path)] == [1, 2, 3]
+    assert [r["step"] for r in resumed.history] == [1, 2, 3]
+    resumed.log(4, {"train/loss": 40.0}, show=False)
+    rows = read_metrics(tmp_path)
+    assert [r["step"] for r in rows] == [1, 2, 3, 4]
+    assert rows[-1]["train/loss"] == 40.0
+
+
+def test_fresh_tracker_starts_an_empty_log(tmp_path):
+    make_tracker(tmp_path).log(1, {"train/loss": 1.0}, show=False)
+    make_tracker(tmp_path)  # no resume_step: a new run in the same dir
+    assert (tmp_path / "metrics.jsonl").read_text() == ""
+
+
+def test_disabled_tracker_writes_nothing(tmp_path, capsys):
+    run_dir = tmp_path / "run"
+    tracker = make_tracker(run_dir, plot_every=1, enabled=False)
+    tracker.log(1, {"train/loss": 1.0})
+    tracker.plot()
+    summary = tracker.finish({"final/loss": 1.0})
+    assert summary == {"final/loss": 1.0}
+    assert not run_dir.exists()
+    assert capsys.readouterr().err == ""
+
+
+# ----------------------------------------------------------------------------- run dirs, resume
+
+
+def test_new_run_dir(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    assert new_run_dir("pkg", "demo", tmp_path / "given") == tmp_path / "given"
+    first = new_run_dir("pkg", "demo", None)
+    assert first.parent == Path("outputs") / "pkg" and first.name.startswith("demo-")
+    first.mkdir(parents=True)
+    second = new_run_dir("pkg", "demo", None)  # same second: a suffix keeps it fresh
+    assert second != first and not second.exists()
+
+
+def test_resolve_resume_none_starts_fresh():
+    assert resolve_resume(None, package="pkg", name="demo", output_dir=None) == (None, None)
+
+
+def test_resolve_resume_auto_with_output_dir(tmp_path, capsys):
+    run = tmp_path / "run"
+    assert resolve_resume("auto", package="pkg", name="demo", output_dir=run) == (None, None)
+    assert "starting fresh" in capsys.readouterr().out
+    fake_checkpoint(run, 2)
+    newest = fake_checkpoint(run, 10)
+    assert resolve_resume("auto", package="pkg", name="demo", output_dir=run) == (run, newest)
+
+
+def test_resolve_resume_auto_finds_newest_run(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    base = Path("outputs") / "pkg"
+    old = base / "demo-20240101-000000"
+    new = base / "demo-20240102-000000"
+    newest_empty = base / "demo-20240103-000000"  # killed before its first checkpoint
+    other_pkg = Path("outputs") / "other" / "demo-20240104-000000"
+    other_name = base / "demo-long-20240105-000000"  # another config whose name starts "demo-"
+    fake_checkpoint(old, 5)
+    ckpt = fake_checkpoint(new, 3)
+    newest_empty.mkdir(parents=True)
+    fake_checkpoint(other_pkg, 9)
+    fake_checkpoint(other_name, 9)
+    for i, run in enumerate([old, new, newest_empty, other_pkg, other_name]):
+        os.utime(run, (1_700_000_000 + i, 1_700_000_000 + i))
+    assert resolve_resume("auto", package="pkg", name="demo", output_dir=None) == (new, ckpt)
+    assert resolve_resume("auto", package="pkg", name="nothing", output_dir=None) == (None, None)
+
+
+def test_resolve_resume_explicit_paths(tmp_path):
+    run = tmp_path / "run"
+    fake_checkpoint(run, 4)
+    ckpt = fake_checkpoint(run, 8)
+    # a checkpoint directory: that exact checkpoint, even if it is not the newest
+    older = run / "checkpoints" / "checkpoint-4"
+    assert resolve_resume(str(older), package="p", name="n", output_dir=None) == (run, older)
+    # a run directory: its newest complete checkpoint
+    assert resolve_resume(str(run), package="p", name="n", output_dir=None) == (run, ckpt)
+
+
+def test_resolve_resume_bad_path(tmp_path):
+    (tmp_path / "empty").mkdir()
+    for bad in (tmp_path / "empty", tmp_path / "missing"):
+        with pytest.raises(FileNotFoundError, match="not a checkpoint directory") as info:
+            resolve_resume(str(bad), package="p", name="n", output_dir=None)
+        assert str(bad) in str(info.value)
+
+
+@pytest.mark.parametrize(
+    ("key", "family"),
+    [
+        ("train/loss", "loss"),
+        ("eval/loss", "loss"),
+        ("lr", "lr"),
+        ("train/reward/mean", "reward/mean"),
+    ],
+)
+def test_metric_family(key, family):
+    assert metric_family(key) == family
+
+
+# ----------------------------------------------------------------------------- wandb
+
+
+def test_wandb_offline_run(tmp_path, monkeypatch):
+    pytest.importorskip("wandb")
+    for var in ("WANDB_DIR", "WANDB_CACHE_DIR", "WANDB_CONFIG_DIR", "WANDB_DATA_DIR"):
+        monkeypatch.setenv(var, str(tmp_path / "wandb-home"))
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    monkeypatch.setenv("WANDB_SILENT", "true")
+    monkeypatch.delenv("WANDB_API_KEY", raising=False)
+    tracking = TrackingConfig(log_every=1, plot_every=100, wandb={"enabled": True, "tags": ["t"]})
+    cfg = RunConfig(tracking=tracking)
+    run_dir = tmp_path / "demo-20240101-000000"
+    tracker = Tracker(run_dir, cfg, tracking, total_steps=2)
+    tracker.log(1, {"train/loss": 1.0}, show=False)
+    tracker.log(2, {"train/loss": 0.5}, show=False)
+    tracker.finish({"final/loss": 0.5})
+    runs = list((run_dir / "wandb").glob("offline-run-*"))
+    assert len(runs) == 1, list((run_dir / "wandb").iterdir())
+    assert runs[0].name.endswith(run_dir.name)  # the run id is the run dir's name
+    assert list(runs[0].glob("run-*.wandb"))
+    assert (run_dir / "metrics.jsonl").is_file()
