@@ -15,29 +15,32 @@ resumed run reproduces the uninterrupted one exactly on CPU.
 
 from __future__ import annotations
 
-import math
 import sys
 from contextlib import nullcontext
 
 import torch
-from accelerate import Accelerator
 
 from instruction_tuning.config import SFTConfig
 from instruction_tuning.data import build_sft_data, collate
 from instruction_tuning.evaluate import evaluate
 from instruction_tuning.losses import LOSSES
-from rlhf_core.checkpoint import (
-    StopSignal,
-    load_trainer_state,
-    restore_training_state,
-    save_checkpoint,
-)
-from rlhf_core.config import RunArgs, dump_config, parse_run_args
+from rlhf_core.checkpoint import StopSignal
+from rlhf_core.config import RunArgs, parse_run_args
 from rlhf_core.data import EpochSampler
 from rlhf_core.logprobs import causal_lm_token_logprobs
+from rlhf_core.loop import (
+    announce_stop,
+    optimizer_step,
+    plan_steps,
+    print_dry_run,
+    restore_checkpoint,
+    save_final,
+    save_training_state,
+    start_accelerator,
+)
 from rlhf_core.models import load_causal_lm, load_tokenizer, resolve_model_path
 from rlhf_core.optim import build_optimizer, build_scheduler
-from rlhf_core.runtime import configure_threads, quiet_libraries, seed_everything
+from rlhf_core.runtime import seed_everything
 from rlhf_core.tracking import Tracker, new_run_dir, resolve_resume
 
 PACKAGE = "instruction_tuning"
@@ -45,16 +48,13 @@ PACKAGE = "instruction_tuning"
 
 def train(cfg: SFTConfig, run: RunArgs) -> int:
     """Run SFT as configured; returns the process exit code (0, or 130/143 after a signal)."""
-    quiet_libraries()
-    threads = configure_threads(cfg.train.threads)
-    use_cpu = cfg.train.device == "cpu" or not torch.cuda.is_available()
-    accelerator = Accelerator(cpu=use_cpu)
+    accelerator, threads = start_accelerator(cfg.train)
     device, rank, world = accelerator.device, accelerator.process_index, accelerator.num_processes
     is_main = accelerator.is_main_process
 
     # --- tokenizer and data
     tokenizer = load_tokenizer(cfg.model, padding_side="right")
-    d = cfg.data
+    d, t = cfg.data, cfg.train
     train_data = build_sft_data(
         d.train, tokenizer, fmt=d.format, max_length=d.max_length,
         max_prompt_length=d.max_prompt_length, where="data.train",
@@ -63,34 +63,24 @@ def train(cfg: SFTConfig, run: RunArgs) -> int:
     if d.eval is not None:
         eval_data = build_sft_data(
             d.eval, tokenizer, fmt=d.format, max_length=d.max_length,
-            max_prompt_length=d.max_prompt_length, where="data.eval", limit=cfg.train.eval_size,
+            max_prompt_length=d.max_prompt_length, where="data.eval", limit=t.eval_size,
             exclude_prompts={e.prompt_text for e in train_data.examples},
         )  # fmt: skip
-    t = cfg.train
-    micro = t.micro_batch_size or t.batch_size
-    if t.batch_size % (micro * world):
-        raise ValueError(
-            f"train.batch_size ({t.batch_size}) must be a multiple of micro_batch_size ({micro}) "
-            f"x processes ({world})"
-        )
-    steps_per_epoch = math.ceil(len(train_data.examples) / t.batch_size)
-    total_steps = t.max_steps or math.ceil(t.epochs * steps_per_epoch)
-
+    micro, total_steps = plan_steps(t, len(train_data.examples), world)
     run_dir, ckpt = resolve_resume(
         run.resume, package=PACKAGE, name=cfg.name, output_dir=run.output_dir
     )
     run_dir = run_dir or new_run_dir(PACKAGE, cfg.name, run.output_dir)
 
     if run.dry_run:
-        print(dump_config(cfg))
-        print(
-            f"model:      {cfg.model.name_or_path} -> {resolve_model_path(cfg.model.name_or_path)}"
-        )
-        print(f"tokenizer:  {type(tokenizer).__name__}, vocab {len(tokenizer)}")
-        print(f"train rows: {len(train_data.examples)} ({d.train.describe()})")
-        print(f"eval rows:  {len(eval_data.examples) if eval_data else 0}")
-        print(f"would run:  {total_steps} steps x {t.batch_size} rows on {device} ({world} procs)")
-        print(f"run dir:    {run_dir}" + (f" (resuming {ckpt})" if ckpt else ""))
+        print_dry_run(cfg, {
+            "model": f"{cfg.model.name_or_path} -> {resolve_model_path(cfg.model.name_or_path)}",
+            "tokenizer": f"{type(tokenizer).__name__}, vocab {len(tokenizer)}",
+            "train rows": f"{len(train_data.examples)} ({d.train.describe()})",
+            "eval rows": len(eval_data.examples) if eval_data else 0,
+            "would run": f"{total_steps} steps x {t.batch_size} rows on {device} ({world} procs)",
+            "run dir": f"{run_dir}" + (f" (resuming {ckpt})" if ckpt else ""),
+        })  # fmt: skip
         return 0
 
     # --- model, optimizer, schedule
@@ -103,12 +93,10 @@ def train(cfg: SFTConfig, run: RunArgs) -> int:
     sampler = EpochSampler(len(train_data.examples), cfg.seed)
     step, skipped = 0, 0
     if ckpt is not None:
-        payload = load_trainer_state(ckpt)
-        state = restore_training_state(payload, optimizer=optimizer, scheduler=scheduler)
-        sampler.load_state_dict(state["sampler"])
-        step, skipped = payload["step"], state["skipped_steps"]
-        if is_main:
-            print(f"resumed from {ckpt} at step {step}", file=sys.stderr)
+        step, state = restore_checkpoint(
+            ckpt, optimizer=optimizer, scheduler=scheduler, sampler=sampler
+        )
+        skipped = state["skipped_steps"]
     tracker = Tracker(
         run_dir, cfg, cfg.tracking, total_steps=total_steps, resume_step=step if ckpt else None,
         enabled=is_main,
@@ -124,24 +112,22 @@ def train(cfg: SFTConfig, run: RunArgs) -> int:
         )  # fmt: skip
 
     def save() -> None:
-        accelerator.wait_for_everyone()
-        if is_main:
-            save_checkpoint(
-                run_dir / "checkpoints", step, model=accelerator.unwrap_model(model),
-                tokenizer=tokenizer, optimizer=optimizer, scheduler=scheduler,
-                state={"sampler": sampler.state_dict(), "skipped_steps": skipped},
-                keep_last=cfg.checkpoint.keep_last,
-            )  # fmt: skip
+        save_training_state(
+            accelerator, run_dir, step, model=model, tokenizer=tokenizer, optimizer=optimizer,
+            scheduler=scheduler, state={"sampler": sampler.state_dict(), "skipped_steps": skipped},
+            keep_last=cfg.checkpoint.keep_last,
+        )  # fmt: skip
 
     # --- the loop
     pad_id = tokenizer.pad_token_id
+    step_loss = torch.zeros(())
     with StopSignal() as stop:
         while step < total_steps:
             indices = sampler.next_batch(t.batch_size)[rank::world]
             batches = [
                 collate([train_data.examples[i] for i in indices[s : s + micro]], pad_id)
                 for s in range(0, len(indices), micro)
-            ]  # fmt: skip
+            ]
             local_tokens = sum(b["loss_mask"].sum() for b in batches).to(device)
             num_tokens = accelerator.reduce(local_tokens, reduction="sum").clamp(min=1)
             step_loss = torch.zeros((), device=device)
@@ -157,23 +143,16 @@ def train(cfg: SFTConfig, run: RunArgs) -> int:
                     accelerator.backward(loss * world)
                 step_loss += loss.detach()
             step_loss = accelerator.reduce(step_loss, reduction="sum")
-            if not torch.isfinite(step_loss):
-                skipped += 1  # counted and reported, never applied
-                optimizer.zero_grad(set_to_none=True)
-            else:
-                grad_norm = (
-                    accelerator.clip_grad_norm_(model.parameters(), cfg.optim.max_grad_norm)
-                    if cfg.optim.max_grad_norm is not None
-                    else torch.tensor(float("nan"))
-                )
-                optimizer.step()
-                optimizer.zero_grad(set_to_none=True)
-            scheduler.step()
+            grad_norm, was_skipped = optimizer_step(
+                accelerator, model, optimizer, scheduler,
+                max_grad_norm=cfg.optim.max_grad_norm, loss=step_loss,
+            )  # fmt: skip
+            skipped += was_skipped
             step += 1
 
             if step % cfg.tracking.log_every == 0 or step == total_steps:
                 tracker.log(step, {
-                    "train/loss": step_loss.item(), "train/grad_norm": float(grad_norm),
+                    "train/loss": step_loss.item(), "train/grad_norm": grad_norm,
                     "train/lr": scheduler.get_last_lr()[0], "train/epoch": sampler.epoch_float,
                     "train/tokens": num_tokens.item(), "train/skipped_steps": skipped,
                 })  # fmt: skip
@@ -184,12 +163,7 @@ def train(cfg: SFTConfig, run: RunArgs) -> int:
             if stop.requested:
                 save()
                 if is_main:
-                    print(
-                        f"stopped by signal {stop.signum} at step {step}; checkpoint saved. Resume "
-                        f"with: python -m {PACKAGE}.train --config {run.config_path} "
-                        f"--output-dir {run_dir} --resume auto",
-                        file=sys.stderr,
-                    )
+                    announce_stop(PACKAGE, run, run_dir, stop.signum, step)
                 tracker.plot()
                 return stop.exit_code
 
@@ -197,14 +171,13 @@ def train(cfg: SFTConfig, run: RunArgs) -> int:
     final_eval = run_eval()
     if final_eval:
         tracker.log(step, final_eval)
-    if cfg.checkpoint.save_final and is_main:
-        accelerator.unwrap_model(model).save_pretrained(run_dir / "final")
-        tokenizer.save_pretrained(run_dir / "final")
+    if cfg.checkpoint.save_final:
+        save_final(accelerator, model, tokenizer, run_dir / "final")
     summary = tracker.finish({
         "steps": step, "skipped_steps": skipped, "threads": threads, "processes": world,
         "train_rows": len(train_data.examples),
         "truncated_completions": train_data.truncated_completions,
-        "final_train_loss": step_loss.item() if total_steps else None, **final_eval,
+        "final_train_loss": step_loss.item(), **final_eval,
     })  # fmt: skip
     if is_main:
         print(f"run dir: {run_dir}\n" + "\n".join(f"  {k}: {v}" for k, v in summary.items()))

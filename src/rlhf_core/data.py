@@ -66,9 +66,10 @@ def check_heldout_seeds(train: DataSource, heldout: DataSource | None) -> None:
     a, b = train.reasoning_gym, heldout.reasoning_gym
     if a.task == b.task and a.seed < b.seed + b.size and b.seed < a.seed + a.size:
         raise ValueError(
-            f"reasoning_gym held-out seed range [{b.seed}, {b.seed + b.size}) overlaps the training "
-            f"range [{a.seed}, {a.seed + a.size}); example i uses Random(seed + i), so the sets "
-            "would share examples. Use a held-out seed far from the training one (e.g. 10000000)."
+            f"reasoning_gym held-out seed range [{b.seed}, {b.seed + b.size}) overlaps the "
+            f"training range [{a.seed}, {a.seed + a.size}); example i uses Random(seed + i), so "
+            "the sets would share examples. Use a held-out seed far from the training one "
+            "(e.g. 10000000)."
         )
 
 
@@ -109,7 +110,7 @@ def reasoning_gym_dataset(source: ReasoningGymSource) -> Any:
         return reasoning_gym.create_dataset(
             source.task, size=source.size, seed=source.seed, **source.config
         )
-    except (TypeError, ValueError, KeyError) as exc:
+    except (TypeError, ValueError, KeyError, AssertionError) as exc:  # configs validate by assert
         msg = f"reasoning_gym task {source.task!r} with config {source.config}: {exc}"
         raise ValueError(msg) from exc
 

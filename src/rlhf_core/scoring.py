@@ -1,7 +1,8 @@
 """Scoring generated answers against references: exact match and a task's own partial credit.
 
 `task_score` uses the reasoning-gym dataset's `score_answer` when the example came from
-reasoning-gym (e.g. spell_backward gives credit per correct leading character), else exact match.
+reasoning-gym (e.g. spell_backward: 1/len per character in the right position, ignoring case),
+else exact match.
 """
 
 from __future__ import annotations

@@ -17,6 +17,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import re
 import sys
 import time
 from collections import defaultdict
@@ -82,8 +83,11 @@ def resolve_resume(
         if output_dir is not None:
             runs = [Path(output_dir)]
         else:
+            # only `<name>-<timestamp>[-n]` (see new_run_dir): "sft-*" must not match "sft-long-*"
+            run_name = re.compile(re.escape(name) + r"-\d{8}-\d{6}(?:-\d+)?")
             base = Path("outputs") / package
-            runs = sorted(base.glob(f"{name}-*"), key=lambda p: p.stat().st_mtime, reverse=True)
+            found = [p for p in base.glob("*") if p.is_dir() and run_name.fullmatch(p.name)]
+            runs = sorted(found, key=lambda p: p.stat().st_mtime, reverse=True)
         for run_dir in runs:
             ckpt = latest_checkpoint(run_dir / "checkpoints")
             if ckpt is not None:

@@ -158,8 +158,8 @@ def _wait_for_checkpoint(proc: subprocess.Popen, ckpt: Path, timeout: float = 24
 def test_sigkill_then_resume_reproduces_the_uninterrupted_run(tiny_sft_dict, tmp_path):
     cfg_path = _resume_config(tiny_sft_dict, tmp_path)
     ref = run_module(
-        "instruction_tuning.train", "--config", str(cfg_path), "--output-dir", str(tmp_path / "ref"),
-        cwd=tmp_path,
+        "instruction_tuning.train", "--config", str(cfg_path),
+        "--output-dir", str(tmp_path / "ref"), cwd=tmp_path,
     )  # fmt: skip
     assert ref.returncode == 0, ref.stderr[-3000:]
 

@@ -139,7 +139,7 @@ def test_full_checkpoint_loads_with_plain_transformers(tmp_path, full):
     assert AutoTokenizer.from_pretrained(ckpt)(text).input_ids == tokenizer(text).input_ids
 
 
-# peft's from_pretrained reads transformers' deprecated `is_gradient_checkpointing`
+# peft reads transformers' deprecated `is_gradient_checkpointing`
 @pytest.mark.filterwarnings("ignore:.*is_gradient_checkpointing:FutureWarning")
 def test_lora_checkpoint_loads_with_plain_peft(tmp_path):
     from peft import PeftModel

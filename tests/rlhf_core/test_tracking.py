@@ -147,6 +147,11 @@ def test_new_run_dir(tmp_path, monkeypatch):
     first.mkdir(parents=True)
     second = new_run_dir("pkg", "demo", None)  # same second: a suffix keeps it fresh
     assert second != first and not second.exists()
+    # `--resume auto` recognises the names new_run_dir makes, with and without a suffix
+    for run, step in ((first, 1), (second, 2)):
+        ckpt = fake_checkpoint(run, step)
+        os.utime(run, (2_000_000_000 + step, 2_000_000_000 + step))
+        assert resolve_resume("auto", package="pkg", name="demo", output_dir=None) == (run, ckpt)
 
 
 def test_resolve_resume_none_starts_fresh():

@@ -1,0 +1,139 @@
+"""Steps every training loop shares, as plain functions (there is no Trainer class).
+
+A package's `train.py` reads top to bottom and calls these for the parts that are the same
+everywhere: process set-up (`start_accelerator`), how many steps (`plan_steps`), the dry-run
+report, restoring a checkpoint, the clipped optimizer step that skips non-finite losses, saving,
+and the message after a stop signal.
+"""
+
+from __future__ import annotations
+
+import math
+import sys
+from pathlib import Path
+from typing import Any, Literal
+
+import torch
+from accelerate import Accelerator
+from pydantic import BaseModel, Field
+
+from rlhf_core.checkpoint import load_trainer_state, restore_training_state, save_checkpoint
+from rlhf_core.config import RunArgs, StrictModel, dump_config
+from rlhf_core.data import EpochSampler
+from rlhf_core.runtime import configure_threads, quiet_libraries
+
+
+class LoopConfig(StrictModel):
+    """Loop settings shared by the supervised trainers (SFT, reward models, direct alignment)."""
+
+    batch_size: int = Field(32, gt=0, description="rows per optimizer step (global)")
+    micro_batch_size: int | None = Field(
+        None, gt=0, description="rows per forward pass (gradient accumulation); null = batch_size"
+    )
+    max_steps: int | None = Field(None, gt=0, description="optimizer steps; null = from epochs")
+    epochs: float = Field(1.0, gt=0, description="passes over the data when max_steps is null")
+    eval_every: int = Field(0, ge=0, description="evaluate every k steps (and at the end); 0 = end")
+    eval_size: int | None = Field(None, gt=0, description="held-out rows to use; null = all")
+    threads: int | None = Field(None, gt=0, description="CPU threads; null = free cores")
+    device: Literal["auto", "cpu", "cuda"] = Field("auto", description="auto = cuda if available")
+
+
+def start_accelerator(loop: LoopConfig) -> tuple[Accelerator, int]:
+    """Quiet the libraries, set CPU threads, and create the accelerate `Accelerator`."""
+    quiet_libraries()
+    threads = configure_threads(loop.threads)
+    use_cpu = loop.device == "cpu" or not torch.cuda.is_available()
+    return Accelerator(cpu=use_cpu), threads
+
+
+def plan_steps(loop: LoopConfig, num_rows: int, world: int) -> tuple[int, int]:
+    """(micro_batch_size, total optimizer steps); checks the batch splits evenly."""
+    micro = loop.micro_batch_size or loop.batch_size
+    if loop.batch_size % (micro * world):
+        raise ValueError(
+            f"train.batch_size ({loop.batch_size}) must be a multiple of micro_batch_size "
+            f"({micro}) x processes ({world})"
+        )
+    steps_per_epoch = math.ceil(num_rows / loop.batch_size)
+    return micro, loop.max_steps or math.ceil(loop.epochs * steps_per_epoch)
+
+
+def print_dry_run(cfg: BaseModel, facts: dict[str, Any]) -> None:
+    """What --dry-run prints: the resolved config, then what would run."""
+    print(dump_config(cfg))
+    width = max(len(k) for k in facts) + 1
+    for key, value in facts.items():
+        print(f"{key + ':':{width}} {value}")
+
+
+def restore_checkpoint(
+    ckpt: Path, *, optimizer: torch.optim.Optimizer, scheduler: Any, sampler: EpochSampler
+) -> tuple[int, dict[str, Any]]:
+    """Load optimizer, scheduler, RNGs and sampler position; return (step, the loop's state)."""
+    payload = load_trainer_state(ckpt)
+    state = restore_training_state(payload, optimizer=optimizer, scheduler=scheduler)
+    sampler.load_state_dict(state["sampler"])
+    print(f"resumed from {ckpt} at step {payload['step']}", file=sys.stderr)
+    return payload["step"], state
+
+
+def optimizer_step(
+    accelerator: Accelerator,
+    model: torch.nn.Module,
+    optimizer: torch.optim.Optimizer,
+    scheduler: Any,
+    *,
+    max_grad_norm: float | None,
+    loss: torch.Tensor,
+) -> tuple[float, bool]:
+    """Clip and step if `loss` is finite, else drop the gradients. Returns (grad_norm, skipped)."""
+    skipped = not bool(torch.isfinite(loss))
+    grad_norm = float("nan")
+    if not skipped:
+        if max_grad_norm is not None:
+            grad_norm = float(accelerator.clip_grad_norm_(model.parameters(), max_grad_norm))
+        optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+    scheduler.step()
+    return grad_norm, skipped
+
+
+def save_training_state(
+    accelerator: Accelerator,
+    run_dir: Path,
+    step: int,
+    *,
+    model: torch.nn.Module,
+    tokenizer: Any,
+    optimizer: torch.optim.Optimizer,
+    scheduler: Any,
+    state: dict[str, Any],
+    keep_last: int,
+) -> None:
+    """All processes sync; the main process writes checkpoint-<step> atomically."""
+    accelerator.wait_for_everyone()
+    if accelerator.is_main_process:
+        save_checkpoint(
+            run_dir / "checkpoints", step, model=accelerator.unwrap_model(model),
+            tokenizer=tokenizer, optimizer=optimizer, scheduler=scheduler, state=state,
+            keep_last=keep_last,
+        )  # fmt: skip
+
+
+def announce_stop(package: str, run: RunArgs, run_dir: Path, signum: int | None, step: int) -> None:
+    print(
+        f"stopped by signal {signum} at step {step}; checkpoint saved. Resume with:\n"
+        f"  python -m {package}.train --config {run.config_path} --output-dir {run_dir} "
+        "--resume auto",
+        file=sys.stderr,
+    )
+
+
+def save_final(
+    accelerator: Accelerator, model: torch.nn.Module, tokenizer: Any, path: Path
+) -> None:
+    """The trained model as a plain Hugging Face directory (main process only)."""
+    accelerator.wait_for_everyone()
+    if accelerator.is_main_process:
+        accelerator.unwrap_model(model).save_pretrained(path)
+        tokenizer.save_pretrained(path)

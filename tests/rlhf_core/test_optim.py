@@ -1,0 +1,139 @@
+"""AdamW parameter groups and the learning-rate schedule (rlhf_core.optim)."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from torch import nn
+
+from rlhf_core.optim import OptimConfig, build_optimizer, build_scheduler, lr_factor
+
+# ----------------------------------------------------------------------------- lr_factor
+
+
+def cfg(**kwargs) -> OptimConfig:
+    return OptimConfig(lr=1.0, **kwargs)
+
+
+def test_warmup_is_linear_and_never_zero():
+    c = cfg(warmup_steps=4, schedule="cosine")
+    # step k (0-based) of the warmup trains at (k + 1) / warmup of the peak
+    assert [lr_factor(k, c, 14) for k in range(4)] == [0.25, 0.5, 0.75, 1.0]
+
+
+@pytest.mark.parametrize("schedule", ["cosine", "linear", "constant"])
+def test_no_warmup_starts_at_the_peak(schedule):
+    assert lr_factor(0, cfg(schedule=schedule, min_lr_ratio=0.1), 10) == 1.0
+
+
+@pytest.mark.parametrize("min_lr_ratio", [0.0, 0.1])
+def test_cosine_values(min_lr_ratio):
+    c = cfg(warmup_steps=4, schedule="cosine", min_lr_ratio=min_lr_ratio)
+    total = 14  # 10 decay steps after the warmup
+
+    def expected(shape: float) -> float:
+        return min_lr_ratio + (1 - min_lr_ratio) * shape
+
+    assert lr_factor(4, c, total) == pytest.approx(1.0)  # first step after the warmup: the peak
+    assert lr_factor(9, c, total) == pytest.approx(expected(0.5))  # half way: half the range
+    quarter = 0.5 * (1 + math.cos(math.pi * 0.2))  # 2 of 10 decay steps
+    assert lr_factor(6, c, total) == pytest.approx(expected(quarter))
+    assert lr_factor(14, c, total) == pytest.approx(min_lr_ratio)  # the end: the floor
+    assert lr_factor(100, c, total) == pytest.approx(min_lr_ratio)  # past the end: stays there
+    values = [lr_factor(k, c, total) for k in range(4, 15)]
+    assert all(a >= b for a, b in zip(values, values[1:], strict=False))
+
+
+@pytest.mark.parametrize("min_lr_ratio", [0.0, 0.1])
+def test_linear_values(min_lr_ratio):
+    c = cfg(warmup_steps=2, schedule="linear", min_lr_ratio=min_lr_ratio)
+    total = 12  # 10 decay steps after the warmup
+    for step, shape in [(2, 1.0), (4, 0.8), (7, 0.5), (11, 0.1), (12, 0.0), (50, 0.0)]:
+        want = min_lr_ratio + (1 - min_lr_ratio) * shape
+        assert lr_factor(step, c, total) == pytest.approx(want), step
+
+
+def test_constant_ignores_min_lr_ratio():
+    c = cfg(warmup_steps=2, schedule="constant", min_lr_ratio=0.3)
+    assert [lr_factor(k, c, 10) for k in range(6)] == [0.5, 1.0, 1.0, 1.0, 1.0, 1.0]
+    assert lr_factor(1000, c, 10) == 1.0
+
+
+def test_scheduler_sets_optimizer_lr():
+    c = OptimConfig(lr=2e-3, warmup_steps=3, schedule="cosine", min_lr_ratio=0.1)
+    model = nn.Linear(2, 2)
+    optimizer = build_optimizer(model, c)
+    scheduler = build_scheduler(optimizer, c, total_steps=8)
+    seen = []
+    for _ in range(10):
+        seen.append(optimizer.param_groups[0]["lr"])
+        optimizer.step()
+        scheduler.step()
+    assert seen == pytest.approx([2e-3 * lr_factor(k, c, 8) for k in range(10)])
+    assert seen[0] == pytest.approx(2e-3 / 3)  # the first step already trains
+    assert seen[-1] == pytest.approx(2e-4)
+    # both parameter groups follow the same schedule
+    assert optimizer.param_groups[1]["lr"] == optimizer.param_groups[0]["lr"]
+
+
+# ----------------------------------------------------------------------------- build_optimizer
+
+
+class Block(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(5, 4)
+        self.linear = nn.Linear(4, 3)
+        self.norm = nn.LayerNorm(3)
+        self.frozen = nn.Linear(3, 3)
+        self.frozen.requires_grad_(False)
+
+
+def test_one_dimensional_params_get_no_weight_decay():
+    model = Block()
+    optimizer = build_optimizer(model, OptimConfig(lr=0.1, weight_decay=0.5))
+    decay, no_decay = optimizer.param_groups
+    ids = {id(p) for p in decay["params"]}
+    assert ids == {id(model.embed.weight), id(model.linear.weight)}
+    no_ids = {id(p) for p in no_decay["params"]}
+    assert no_ids == {id(model.linear.bias), id(model.norm.weight), id(model.norm.bias)}
+    assert decay["weight_decay"] == 0.5 and no_decay["weight_decay"] == 0.0
+    assert all(p.dim() == 1 for p in no_decay["params"])
+
+
+def test_weight_decay_acts_on_matrices_only():
+    """With zero gradients AdamW only decays: w <- w (1 - lr wd) for matrices, 1-D params stay."""
+    model = Block()
+    optimizer = build_optimizer(model, OptimConfig(lr=0.1, weight_decay=0.5))
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    for p in model.parameters():
+        p.grad = torch.zeros_like(p)
+    optimizer.step()
+    after = dict(model.named_parameters())
+    for name in ("embed.weight", "linear.weight"):
+        torch.testing.assert_close(after[name].detach(), before[name] * (1 - 0.1 * 0.5))
+    for name in ("linear.bias", "norm.weight", "norm.bias", "frozen.weight", "frozen.bias"):
+        assert torch.equal(after[name].detach(), before[name]), name
+
+
+# peft's get_peft_model reads transformers' deprecated `is_gradient_checkpointing`
+@pytest.mark.filterwarnings("ignore:.*is_gradient_checkpointing:FutureWarning")
+def test_lora_model_optimizes_only_the_adapter():
+    from rlhf_core.models import ModelConfig, load_causal_lm
+
+    model = load_causal_lm(
+        ModelConfig(name_or_path="tiny-qwen3", dtype="fp32", lora={"r": 4, "alpha": 8})
+    )
+    optimizer = build_optimizer(model, OptimConfig())
+    in_groups = {id(p) for group in optimizer.param_groups for p in group["params"]}
+    trainable = {id(p) for p in model.parameters() if p.requires_grad}
+    assert in_groups == trainable
+    assert 0 < len(trainable) < len(list(model.parameters()))
+
+
+def test_no_trainable_parameters_is_an_error():
+    model = Block().requires_grad_(False)
+    with pytest.raises(ValueError, match="no trainable parameters"):
+        build_optimizer(model, OptimConfig())
