@@ -15,6 +15,7 @@ from rlhf_core.data import (
     DataSource,
     EpochSampler,
     ReasoningGymSource,
+    check_heldout_seeds,
     is_local_path,
     load_rows,
     reasoning_gym_dataset,
@@ -174,6 +175,27 @@ def test_reasoning_gym_dataset_is_deterministic_per_seed():
 def test_reasoning_gym_bad_task_or_config_names_it(source):
     with pytest.raises(ValueError, match=f"reasoning_gym task '{source['task']}'"):
         reasoning_gym_dataset(ReasoningGymSource(**source))
+
+
+def test_nearby_reasoning_gym_seeds_share_examples():
+    """Why check_heldout_seeds exists: example i of seed s is example i + 1 of seed s - 1."""
+    one = reasoning_gym_dataset(ReasoningGymSource(**SPELL))
+    two = reasoning_gym_dataset(ReasoningGymSource(**{**SPELL, "seed": 2}))
+    assert [two[i]["question"] for i in range(7)] == [one[i + 1]["question"] for i in range(7)]
+
+
+def test_check_heldout_seeds():
+    train = DataSource(reasoning_gym=SPELL)  # seeds [1, 9)
+    for seed in (2, 8, -6):  # ranges overlapping [1, 9)
+        heldout = DataSource(reasoning_gym={**SPELL, "seed": seed})
+        with pytest.raises(ValueError, match="overlaps the training range"):
+            check_heldout_seeds(train, heldout)
+    for seed in (9, -7, 10_000_000):  # touching or far away: no shared example
+        check_heldout_seeds(train, DataSource(reasoning_gym={**SPELL, "seed": seed}))
+    other_task = {**SPELL, "task": "chain_sum", "config": {}}
+    check_heldout_seeds(train, DataSource(reasoning_gym=other_task))
+    check_heldout_seeds(train, DataSource(path="data/x.jsonl"))
+    check_heldout_seeds(train, None)
 
 
 # ----------------------------------------------------------------------------- EpochSampler
