@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import json
 import os
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -55,5 +58,95 @@ def tiny_sft_dict() -> dict:
         },
         "optim": {"lr": 1e-3, "warmup_steps": 2},
         "checkpoint": {"save_every": 0, "keep_last": 2},
+        "tracking": {"log_every": 1, "plot_every": 100},
+    }
+
+
+def start_module(module: str, *args: str, cwd: Path) -> subprocess.Popen:
+    """Start `python -m module args...` in the background, output captured."""
+    env = {**os.environ, "PYTHONPATH": str(REPO / "src")}
+    return subprocess.Popen(
+        [sys.executable, "-m", module, *args],
+        cwd=cwd,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
+
+
+def wait_for_checkpoint(proc: subprocess.Popen, ckpt: Path, timeout: float = 240) -> None:
+    """Poll until `ckpt` is a complete checkpoint; fail if the process ends first."""
+    deadline = time.time() + timeout
+    while not (ckpt / "trainer_state.pt").is_file():
+        if proc.poll() is not None:
+            pytest.fail(f"run ended before {ckpt.name}:\n{proc.stdout.read()[-3000:]}")
+        if time.time() > deadline:
+            proc.kill()
+            pytest.fail(f"no {ckpt.name} after {timeout} s")
+        time.sleep(0.005)
+
+
+def metric_series(run_dir: Path, key: str) -> dict[int, float]:
+    rows = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    return {r["step"]: r[key] for r in rows if key in r}
+
+
+def assert_kill_resume_reproduces(
+    module: str, cfg_path: Path, tmp_path: Path, *, kill_after: int, total_steps: int
+) -> None:
+    """Run once uninterrupted; run again, SIGKILL it after checkpoint-<kill_after>, resume with
+    --resume auto; every logged train/loss and every final parameter must be identical."""
+    import torch
+    from safetensors.torch import load_file
+
+    ref = run_module(module, "--config", str(cfg_path), "--output-dir", str(tmp_path / "ref"),
+                     cwd=tmp_path)  # fmt: skip
+    assert ref.returncode == 0, ref.stderr[-3000:]
+
+    killed = tmp_path / "killed"
+    proc = start_module(module, "--config", str(cfg_path), "--output-dir", str(killed),
+                        cwd=tmp_path)  # fmt: skip
+    wait_for_checkpoint(proc, killed / "checkpoints" / f"checkpoint-{kill_after}")
+    proc.send_signal(signal.SIGKILL)
+    assert proc.wait() == -signal.SIGKILL, "the run finished before it could be killed"
+    assert not (killed / "final").exists()
+
+    resumed = run_module(module, "--config", str(cfg_path), "--output-dir", str(killed),
+                         "--resume", "auto", cwd=tmp_path)  # fmt: skip
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert "resumed from" in resumed.stderr
+
+    ref_losses = metric_series(tmp_path / "ref", "train/loss")
+    res_losses = metric_series(killed, "train/loss")
+    assert sorted(res_losses) == list(range(1, total_steps + 1))
+    assert res_losses == ref_losses  # exact float equality, every step
+    weights = sorted((tmp_path / "ref" / "final").glob("*.safetensors"))
+    assert weights
+    for path in weights:
+        a, b = load_file(path), load_file(killed / "final" / path.name)
+        assert a.keys() == b.keys()
+        for name in a:
+            assert torch.equal(a[name], b[name]), name
+
+
+@pytest.fixture
+def tiny_dpo_dict() -> dict:
+    """DPO on 32 synthetic spell_backward pairs with the tiny-qwen3 preset."""
+    rg = {"task": "spell_backward", "config": {"min_word_len": 3, "max_word_len": 8}}
+    return {
+        "name": "test_dpo",
+        "seed": 0,
+        "model": {"name_or_path": "tiny-qwen3"},
+        "data": {
+            "train": {"reasoning_gym": {**rg, "size": 32, "seed": 1}},
+            "eval": {"reasoning_gym": {**rg, "size": 16, "seed": 10_000_000}},
+            "max_length": 80,
+        },
+        "loss": {"name": "dpo", "beta": 0.1},
+        "reference": {"mode": "model"},
+        "train": {"batch_size": 8, "max_steps": 4, "threads": 1},
+        "optim": {"lr": 1e-3, "warmup_steps": 1},
+        "checkpoint": {"save_every": 0},
         "tracking": {"log_every": 1, "plot_every": 100},
     }

@@ -10,17 +10,18 @@ losses, a frozen reference model, plus completion token counts (B,) where a loss
     avg    = sum / length                                per-token average, length = chosen_lengths
                                                          or rejected_lengths
 
-    name      per-pair loss                                               reference  lengths
-    dpo       -logsig(beta h)                                             yes        no
-    cdpo      -(1 - eps) logsig(beta h) - eps logsig(-beta h)             yes        no
-    robust    [(1 - eps)(-logsig(beta h)) - eps(-logsig(-beta h))] / (1 - 2 eps)   yes  no
-    ipo       (h - 1 / (2 beta))^2   (averages with length_normalize=True)  yes      optional
-    hinge     relu(1 - beta h)                                            yes        no
-    simpo     -logsig(beta (avg_c - avg_r) - gamma)                       no         yes
-    orpo      -avg_c - beta logsig(log_odds(avg_c) - log_odds(avg_r))     no         yes
-    kto       batch-level, see `KTOPairLoss`                              yes        no
-    apo_zero  sigmoid(-beta (pc - rc)) + sigmoid(beta (pr - rr))          yes        no
-    apo_down  sigmoid(beta (pc - rc)) + sigmoid(-beta h)                  yes        no
+    name      per-pair loss                                              reference  lengths
+    dpo       -logsig(beta h)                                            yes        no
+    cdpo      -(1 - eps) logsig(beta h) - eps logsig(-beta h)            yes        no
+    robust    [(1 - eps)(-logsig(beta h)) - eps(-logsig(-beta h))]
+              / (1 - 2 eps)                                              yes        no
+    ipo       (h - 1 / (2 beta))^2  (averages with length_normalize)     yes        optional
+    hinge     relu(1 - beta h)                                           yes        no
+    simpo     -logsig(beta (avg_c - avg_r) - gamma)                      no         yes
+    orpo      -avg_c - beta logsig(log_odds(avg_c) - log_odds(avg_r))    no         yes
+    kto       batch-level reference point z, see `KTOPairLoss`           yes        no
+    apo_zero  (1 - sigmoid(beta (pc - rc))) + sigmoid(beta (pr - rr))    yes        no
+    apo_down  sigmoid(beta (pc - rc)) + (1 - sigmoid(beta h))            yes        no
 
 Calling `loss_fn(pc, pr, rc, rr, chosen_lengths=..., rejected_lengths=...)` returns
 `(loss, metrics)`: `loss` is the batch mean of the per-pair losses (KTO: of its 2B per-response
@@ -154,8 +155,10 @@ class DirectAlignmentLoss(nn.Module):
         (= avg_pc - avg_rc). Reference-free: avg_c and avg_r. Arguments a loss does not need are
         ignored.
         """
-        logps = {"policy_chosen_logps": policy_chosen_logps}
-        logps["policy_rejected_logps"] = policy_rejected_logps
+        logps = {
+            "policy_chosen_logps": policy_chosen_logps,
+            "policy_rejected_logps": policy_rejected_logps,
+        }
         if self.needs_reference:
             what = "summed completion log-probs under the reference model"
             logps["ref_chosen_logps"] = self._needed("ref_chosen_logps", ref_chosen_logps, what)
@@ -276,7 +279,7 @@ class ConservativeDPOLoss(DirectAlignmentLoss):
 
 @_register("robust")
 class RobustDPOLoss(DirectAlignmentLoss):
-    """Provably robust DPO (Chowdhury, Kini & Natarajan 2024, arXiv:2403.00409), eq. 9.
+    """Provably robust DPO (Ray Chowdhury, Kini & Natarajan 2024, arXiv:2403.00409).
 
         loss = [(1 - eps) * (-log sigmoid(beta * h)) - eps * (-log sigmoid(-beta * h))]
                / (1 - 2 * eps)
@@ -352,7 +355,7 @@ class HingeLoss(DirectAlignmentLoss):
 
 @_register("simpo")
 class SimPOLoss(DirectAlignmentLoss):
-    """Simple Preference Optimization (Meng, Xia & Chen 2024, arXiv:2405.14734), eq. 6.
+    """Simple Preference Optimization (Meng, Xia & Chen 2024, arXiv:2405.14734).
 
         loss = -log sigmoid(beta * (avg_c - avg_r) - gamma),   avg = summed log-prob / length
 
@@ -383,7 +386,7 @@ def _log_odds(avg_logp: torch.Tensor) -> torch.Tensor:
 
 @_register("orpo")
 class ORPOLoss(DirectAlignmentLoss):
-    """Odds Ratio Preference Optimization (Hong, Lee & Thorne 2024, arXiv:2403.07691), eq. 6-7.
+    """Odds Ratio Preference Optimization (Hong, Lee & Thorne 2024, arXiv:2403.07691).
 
         loss = NLL_c - beta * log sigmoid(log_odds(avg_c) - log_odds(avg_r))
         NLL_c = -avg_c,  log_odds(a) = a - log(1 - exp(a)),  avg = summed log-prob / length

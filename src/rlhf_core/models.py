@@ -200,9 +200,15 @@ class ReferencePolicy:
     """The frozen reference pi_ref: a deep copy (mode "copy") or the LoRA policy with its adapter
     disabled (mode "adapter", no second copy of the weights)."""
 
-    def __init__(self, policy: torch.nn.Module, mode: Literal["copy", "adapter"] = "copy") -> None:
+    def __init__(
+        self, policy: torch.nn.Module, mode: Literal["copy", "adapter", "frozen"] = "copy"
+    ) -> None:
+        """mode "copy": deep-copy `policy` and freeze the copy; "frozen": freeze and use `policy`
+        itself (a separately loaded reference model); "adapter": see the class docstring."""
         self.mode = mode
-        if mode == "adapter":
+        if mode == "frozen":
+            self._model = policy.requires_grad_(False).eval()
+        elif mode == "adapter":
             if not is_peft_model(policy):
                 raise ValueError(
                     "reference mode 'adapter' needs a LoRA policy (set model.lora); "
@@ -214,7 +220,9 @@ class ReferencePolicy:
             self._model.requires_grad_(False)
             self._model.eval()
         else:
-            raise ValueError(f"unknown reference mode {mode!r}; expected 'copy' or 'adapter'")
+            raise ValueError(
+                f"unknown reference mode {mode!r}; expected 'copy', 'frozen' or 'adapter'"
+            )
 
     @contextmanager
     def model(self) -> Iterator[torch.nn.Module]:

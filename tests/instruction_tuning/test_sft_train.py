@@ -5,14 +5,17 @@ from __future__ import annotations
 
 import json
 import signal
-import subprocess
-import sys
-import time
 from pathlib import Path
 
 import pytest
 import torch
-from conftest import REPO, run_module, write_yaml
+from conftest import (
+    assert_kill_resume_reproduces,
+    metric_series,
+    start_module,
+    wait_for_checkpoint,
+    write_yaml,
+)
 from transformers import AutoModelForCausalLM
 
 from instruction_tuning.config import SFTConfig
@@ -22,8 +25,7 @@ from rlhf_core.models import load_causal_lm
 
 
 def losses(run_dir: Path) -> dict[int, float]:
-    rows = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    return {r["step"]: r["train/loss"] for r in rows if "train/loss" in r}
+    return metric_series(run_dir, "train/loss")
 
 
 def run_cfg(data: dict, out: Path) -> int:
@@ -134,57 +136,11 @@ def _resume_config(tiny_sft_dict: dict, tmp_path: Path) -> Path:
     return write_yaml(tmp_path / "sft.yaml", tiny_sft_dict)
 
 
-def _start(cfg_path: Path, out: Path, *extra: str) -> subprocess.Popen:
-    env_path = str(REPO / "src")
-    return subprocess.Popen(
-        [sys.executable, "-m", "instruction_tuning.train", "--config", str(cfg_path),
-         "--output-dir", str(out), *extra],
-        cwd=cfg_path.parent, env={**__import__("os").environ, "PYTHONPATH": env_path},
-        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-    )  # fmt: skip
-
-
-def _wait_for_checkpoint(proc: subprocess.Popen, ckpt: Path, timeout: float = 240) -> None:
-    deadline = time.time() + timeout
-    while not (ckpt / "trainer_state.pt").is_file():
-        if proc.poll() is not None:
-            pytest.fail(f"run ended before {ckpt.name}:\n{proc.stdout.read()[-3000:]}")
-        if time.time() > deadline:
-            proc.kill()
-            pytest.fail(f"no {ckpt.name} after {timeout} s")
-        time.sleep(0.005)
-
-
 def test_sigkill_then_resume_reproduces_the_uninterrupted_run(tiny_sft_dict, tmp_path):
     cfg_path = _resume_config(tiny_sft_dict, tmp_path)
-    ref = run_module(
-        "instruction_tuning.train", "--config", str(cfg_path),
-        "--output-dir", str(tmp_path / "ref"), cwd=tmp_path,
-    )  # fmt: skip
-    assert ref.returncode == 0, ref.stderr[-3000:]
-
-    killed = tmp_path / "killed"
-    proc = _start(cfg_path, killed)
-    _wait_for_checkpoint(proc, killed / "checkpoints" / "checkpoint-10")
-    proc.send_signal(signal.SIGKILL)
-    assert proc.wait() == -signal.SIGKILL, "the run finished before it could be killed"
-    assert not (killed / "final").exists()
-
-    resumed = run_module(
-        "instruction_tuning.train", "--config", str(cfg_path), "--output-dir", str(killed),
-        "--resume", "auto", cwd=tmp_path,
-    )  # fmt: skip
-    assert resumed.returncode == 0, resumed.stderr[-3000:]
-    assert "resumed from" in resumed.stderr
-
-    ref_losses, res_losses = losses(tmp_path / "ref"), losses(killed)
-    assert sorted(res_losses) == list(range(1, 41))
-    assert res_losses == ref_losses  # exact float equality, every step
-    a = AutoModelForCausalLM.from_pretrained(tmp_path / "ref" / "final").state_dict()
-    b = AutoModelForCausalLM.from_pretrained(killed / "final").state_dict()
-    assert a.keys() == b.keys()
-    for name in a:
-        assert torch.equal(a[name], b[name]), name
+    assert_kill_resume_reproduces(
+        "instruction_tuning.train", cfg_path, tmp_path, kill_after=10, total_steps=40
+    )
 
 
 def test_sigterm_saves_and_exits_143(tiny_sft_dict, tmp_path):
@@ -192,8 +148,11 @@ def test_sigterm_saves_and_exits_143(tiny_sft_dict, tmp_path):
     tiny_sft_dict["train"]["max_steps"] = 100_000
     cfg_path = write_yaml(tmp_path / "long.yaml", tiny_sft_dict)
     out = tmp_path / "run"
-    proc = _start(cfg_path, out)
-    _wait_for_checkpoint(proc, out / "checkpoints" / "checkpoint-5")
+    proc = start_module(
+        "instruction_tuning.train", "--config", str(cfg_path), "--output-dir", str(out),
+        cwd=tmp_path,
+    )  # fmt: skip
+    wait_for_checkpoint(proc, out / "checkpoints" / "checkpoint-5")
     proc.send_signal(signal.SIGTERM)
     assert proc.wait(timeout=120) == 143
     output = proc.stdout.read()

@@ -1,0 +1,95 @@
+"""Configuration of direct alignment (DPO family) training, loaded from YAML.
+
+The loss is named with its keyword arguments, `loss: {name: dpo, beta: 0.1}`; the spec is
+checked against the registered class's signature and the resolved config shows every value
+(defaults filled in).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import Field, field_validator, model_validator
+
+from rlhf_core.checkpoint import CheckpointConfig
+from rlhf_core.config import StrictModel
+from rlhf_core.data import DataSource, check_heldout_seeds
+from rlhf_core.loop import LoopConfig
+from rlhf_core.models import ModelConfig
+from rlhf_core.optim import OptimConfig
+from rlhf_core.registry import validate_spec
+from rlhf_core.tracking import TrackingConfig
+
+
+class PreferenceDataConfig(StrictModel):
+    train: DataSource = Field(description="training pairs (file, hub id, or reasoning-gym)")
+    eval: DataSource | None = Field(None, description="held-out pairs")
+    format: Literal["auto", "preference", "hh", "ultrafeedback"] = Field(
+        "auto", description="row format; auto = preference if a 'prompt' column exists, else hh"
+    )
+    max_length: int = Field(512, gt=2, description="max prompt + completion tokens")
+    max_prompt_length: int | None = Field(
+        None, gt=0, description="keep the last N prompt tokens; null = max_length // 2"
+    )
+
+    @model_validator(mode="after")
+    def _heldout_is_heldout(self) -> PreferenceDataConfig:
+        check_heldout_seeds(self.train, self.eval)
+        return self
+
+
+class ReferenceConfig(StrictModel):
+    mode: Literal["model", "adapter", "precomputed"] = Field(
+        "model",
+        description="model: a frozen copy of the starting policy; adapter: the LoRA policy with "
+        "its adapter disabled (no copy); precomputed: one pass before training, cached in the "
+        "run dir, no reference held during training",
+    )
+
+
+class DATrainConfig(LoopConfig):
+    samples_every: int = Field(0, ge=0, description="write sampled generations every k steps")
+    num_samples: int = Field(4, ge=0, description="held-out prompts to sample each time")
+    sample_max_new_tokens: int = Field(64, gt=0, description="length budget of those samples")
+
+
+class DAConfig(StrictModel):
+    name: str = Field(
+        "dpo", description="run name (run dir outputs/direct_alignment/<name>-<time>)"
+    )
+    seed: int = Field(0, description="seed for data order and sampling")
+    model: ModelConfig | None = Field(None, description="the policy (and reference) to start from")
+    models: list[ModelConfig] = Field(
+        default_factory=list,
+        description="several policies trained one after another, each in its own run dir",
+    )
+    data: PreferenceDataConfig = Field(description="training and held-out pairs")
+    loss: dict[str, Any] = Field(
+        default_factory=lambda: {"name": "dpo"},
+        description="loss name in direct_alignment.losses.LOSSES and its keyword arguments",
+    )
+    reference: ReferenceConfig = Field(default_factory=ReferenceConfig, description="pi_ref")
+    train: DATrainConfig = Field(default_factory=DATrainConfig, description="loop settings")
+    optim: OptimConfig = Field(default_factory=OptimConfig, description="optimizer and schedule")
+    checkpoint: CheckpointConfig = Field(default_factory=CheckpointConfig, description="saving")
+    tracking: TrackingConfig = Field(default_factory=TrackingConfig, description="logging")
+
+    @field_validator("loss")
+    @classmethod
+    def _loss_spec(cls, spec: dict[str, Any]) -> dict[str, Any]:
+        from direct_alignment.losses import LOSSES
+
+        return validate_spec(LOSSES, spec, where="loss")
+
+    @model_validator(mode="after")
+    def _one_model_source(self) -> DAConfig:
+        if (self.model is None) == (not self.models):
+            raise ValueError("give exactly one of 'model' (one policy) or 'models' (a list)")
+        if self.reference.mode == "adapter":
+            for m in [self.model] if self.model else self.models:
+                if m.lora is None:
+                    raise ValueError(
+                        f"reference.mode 'adapter' needs LoRA: model {m.name_or_path!r} has no "
+                        "'lora' block (use mode 'model' or 'precomputed' for full fine-tuning)"
+                    )
+        return self

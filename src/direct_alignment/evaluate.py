@@ -1,0 +1,81 @@
+"""Held-out evaluation of a preference-trained policy, and sampled generations for inspection.
+
+`evaluate_pairs` reports the loss and its metrics (implicit reward accuracy and margins,
+log-probs) averaged over held-out pairs. `write_samples` appends a few generations from held-out
+prompts to `<run_dir>/samples.jsonl`, so how the policy's outputs drift can be read directly.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+
+from direct_alignment.data import PreferencePair, collate_pairs
+from direct_alignment.reference import pair_logps
+from rlhf_core.generation import generate_completions
+from rlhf_core.models import with_padding_side
+
+
+@torch.no_grad()
+def evaluate_pairs(
+    model: torch.nn.Module,
+    loss_fn: torch.nn.Module,
+    pairs: list[PreferencePair],
+    reference_logps: Callable[[dict[str, torch.Tensor], slice], tuple[torch.Tensor, torch.Tensor]]
+    | None,
+    *,
+    pad_id: int,
+    batch_size: int,
+) -> dict[str, float]:
+    """Pair-weighted means of the loss and its metrics over `pairs`, keys prefixed 'eval/'."""
+    device = next(model.parameters()).device
+    was_training = model.training
+    model.eval()
+    totals: dict[str, float] = {}
+    for start in range(0, len(pairs), batch_size):
+        chunk = slice(start, min(start + batch_size, len(pairs)))
+        batch = {k: v.to(device) for k, v in collate_pairs(pairs[chunk], pad_id).items()}
+        chosen, rejected = pair_logps(model, batch)
+        refs = reference_logps(batch, chunk) if reference_logps is not None else (None, None)
+        half = batch["lengths"].shape[0] // 2
+        loss, metrics = loss_fn(
+            chosen, rejected, *refs,
+            chosen_lengths=batch["lengths"][:half], rejected_lengths=batch["lengths"][half:],
+        )  # fmt: skip
+        n = chunk.stop - chunk.start
+        for key, value in {"loss": loss, **metrics}.items():
+            totals[key] = totals.get(key, 0.0) + float(value) * n
+    model.train(was_training)
+    return {f"eval/{k}": v / len(pairs) for k, v in totals.items()}
+
+
+def write_samples(
+    model: torch.nn.Module,
+    tokenizer,
+    pairs: list[PreferencePair],
+    path: Path,
+    *,
+    step: int,
+    max_new_tokens: int,
+    seed: int,
+) -> None:
+    """Sample (T=1) one completion per prompt under a forked RNG and append them as JSON lines."""
+    device = next(model.parameters()).device
+    with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
+        torch.manual_seed(seed)
+        outs = generate_completions(
+            model, with_padding_side(tokenizer, "left"), [p.prompt_text for p in pairs],
+            max_new_tokens=max_new_tokens, temperature=1.0,
+        )  # fmt: skip
+    with open(path, "a") as fh:
+        for pair, out in zip(pairs, outs, strict=True):
+            row = {
+                "step": step,
+                "prompt": pair.prompt_text,
+                "completion": out.text,
+                "chosen": tokenizer.decode(pair.chosen_ids, skip_special_tokens=True),
+            }
+            fh.write(json.dumps(row) + "\n")

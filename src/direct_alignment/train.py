@@ -1,0 +1,275 @@
+"""Direct alignment (DPO and its family) from preference pairs.
+
+    uv run python -m direct_alignment.train --config configs/direct_alignment/dpo.yaml
+
+Read top to bottom: config -> tokenizer and pairs -> policy, reference (frozen copy, disabled
+adapter, or precomputed log-probs), optimizer, schedule -> the loop (chosen and rejected in one
+concatenated forward per micro-batch; the loss is the mean over the step's pairs, so gradient
+accumulation and processes give the one-big-batch update) -> eval, samples, checkpoints -> summary.
+With `models:` several policies are trained one after another, each in its own run dir; a
+failure is reported and the next model still runs.
+"""
+
+from __future__ import annotations
+
+import sys
+import traceback
+from contextlib import nullcontext
+
+import torch
+
+from direct_alignment.config import DAConfig
+from direct_alignment.data import build_preference_data, collate_pairs
+from direct_alignment.evaluate import evaluate_pairs, write_samples
+from direct_alignment.losses import LOSSES
+from direct_alignment.reference import (
+    load_reference_cache,
+    pair_logps,
+    precompute_reference,
+    reference_pair_logps,
+    save_reference_cache,
+)
+from rlhf_core.checkpoint import StopSignal
+from rlhf_core.config import RunArgs, parse_run_args
+from rlhf_core.data import EpochSampler
+from rlhf_core.loop import (
+    announce_stop,
+    optimizer_step,
+    plan_steps,
+    print_dry_run,
+    restore_checkpoint,
+    save_final,
+    save_training_state,
+    start_accelerator,
+)
+from rlhf_core.models import ReferencePolicy, load_causal_lm, load_tokenizer, resolve_model_path
+from rlhf_core.optim import build_optimizer, build_scheduler
+from rlhf_core.registry import build_from_spec
+from rlhf_core.runtime import seed_everything
+from rlhf_core.tracking import Tracker, new_run_dir, resolve_resume
+
+PACKAGE = "direct_alignment"
+
+
+def train(cfg: DAConfig, run: RunArgs) -> int:
+    """Train one policy (cfg.model); returns the exit code (0, or 130/143 after a signal)."""
+    assert cfg.model is not None
+    accelerator, threads = start_accelerator(cfg.train)
+    device, rank, world = accelerator.device, accelerator.process_index, accelerator.num_processes
+    is_main = accelerator.is_main_process
+
+    # --- tokenizer and data
+    tokenizer = load_tokenizer(cfg.model, padding_side="right")
+    d, t = cfg.data, cfg.train
+    lengths = {"max_length": d.max_length, "max_prompt_length": d.max_prompt_length}
+    train_data = build_preference_data(
+        d.train, tokenizer, fmt=d.format, where="data.train", **lengths
+    )
+    eval_data = None
+    if d.eval is not None:
+        eval_data = build_preference_data(
+            d.eval, tokenizer, fmt=d.format, where="data.eval", limit=t.eval_size, **lengths
+        )
+    micro, total_steps = plan_steps(t, len(train_data.pairs), world)
+    loss_fn = build_from_spec(LOSSES, cfg.loss)
+    run_dir, ckpt = resolve_resume(
+        run.resume, package=PACKAGE, name=cfg.name, output_dir=run.output_dir
+    )
+    run_dir = run_dir or new_run_dir(PACKAGE, cfg.name, run.output_dir)
+    ref_mode = cfg.reference.mode if loss_fn.needs_reference else "none (reference-free loss)"
+
+    if run.dry_run:
+        print_dry_run(cfg, {
+            "model": f"{cfg.model.name_or_path} -> {resolve_model_path(cfg.model.name_or_path)}",
+            "tokenizer": f"{type(tokenizer).__name__}, vocab {len(tokenizer)}",
+            "loss": f"{type(loss_fn).__name__} {cfg.loss}", "reference": ref_mode,
+            "train pairs": f"{len(train_data.pairs)} ({d.train.describe()}; dropped identical "
+            f"{train_data.dropped_identical}, truncated {train_data.truncated})",
+            "eval pairs": len(eval_data.pairs) if eval_data else 0,
+            "would run": f"{total_steps} steps x {t.batch_size} pairs on {device} ({world} procs)",
+            "run dir": f"{run_dir}" + (f" (resuming {ckpt})" if ckpt else ""),
+        })  # fmt: skip
+        return 0
+
+    # --- policy and reference
+    seed_everything(cfg.seed)
+    policy = load_causal_lm(cfg.model, device, weights_from=ckpt)
+    pad_id = tokenizer.pad_token_id
+    reference, ref_cache = None, None
+    if loss_fn.needs_reference:
+        if cfg.reference.mode == "adapter":
+            reference = ReferencePolicy(policy, "adapter")
+        else:  # the starting policy, loaded again (never the resumed weights)
+            start = load_causal_lm(cfg.model.model_copy(update={"lora": None}), device)
+            reference = ReferencePolicy(start, "frozen")
+        if cfg.reference.mode == "precomputed":
+            cache_path = run_dir / "reference_logps.pt"
+            splits = {"train": train_data.pairs, "eval": eval_data.pairs if eval_data else []}
+            if ckpt is not None and cache_path.is_file():
+                ref_cache = load_reference_cache(cache_path, {k: len(v) for k, v in splits.items()})
+            else:
+                ref_cache = {
+                    k: precompute_reference(
+                        reference, v, pad_id=pad_id, batch_size=micro, device=device
+                    ) if v else torch.zeros(0, 2)
+                    for k, v in splits.items()
+                }  # fmt: skip
+                if is_main:
+                    run_dir.mkdir(parents=True, exist_ok=True)
+                    save_reference_cache(cache_path, ref_cache)
+            reference = None  # nothing held during training
+
+    def ref_logps(split: str, batch: dict, rows) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        if ref_cache is not None:
+            cached = ref_cache[split][rows].to(device)
+            return cached[:, 0], cached[:, 1]
+        if reference is not None:
+            return reference_pair_logps(reference, batch)
+        return None, None
+
+    policy.train()
+    optimizer = build_optimizer(policy, cfg.optim)
+    scheduler = build_scheduler(optimizer, cfg.optim, total_steps)
+    policy, optimizer = accelerator.prepare(policy, optimizer)
+    sampler = EpochSampler(len(train_data.pairs), cfg.seed)
+    step, skipped = 0, 0
+    if ckpt is not None:
+        step, state = restore_checkpoint(
+            ckpt, optimizer=optimizer, scheduler=scheduler, sampler=sampler
+        )
+        skipped = state["skipped_steps"]
+    tracker = Tracker(
+        run_dir, cfg, cfg.tracking, total_steps=total_steps, resume_step=step if ckpt else None,
+        enabled=is_main,
+    )  # fmt: skip
+
+    def run_eval() -> dict[str, float]:
+        if eval_data is None or not is_main:
+            return {}
+        return evaluate_pairs(
+            accelerator.unwrap_model(policy), loss_fn, eval_data.pairs,
+            lambda batch, rows: ref_logps("eval", batch, rows) if loss_fn.needs_reference
+            else (None, None), pad_id=pad_id, batch_size=micro,
+        )  # fmt: skip
+
+    def save() -> None:
+        save_training_state(
+            accelerator, run_dir, step, model=policy, tokenizer=tokenizer, optimizer=optimizer,
+            scheduler=scheduler, state={"sampler": sampler.state_dict(), "skipped_steps": skipped},
+            keep_last=cfg.checkpoint.keep_last,
+        )  # fmt: skip
+
+    # --- the loop
+    metrics: dict[str, torch.Tensor] = {}
+    with StopSignal() as stop:
+        while step < total_steps:
+            indices = sampler.next_batch(t.batch_size)[rank::world]
+            step_loss = torch.zeros((), device=device)
+            metrics = {}
+            for start in range(0, len(indices), micro):
+                rows = indices[start : start + micro]
+                batch = collate_pairs([train_data.pairs[j] for j in rows], pad_id)
+                batch = {k: v.to(device) for k, v in batch.items()}
+                weight = len(rows) / t.batch_size  # share of the global step's pairs
+                sync = start + micro >= len(indices)
+                with nullcontext() if sync else accelerator.no_sync(policy):
+                    chosen, rejected = pair_logps(policy, batch)
+                    ref_c, ref_r = ref_logps("train", batch, rows)
+                    half = len(rows)
+                    loss, m = loss_fn(
+                        chosen, rejected, ref_c, ref_r,
+                        chosen_lengths=batch["lengths"][:half],
+                        rejected_lengths=batch["lengths"][half:],
+                    )  # fmt: skip
+                    # DDP averages gradients over processes; scale so they sum to the global mean
+                    accelerator.backward(loss * weight * world)
+                step_loss += loss.detach() * weight
+                for key, value in m.items():
+                    metrics[key] = metrics.get(key, 0.0) + value * weight
+            step_loss = accelerator.reduce(step_loss, reduction="sum")
+            grad_norm, was_skipped = optimizer_step(
+                accelerator, policy, optimizer, scheduler,
+                max_grad_norm=cfg.optim.max_grad_norm, loss=step_loss,
+            )  # fmt: skip
+            skipped += was_skipped
+            step += 1
+
+            if step % cfg.tracking.log_every == 0 or step == total_steps:
+                reduced = {
+                    k: accelerator.reduce(v, reduction="sum").item() for k, v in metrics.items()
+                }
+                tracker.log(step, {
+                    "train/loss": step_loss.item(), "train/grad_norm": grad_norm,
+                    "train/lr": scheduler.get_last_lr()[0], "train/epoch": sampler.epoch_float,
+                    "train/skipped_steps": skipped, **{f"train/{k}": v for k, v in reduced.items()},
+                })  # fmt: skip
+            if t.eval_every and step % t.eval_every == 0 and step < total_steps:
+                tracker.log(step, run_eval())
+            if t.samples_every and step % t.samples_every == 0 and eval_data and is_main:
+                write_samples(
+                    accelerator.unwrap_model(policy), tokenizer, eval_data.pairs[: t.num_samples],
+                    run_dir / "samples.jsonl", step=step, max_new_tokens=t.sample_max_new_tokens,
+                    seed=cfg.seed + step,
+                )  # fmt: skip
+            if cfg.checkpoint.save_every and step % cfg.checkpoint.save_every == 0:
+                save()
+            if stop.requested:
+                save()
+                if is_main:
+                    announce_stop(PACKAGE, run, run_dir, stop.signum, step)
+                tracker.plot()
+                return stop.exit_code
+
+    # --- final evaluation and model
+    final_eval = run_eval()
+    if final_eval:
+        tracker.log(step, final_eval)
+    if cfg.checkpoint.save_final:
+        save_final(accelerator, policy, tokenizer, run_dir / "final")
+    summary = tracker.finish({
+        "steps": step, "skipped_steps": skipped, "threads": threads, "processes": world,
+        "loss": cfg.loss, "reference": ref_mode, "train_pairs": len(train_data.pairs),
+        "dropped_identical_pairs": train_data.dropped_identical,
+        "truncated_pairs": train_data.truncated, "final_train_loss": step_loss.item(),
+        **{f"final_train/{k}": float(v) for k, v in metrics.items()}, **final_eval,
+    })  # fmt: skip
+    if is_main:
+        print(f"run dir: {run_dir}\n" + "\n".join(f"  {k}: {v}" for k, v in summary.items()))
+    return 0
+
+
+def train_all(cfg: DAConfig, run: RunArgs) -> int:
+    """Train `cfg.model`, or each of `cfg.models` in turn (continuing after a failure)."""
+    if cfg.model is not None:
+        return train(cfg, run)
+    failed: list[str] = []
+    for i, model in enumerate(cfg.models):
+        label = f"{cfg.name}-{i}-{model.name_or_path.replace('/', '_')}"
+        one = cfg.model_copy(update={"model": model, "models": [], "name": label})
+        out = run.output_dir / label if run.output_dir is not None else None
+        try:
+            code = train(one, RunArgs(run.config_path, run.overrides, out, run.resume, run.dry_run))
+        except Exception:  # report and go on with the next model
+            traceback.print_exc()
+            code = 1
+        if code != 0:
+            failed.append(f"{model.name_or_path} (exit {code})")
+        if code in (130, 143):
+            break
+    print(f"trained {len(cfg.models) - len(failed)}/{len(cfg.models)} models" + (
+        f"; failed: {', '.join(failed)}" if failed else ""))  # fmt: skip
+    return 1 if failed else 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    cfg, run = parse_run_args(
+        argv,
+        DAConfig,
+        prog=f"python -m {PACKAGE}.train",
+        description="Direct alignment (DPO family)",
+    )
+    return train_all(cfg, run)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
