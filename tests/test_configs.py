@@ -9,7 +9,10 @@ from conftest import REPO
 
 from rlhf_core.config import load_config
 
-CONFIG_CLASSES = {"instruction_tuning": "instruction_tuning.config:SFTConfig"}
+CONFIG_CLASSES = {
+    "instruction_tuning": "instruction_tuning.config:SFTConfig",
+    "direct_alignment": "direct_alignment.config:DAConfig",
+}
 
 SHIPPED = sorted(p for p in (REPO / "configs").rglob("*.yaml") if p.parent.name in CONFIG_CLASSES)
 

@@ -37,7 +37,8 @@ class DataSource(StrictModel):
     path: str | None = Field(None, description="local data file or hub dataset id")
     name: str | None = Field(None, description="hub dataset configuration name")
     split: str = Field("train", description="split to read")
-    limit: int | None = Field(None, gt=0, description="keep only the first N rows")
+    offset: int = Field(0, ge=0, description="skip the first N rows (e.g. to hold out a tail)")
+    limit: int | None = Field(None, gt=0, description="keep at most N rows after the offset")
     reasoning_gym: ReasoningGymSource | None = Field(
         None, description="generate with reasoning-gym"
     )
@@ -97,8 +98,9 @@ def load_rows(source: DataSource, *, field: str = "data") -> Any:
         ds = datasets.load_dataset(builder, data_files=str(path), split="train")
     else:
         ds = datasets.load_dataset(source.path, source.name, split=source.split)
-    if source.limit is not None:
-        ds = ds.select(range(min(source.limit, len(ds))))
+    if source.offset or source.limit is not None:
+        stop = len(ds) if source.limit is None else min(len(ds), source.offset + source.limit)
+        ds = ds.select(range(min(source.offset, len(ds)), stop))
     return ds
 
 

@@ -1,0 +1,127 @@
+"""Preference data: HH and UltraFeedback adapters, truncation, dropped pairs, clear errors."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from direct_alignment.data import (
+    build_preference_data,
+    collate_pairs,
+    corrupt_answer,
+    split_hh_pair,
+)
+from rlhf_core.data import DataSource
+from rlhf_core.models import ModelConfig, load_tokenizer
+
+HH = "data/hh-rlhf/harmless-base-test.jsonl.gz"
+
+
+@pytest.fixture(scope="module")
+def char_tok():
+    return load_tokenizer(ModelConfig(name_or_path="tiny-qwen3"), padding_side="right")
+
+
+def write_jsonl(path, rows):
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return DataSource(path=str(path))
+
+
+def build(tok, source, fmt="auto", max_length=200, max_prompt_length=None):
+    return build_preference_data(
+        source, tok, fmt=fmt, max_length=max_length, max_prompt_length=max_prompt_length,
+        where="data.train",
+    )  # fmt: skip
+
+
+def test_hh_split_gives_a_multi_turn_prompt_and_two_completions():
+    chosen = "\n\nHuman: hi\n\nAssistant: hello\n\nHuman: how are you?\n\nAssistant: fine, thanks"
+    rejected = "\n\nHuman: hi\n\nAssistant: hello\n\nHuman: how are you?\n\nAssistant: go away"
+    prompt, c, r = split_hh_pair(chosen, rejected, where="x")
+    assert prompt == [
+        {"role": "user", "content": "hi"},
+        {"role": "assistant", "content": "hello"},
+        {"role": "user", "content": "how are you?"},
+    ]
+    assert (c, r) == ("fine, thanks", "go away")
+
+
+def test_vendored_hh_loads_through_the_real_gpt2_tokenizer():
+    with pytest.warns(UserWarning):
+        tok = load_tokenizer(ModelConfig(name_or_path="tiny-qwen3-gpt2"), padding_side="right")
+    data = build(tok, DataSource(path=HH, limit=200), max_length=256)
+    assert len(data.pairs) + data.dropped_identical == 200
+    pair = data.pairs[0]
+    assert tok.decode(pair.prompt_ids).endswith("\n\nAssistant:")
+    assert pair.chosen_ids[-1] == tok.eos_token_id and pair.rejected_ids[-1] == tok.eos_token_id
+    assert all(len(p.prompt_ids) + max(len(p.chosen_ids), len(p.rejected_ids)) <= 256
+               for p in data.pairs)  # fmt: skip
+
+
+def test_ultrafeedback_message_lists_drop_the_repeated_prompt(char_tok, tmp_path):
+    user = {"role": "user", "content": "Spell: abc"}
+    row = {
+        "prompt": "Spell: abc",
+        "chosen": [user, {"role": "assistant", "content": "cba"}],
+        "rejected": [user, {"role": "assistant", "content": "abc"}],
+    }
+    pair = build(char_tok, write_jsonl(tmp_path / "u.jsonl", [row])).pairs[0]
+    assert char_tok.decode(pair.chosen_ids) == "cba<|end|>"
+    assert char_tok.decode(pair.rejected_ids) == "abc<|end|>"
+    assert char_tok.decode(pair.prompt_ids) == "<|user|>Spell: abc<|end|><|assistant|>"
+
+
+def test_pairs_identical_after_truncation_are_dropped_and_counted(char_tok, tmp_path):
+    rows = [
+        {"prompt": "p", "chosen": "same start A", "rejected": "same start B"},
+        {"prompt": "p", "chosen": "xy", "rejected": "yx"},
+    ]
+    prompt_len = len(char_tok("<|user|>p<|end|><|assistant|>")["input_ids"])
+    data = build(char_tok, write_jsonl(tmp_path / "t.jsonl", rows), max_length=prompt_len + 5)
+    assert data.dropped_identical == 1 and len(data.pairs) == 1 and data.truncated >= 1
+
+
+def test_truncation_keeps_the_end_of_the_prompt(char_tok, tmp_path):
+    rows = [{"prompt": "0123456789" * 5, "chosen": "a", "rejected": "b"}]
+    pair = build(char_tok, write_jsonl(tmp_path / "t.jsonl", rows), max_length=40,
+                 max_prompt_length=10).pairs[0]  # fmt: skip
+    assert len(pair.prompt_ids) == 10
+    assert char_tok.decode(pair.prompt_ids) == "23456789<|end|><|assistant|>"
+
+
+@pytest.mark.parametrize(
+    ("row", "message"),
+    [
+        ({"prompt": "p", "chosen": "a"}, r"row 1 is missing column 'rejected'"),
+        ({"chosen": "a", "rejected": "b"}, r"row 1 .*transcript"),
+        ({"prompt": "p", "chosen": [{"role": "user"}], "rejected": "b"}, r"row 1 column 'chosen'"),
+    ],
+)
+def test_malformed_rows_name_their_index_and_column(char_tok, tmp_path, row, message):
+    good = {"prompt": "p", "chosen": "a", "rejected": "b"}
+    with pytest.raises(ValueError, match=message):
+        build(char_tok, write_jsonl(tmp_path / "bad.jsonl", [good, row]))
+
+
+def test_collate_concatenates_chosen_then_rejected(char_tok, tmp_path):
+    rows = [{"prompt": "p", "chosen": "abc", "rejected": "d"}, {"prompt": "qq", "chosen": "e",
+            "rejected": "fghi"}]  # fmt: skip
+    data = build(char_tok, write_jsonl(tmp_path / "c.jsonl", rows))
+    batch = collate_pairs(data.pairs, char_tok.pad_token_id)
+    assert batch["input_ids"].shape[0] == 4
+    assert batch["lengths"].tolist() == [4, 2, 2, 5]  # completions + eos
+    for b, ids in enumerate(
+        [p.chosen_ids for p in data.pairs] + [p.rejected_ids for p in data.pairs]
+    ):
+        assert batch["input_ids"][b, 1:][batch["loss_mask"][b]].tolist() == ids
+    assert torch.equal(batch["loss_mask"].sum(-1), batch["lengths"])
+
+
+def test_synthetic_rejected_answers_are_wrong_and_deterministic():
+    assert corrupt_answer("olleh", 0) == "hello"
+    assert corrupt_answer("abba", 3) != "abba" and corrupt_answer("abba", 3) == corrupt_answer(
+        "abba", 3
+    )
+    assert corrupt_answer("aaa", 0) == "aaaa"
