@@ -112,10 +112,10 @@ def test_load_rows_keeps_the_first_rows_with_limit(tmp_path):
 
 def test_offset_and_limit_select_disjoint_slices(tmp_path):
     path = str(write_jsonl(tmp_path / "rows.jsonl"))
-    head = load_rows(DataSource(path=path, limit=1))["prompt"]
-    tail = load_rows(DataSource(path=path, offset=1))["prompt"]
-    assert head + tail == load_rows(DataSource(path=path))["prompt"]
-    assert load_rows(DataSource(path=path, offset=1, limit=1))["prompt"] == tail[:1]
+    head = list(load_rows(DataSource(path=path, limit=1))["prompt"])
+    tail = list(load_rows(DataSource(path=path, offset=1))["prompt"])
+    assert head + tail == list(load_rows(DataSource(path=path))["prompt"])
+    assert list(load_rows(DataSource(path=path, offset=1, limit=1))["prompt"]) == tail[:1]
     assert len(load_rows(DataSource(path=path, offset=10))) == 0
 
 
