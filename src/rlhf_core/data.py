@@ -100,7 +100,8 @@ def load_rows(source: DataSource, *, field: str = "data") -> Any:
         ds = datasets.load_dataset(source.path, source.name, split=source.split)
     if source.offset or source.limit is not None:
         stop = len(ds) if source.limit is None else min(len(ds), source.offset + source.limit)
-        ds = ds.select(range(min(source.offset, len(ds)), stop))
+        start = min(source.offset, len(ds))
+        ds = ds.select(list(range(start, stop)))  # a list: datasets rejects an empty range
     return ds
 
 
