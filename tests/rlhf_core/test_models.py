@@ -305,7 +305,15 @@ def test_adapter_mode_needs_lora():
 
 def test_unknown_reference_mode():
     with pytest.raises(ValueError, match="unknown reference mode"):
-        ReferencePolicy(torch.nn.Linear(2, 2), mode="frozen")
+        ReferencePolicy(torch.nn.Linear(2, 2), mode="shared")
+
+
+def test_frozen_reference_uses_the_given_model_without_a_copy():
+    model = torch.nn.Linear(2, 2)
+    ref = ReferencePolicy(model, mode="frozen")
+    with ref.model() as inner:
+        assert inner is model and not inner.training
+    assert not any(p.requires_grad for p in model.parameters())
 
 
 def test_copy_reference_is_frozen_and_independent():
