@@ -106,14 +106,26 @@ def load_rows(source: DataSource, *, field: str = "data") -> Any:
 
 
 def reasoning_gym_dataset(source: ReasoningGymSource) -> Any:
-    """A reasoning-gym ProceduralDataset (indexable; entries have question/answer/metadata)."""
+    """A reasoning-gym ProceduralDataset (indexable; entries have question/answer/metadata).
+
+    `task: composite` mixes tasks: `config: {datasets: [{name, weight, config}, ...]}`; each
+    entry is then scored by its own task's `score_answer`.
+    """
     import reasoning_gym
 
+    config = dict(source.config)
+    if source.task == "composite" and isinstance(config.get("datasets"), list):
+        from reasoning_gym.composite import DatasetSpec
+
+        config["datasets"] = [
+            spec if isinstance(spec, DatasetSpec) else DatasetSpec(**spec)
+            for spec in config["datasets"]
+        ]
     try:
         return reasoning_gym.create_dataset(
-            source.task, size=source.size, seed=source.seed, **source.config
+            source.task, size=source.size, seed=source.seed, **config
         )
-    except (TypeError, ValueError, KeyError, AssertionError) as exc:  # configs validate by assert
+    except (TypeError, ValueError, KeyError, AssertionError, AttributeError) as exc:  # configs validate by assert
         msg = f"reasoning_gym task {source.task!r} with config {source.config}: {exc}"
         raise ValueError(msg) from exc
 

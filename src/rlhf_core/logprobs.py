@@ -35,11 +35,14 @@ def token_logprobs(
     *,
     temperature: float = 1.0,
     chunk_rows: int = 1024,
-) -> torch.Tensor:
+    with_entropy: bool = False,
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """log softmax(logits / temperature)[labels] for logits (..., V) and integer labels (...).
 
     Returns float32 (or float64 for float64 logits) of the labels' shape. Rows are processed in
-    chunks of `chunk_rows` so memory stays O(chunk_rows x V) beyond the logits themselves.
+    chunks of `chunk_rows` so memory stays O(chunk_rows x V) beyond the logits themselves. With
+    `with_entropy`, also returns the entropy of each row's distribution,
+    H = logsumexp(z) - sum(softmax(z) * z), computed in the same chunks.
     """
     if logits.shape[:-1] != labels.shape:
         raise ValueError(
@@ -52,16 +55,23 @@ def token_logprobs(
     flat_logits = logits.reshape(-1, vocab)
     flat_labels = labels.reshape(-1)
     out_dtype = torch.float64 if logits.dtype == torch.float64 else torch.float32
-    pieces = []
+    pieces, entropies = [], []
     for start in range(0, flat_logits.shape[0], chunk_rows):
         chunk = flat_logits[start : start + chunk_rows].to(out_dtype)
         if temperature != 1.0:
             chunk = chunk / temperature
         picked = chunk.gather(-1, flat_labels[start : start + chunk_rows, None]).squeeze(-1)
-        pieces.append(picked - torch.logsumexp(chunk, dim=-1))
+        lse = torch.logsumexp(chunk, dim=-1)
+        pieces.append(picked - lse)
+        if with_entropy:
+            entropies.append(lse - (torch.softmax(chunk, dim=-1) * chunk).sum(-1))
     if not pieces:
-        return flat_logits.new_zeros(labels.shape, dtype=out_dtype)
-    return torch.cat(pieces).reshape(labels.shape)
+        empty = flat_logits.new_zeros(labels.shape, dtype=out_dtype)
+        return (empty, empty.clone()) if with_entropy else empty
+    logps = torch.cat(pieces).reshape(labels.shape)
+    if with_entropy:
+        return logps, torch.cat(entropies).reshape(labels.shape)
+    return logps
 
 
 def causal_lm_token_logprobs(
@@ -71,22 +81,24 @@ def causal_lm_token_logprobs(
     *,
     temperature: float = 1.0,
     chunk_rows: int = 1024,
-) -> torch.Tensor:
+    with_entropy: bool = False,
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """Log-prob of every next token: out[:, t] = log p(input_ids[:, t+1] | input_ids[:, :t+1]).
 
-    `input_ids`, `attention_mask`: (B, S). Returns (B, S - 1). Works under left or right padding
-    (position ids are derived from the attention mask); positions that are padding hold garbage
-    and must be masked by the caller.
+    `input_ids`, `attention_mask`: (B, S). Returns (B, S - 1) (and the entropies, same shape,
+    with `with_entropy`). Works under left or right padding (position ids are derived from the
+    attention mask); positions that are padding hold garbage and must be masked by the caller.
     """
     position_ids = (attention_mask.long().cumsum(-1) - 1).clamp(min=0)
     logits = model(
-        input_ids=input_ids,
-        attention_mask=attention_mask,
-        position_ids=position_ids,
-        use_cache=False,
+        input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, use_cache=False
     ).logits
     return token_logprobs(
-        logits[:, :-1], input_ids[:, 1:], temperature=temperature, chunk_rows=chunk_rows
+        logits[:, :-1],
+        input_ids[:, 1:],
+        temperature=temperature,
+        chunk_rows=chunk_rows,
+        with_entropy=with_entropy,
     )
 
 
@@ -112,10 +124,17 @@ def aggregate(
     mode: AggregationMode,
     *,
     normalizer: float | None = None,
+    total_tokens: torch.Tensor | float | None = None,
+    total_sequences: torch.Tensor | float | None = None,
 ) -> torch.Tensor:
     """Reduce a per-token loss (B, T) under `mask` (B, T) to a scalar; see the module docstring.
 
     Fully masked rows contribute 0 (and still count as a row in the seq-mean modes).
+
+    Gradient accumulation: pass the whole optimizer step's `total_tokens` (token-mean) or
+    `total_sequences` (seq-mean modes) and the result is this micro-batch's share, so summing the
+    micro-batch losses gives exactly the one-big-batch loss. Without them the local counts are
+    used (the plain formulas above).
     """
     if loss.dim() != 2 or loss.shape != mask.shape:
         raise ValueError(
@@ -123,14 +142,17 @@ def aggregate(
             f"{tuple(loss.shape)} and {tuple(mask.shape)}"
         )
     if mode == "token-mean":
-        return masked_mean(loss, mask)
+        if total_tokens is None:
+            return masked_mean(loss, mask)
+        return masked_sum(loss, mask) / total_tokens
+    sequences = loss.shape[0] if total_sequences is None else total_sequences
     if mode == "seq-mean-token-mean":
-        return masked_mean(loss, mask, dim=-1).mean()
+        return masked_mean(loss, mask, dim=-1).sum() / sequences
     if mode == "seq-mean-token-sum-norm":
         if normalizer is None or normalizer <= 0:
             raise ValueError(
                 "aggregate: mode 'seq-mean-token-sum-norm' needs a positive constant normalizer "
                 f"(e.g. max_new_tokens), got {normalizer!r}"
             )
-        return masked_sum(loss, mask, dim=-1).mean() / normalizer
+        return masked_sum(loss, mask, dim=-1).sum() / (sequences * normalizer)
     raise ValueError(f"aggregate: unknown mode {mode!r}; expected one of {AGGREGATION_MODES}")

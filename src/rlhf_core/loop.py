@@ -38,8 +38,10 @@ class LoopConfig(StrictModel):
     device: Literal["auto", "cpu", "cuda"] = Field("auto", description="auto = cuda if available")
 
 
-def start_accelerator(loop: LoopConfig) -> tuple[Accelerator, int]:
-    """Quiet the libraries, set CPU threads, and create the accelerate `Accelerator`."""
+def start_accelerator(loop: Any) -> tuple[Accelerator, int]:
+    """Quiet the libraries, set CPU threads, and create the accelerate `Accelerator`.
+
+    `loop` is any config block with `threads` and `device` (e.g. `LoopConfig`)."""
     quiet_libraries()
     threads = configure_threads(loop.threads)
     use_cpu = loop.device == "cpu" or not torch.cuda.is_available()

@@ -166,8 +166,11 @@ def load_causal_lm(
     return model
 
 
-def apply_lora(model, lora: LoraConfig):
-    """Wrap `model` in a peft LoRA adapter with per-architecture default target modules."""
+def apply_lora(model, lora: LoraConfig, *, task_type: str = "CAUSAL_LM"):
+    """Wrap `model` in a peft LoRA adapter with per-architecture default target modules.
+
+    `task_type` is peft's: CAUSAL_LM for a causal LM, FEATURE_EXTRACTION for a bare backbone
+    (`AutoModel`, as under a scalar head)."""
     from peft import LoraConfig as PeftLoraConfig
     from peft import get_peft_model
 
@@ -177,7 +180,7 @@ def apply_lora(model, lora: LoraConfig):
         lora_alpha=lora.alpha,
         lora_dropout=lora.dropout,
         target_modules=targets,
-        task_type="CAUSAL_LM",
+        task_type=task_type,
     )
     # `is_gradient_checkpointing` is a deprecated alias (FutureWarning) in transformers >= 5.
     checkpointing = getattr(model, "is_activation_checkpointing", None)

@@ -1,0 +1,551 @@
+"""DPO side by side: our `direct_alignment.train.train` against `trl.DPOTrainer` on one workload.
+
+The workload (identical for both, checked token by token):
+  model       a Qwen3 built from config with the real GPT-2 tokenizer (vocab 50,257), fp32, SDPA:
+              `tiny` = the preset `tiny-qwen3-gpt2` (hidden 64, 2 layers, 3.4M parameters, 95% of
+              them in the tied embedding / LM head), or `small` (hidden 256, 4 layers, MLP 768,
+              16.1M parameters, a transformer body closer to a real model's share of the compute),
+              built once into the rlhf-lab cache
+  data        the first `pairs` pairs of the vendored Anthropic HH harmless-base test split whose
+              prompt fits `max_prompt_length` and whose longest sequence fits `max_length`, so
+              neither trainer truncates anything (TRL 1.16 has no prompt-length limit and truncates
+              prompt+completion from the end, we keep the end of the prompt: with no truncation
+              the sequences are the same); our chat rendering of the HH turns is given to TRL as
+              plain prompt/chosen/rejected strings, and the TRL worker checks that its tokenized
+              pairs equal ours
+  order       one epoch: `steps x batch_size == pairs`; TRL reads the rows in the order of our
+              sampler's first epoch with `train_sampling_strategy="sequential"`, so both see the
+              same batches, padded (right) to each batch's longest row
+  training    batch `batch_size` pairs, no accumulation, AdamW lr 1e-6 (cosine, no warmup, no
+              weight decay, clip 1.0), DPO sigmoid loss beta 0.1, the reference a separate frozen
+              copy loaded from the same directory (TRL's default for ref_model=None without peft;
+              our `reference.mode: model`), no eval, no checkpoints, logging every 10 steps,
+              `threads` torch threads, CPU
+  TRL         its defaults otherwise, except gradient checkpointing off and fp32 (its DPOConfig
+              defaults are on / bf16; ours are off / fp32 on CPU). Its default optimizer is
+              `adamw_torch_fused`; ours is torch AdamW (fused only on CUDA).
+
+What is timed: from the end of optimizer step `warmup_steps` to the end of the last optimizer
+step, i.e. steps warmup_steps+1..steps in full (collation, forwards, backward, optimizer, logging)
+and nothing before (imports, model and data loading, tokenization, optimizer creation, the first
+step's lazy initialisation). Tokens: the non-pad tokens (attention_mask sum) of the chosen and
+rejected rows fed to the policy in those steps, counted where each trainer hands the batch to its
+forward (our `pair_logps`, TRL's `training_step`). Peak RSS: the whole process's high-water mark
+(VmHWM = ru_maxrss), and separately the peak during the timed steps (the mark is reset at the
+window's start).
+
+    python -m benchmarks.dpo prepare|ours|trl --workload JSON --workdir DIR --result FILE
+is how `benchmarks.run` starts each measured process; run `python -m benchmarks.run --only dpo`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gzip
+import hashlib
+import json
+import shutil
+import tempfile
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+from benchmarks.measure import (
+    REPO_ROOT,
+    PeakRSS,
+    median,
+    peak_rss_mb,
+    rss_mb,
+    run_worker,
+    spread,
+    write_result_file,
+)
+
+HH_PATH = REPO_ROOT / "data" / "hh-rlhf" / "harmless-base-test.jsonl.gz"
+
+#: Architectures beyond the tiny preset (built with `rlhf_core.tiny.build_tiny_model`).
+SMALL_MODEL = {
+    "hidden_size": 256,
+    "num_hidden_layers": 4,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 4,
+    "intermediate_size": 768,
+    "max_position_embeddings": 1024,
+}
+
+
+@dataclass(frozen=True)
+class Workload:
+    model: str = "tiny"  # "tiny" (preset tiny-qwen3-gpt2) or "small"
+    batch_size: int = 8
+    steps: int = 16
+    warmup_steps: int = 1  # steps before the timed window
+    max_length: int = 512
+    max_prompt_length: int = 384
+    threads: int = 2
+    lr: float = 1e-6
+    beta: float = 0.1
+    seed: int = 0
+    log_every: int = 10
+
+    @property
+    def pairs(self) -> int:
+        return self.batch_size * self.steps
+
+    def to_json(self) -> str:
+        return json.dumps(asdict(self))
+
+    @classmethod
+    def from_json(cls, text: str) -> Workload:
+        return cls(**json.loads(text))
+
+
+# ----------------------------------------------------------------------------- the workload
+
+
+def model_dir(name: str) -> Path:
+    """The model directory of workload model `name`, built once into the rlhf-lab cache."""
+    from rlhf_core.tiny import TinyPreset, build_gpt2_tokenizer, build_tiny_model, cache_root
+    from rlhf_core.tiny import preset_dir
+
+    if name == "tiny":
+        return preset_dir("tiny-qwen3-gpt2")
+    if name != "small":
+        raise ValueError(f"unknown benchmark model {name!r}; expected 'tiny' or 'small'")
+    import transformers
+
+    preset = TinyPreset(tokenizer="gpt2", **SMALL_MODEL)
+    spec = json.dumps({"preset": asdict(preset), "tf": transformers.__version__})
+    target = cache_root() / "bench" / f"qwen3-gpt2-small-{hashlib.sha256(spec.encode()).hexdigest()[:10]}"
+    if (target / "config.json").is_file():
+        return target
+    target.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=".small-", dir=target.parent))
+    try:
+        tokenizer = build_gpt2_tokenizer()
+        build_tiny_model(preset, tokenizer).save_pretrained(tmp)
+        tokenizer.save_pretrained(tmp)
+        tmp.rename(target)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return target
+
+
+def prepare(w: Workload, workdir: Path) -> dict[str, Any]:
+    """Select the pairs and write the inputs of both trainers into `workdir`:
+
+    hh_subset.jsonl   the selected raw HH rows (our trainer reads this with format hh)
+    trl_rows.jsonl    prompt/chosen/rejected strings in our sampler's first-epoch order
+    expected.json     our token ids of those rows, and the non-pad tokens of each step's batch
+    """
+    import torch
+
+    from direct_alignment.data import build_preference_data, collate_pairs, row_to_triple
+    from rlhf_core.chat import render_prompt
+    from rlhf_core.data import DataSource, EpochSampler
+    from rlhf_core.models import ModelConfig, load_tokenizer
+
+    path = model_dir(w.model)
+    tokenizer = load_tokenizer(ModelConfig(name_or_path=str(path)), padding_side="right")
+    eos = tokenizer.eos_token_id
+    rows, texts, skipped = [], [], {"too_long": 0, "identical": 0, "joint_tokenization": 0}
+    with gzip.open(HH_PATH, "rt") as fh:
+        for index, line in enumerate(fh):
+            row = json.loads(line)
+            prompt, chosen, rejected = row_to_triple(row, index, "hh", str(HH_PATH))
+            prompt_text = render_prompt(tokenizer, prompt)
+            p, c, r = (
+                tokenizer(t, add_special_tokens=False)["input_ids"]
+                for t in (prompt_text, chosen, rejected)
+            )
+            if len(p) > w.max_prompt_length or len(p) + max(len(c), len(r)) + 1 > w.max_length:
+                skipped["too_long"] += 1
+                continue
+            if c == r:
+                skipped["identical"] += 1
+                continue
+            # TRL tokenizes prompt + completion in one call; keep rows where that splits the same
+            joint = [
+                tokenizer(prompt_text + t + tokenizer.eos_token, add_special_tokens=False)
+                for t in (chosen, rejected)
+            ]
+            if joint[0]["input_ids"] != p + c + [eos] or joint[1]["input_ids"] != p + r + [eos]:
+                skipped["joint_tokenization"] += 1
+                continue
+            rows.append(row)
+            texts.append({"prompt": prompt_text, "chosen": chosen, "rejected": rejected})
+            if len(rows) == w.pairs:
+                break
+    if len(rows) < w.pairs:
+        raise ValueError(f"only {len(rows)} HH pairs fit max_length {w.max_length}")
+    workdir.mkdir(parents=True, exist_ok=True)
+    subset = workdir / "hh_subset.jsonl"
+    subset.write_text("".join(json.dumps(r) + "\n" for r in rows))
+
+    # Our pipeline on the subset must keep every pair untouched, in file order.
+    data = build_preference_data(
+        DataSource(path=str(subset)), tokenizer, fmt="hh", max_length=w.max_length,
+        max_prompt_length=w.max_prompt_length, where="benchmark",
+    )  # fmt: skip
+    if len(data.pairs) != w.pairs or data.truncated or data.dropped_identical:
+        raise RuntimeError(f"our pipeline changed the selected pairs: {data}")
+    order = EpochSampler(w.pairs, w.seed).next_batch(w.pairs)
+    (workdir / "trl_rows.jsonl").write_text("".join(json.dumps(texts[i]) + "\n" for i in order))
+    expected = [
+        {"prompt_ids": data.pairs[i].prompt_ids, "chosen_ids": data.pairs[i].chosen_ids,
+         "rejected_ids": data.pairs[i].rejected_ids}
+        for i in order
+    ]  # fmt: skip
+    step_tokens, step_padded = [], []
+    for s in range(w.steps):
+        batch = collate_pairs([data.pairs[i] for i in order[s * w.batch_size : (s + 1) * w.batch_size]], 0)
+        step_tokens.append(int(batch["attention_mask"].sum()))
+        step_padded.append(int(batch["attention_mask"].numel()))
+    (workdir / "expected.json").write_text(json.dumps({"pairs": expected, "step_tokens": step_tokens}))
+    lengths = [len(p.prompt_ids) + len(p.chosen_ids) for p in data.pairs] + [
+        len(p.prompt_ids) + len(p.rejected_ids) for p in data.pairs
+    ]
+    completion = sum(len(p.chosen_ids) + len(p.rejected_ids) for p in data.pairs)
+    from transformers import AutoConfig
+
+    config = AutoConfig.from_pretrained(path)
+    params = _count_params(config)
+    return {
+        "model_dir": str(path),
+        "model": {"name": w.model, "parameters": params, "vocab_size": config.vocab_size,
+                  "hidden_size": config.hidden_size, "layers": config.num_hidden_layers,
+                  "intermediate_size": config.intermediate_size},
+        "rows_scanned": index + 1,
+        "rows_skipped": skipped,
+        "pairs": w.pairs,
+        "sequence_tokens": {"mean": sum(lengths) / len(lengths), "max": max(lengths)},
+        "completion_token_share": completion / sum(lengths),
+        "step_tokens": step_tokens,
+        "padding_share": 1 - sum(step_tokens) / sum(step_padded),
+        "torch_threads_default": torch.get_num_threads(),
+    }  # fmt: skip
+
+
+def _count_params(config) -> int:
+    """Parameters of a tied-embedding Qwen3 config (embedding + layers + final norm)."""
+    h, v, m, layers = (
+        config.hidden_size, config.vocab_size, config.intermediate_size, config.num_hidden_layers
+    )  # fmt: skip
+    d = config.head_dim
+    attn = h * d * (config.num_attention_heads * 2 + config.num_key_value_heads * 2) + 2 * d
+    per_layer = attn + 3 * h * m + 2 * h
+    return v * h + layers * per_layer + h
+
+
+# ----------------------------------------------------------------------------- the two workers
+
+
+class StepClock:
+    """Optimizer-step end times and per-step non-pad tokens; resets the RSS mark at the window."""
+
+    def __init__(self, warmup_steps: int, memory: PeakRSS) -> None:
+        self.warmup_steps = warmup_steps
+        self.memory = memory
+        self.tokens: list[int] = []  # per forward call (one per step here)
+        self.ends: list[float] = []
+        self.start = time.perf_counter()
+        self.first_step_s: float | None = None
+
+    def count(self, attention_mask) -> None:
+        self.tokens.append(int(attention_mask.sum()))
+
+    def step_done(self) -> None:
+        if len(self.ends) + 1 == self.warmup_steps:
+            self.memory.phase("setup_and_warmup")
+        self.ends.append(time.perf_counter())
+
+    def summary(self) -> dict[str, Any]:
+        w = self.warmup_steps
+        window = self.ends[-1] - self.ends[w - 1]
+        tokens = sum(self.tokens[w:])
+        steps = [b - a for a, b in zip(self.ends[w - 1 : -1], self.ends[w:], strict=True)]
+        return {
+            "steps": len(self.ends),
+            "timed_steps": len(self.ends) - w,
+            "timed_s": window,
+            "timed_tokens": tokens,
+            "tokens_per_s": tokens / window,
+            "step_s_median": median(steps),
+            "step_tokens": self.tokens,
+            "to_first_step_end_s": self.ends[0] - self.start,
+        }
+
+
+def run_ours(w: Workload, workdir: Path) -> dict[str, Any]:
+    memory = PeakRSS()
+    import torch
+
+    import direct_alignment.train as da_train
+    from direct_alignment.config import DAConfig, DATrainConfig, PreferenceDataConfig
+    from rlhf_core.checkpoint import CheckpointConfig
+    from rlhf_core.config import RunArgs
+    from rlhf_core.data import DataSource
+    from rlhf_core.models import ModelConfig
+    from rlhf_core.optim import OptimConfig
+    from rlhf_core.tracking import TrackingConfig
+
+    after_imports = rss_mb()
+    clock = StepClock(w.warmup_steps, memory)
+    cfg = DAConfig(
+        name="bench",
+        seed=w.seed,
+        model=ModelConfig(name_or_path=str(model_dir(w.model)), dtype="fp32", attention="sdpa"),
+        data=PreferenceDataConfig(
+            train=DataSource(path=str(workdir / "hh_subset.jsonl")), format="hh",
+            max_length=w.max_length, max_prompt_length=w.max_prompt_length,
+        ),
+        loss={"name": "dpo", "beta": w.beta},
+        reference={"mode": "model"},
+        train=DATrainConfig(
+            batch_size=w.batch_size, max_steps=w.steps, threads=w.threads, device="cpu",
+            eval_every=0, samples_every=0,
+        ),
+        optim=OptimConfig(lr=w.lr, schedule="cosine", warmup_steps=0, max_grad_norm=1.0),
+        checkpoint=CheckpointConfig(save_every=0, save_final=False),
+        tracking=TrackingConfig(log_every=w.log_every),
+    )  # fmt: skip
+
+    original_step, original_logps = da_train.optimizer_step, da_train.pair_logps
+
+    def timed_step(*args, **kwargs):
+        out = original_step(*args, **kwargs)
+        clock.step_done()
+        return out
+
+    def counted_logps(model, batch):
+        clock.count(batch["attention_mask"])
+        return original_logps(model, batch)
+
+    da_train.optimizer_step, da_train.pair_logps = timed_step, counted_logps
+    run_dir = workdir / f"ours-run-{time.time_ns()}"
+    code = da_train.train(cfg, RunArgs(config_path=Path("benchmarks/dpo.py"), output_dir=run_dir))
+    if code != 0:
+        raise RuntimeError(f"our trainer exited with {code}")
+    metrics = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    shutil.rmtree(run_dir, ignore_errors=True)
+    return {
+        "impl": "ours",
+        **clock.summary(),
+        "rss_after_imports_mb": after_imports,
+        "peak_rss_mb": memory.overall(),
+        "peak_rss_timed_mb": peak_rss_mb(),
+        "peak_rss_setup_mb": memory.phases.get("setup_and_warmup"),
+        "rss_reset_supported": memory.resettable,
+        "threads": torch.get_num_threads(),
+        "final_logged_loss": metrics[-1].get("train/loss"),
+    }
+
+
+def run_trl(w: Workload, workdir: Path) -> dict[str, Any]:
+    memory = PeakRSS()
+    import torch
+
+    torch.set_num_threads(w.threads)
+    from datasets import Dataset
+    from transformers import AutoTokenizer, TrainerCallback
+    from trl import DPOConfig, DPOTrainer
+
+    after_imports = rss_mb()
+    clock = StepClock(w.warmup_steps, memory)
+    path = str(model_dir(w.model))
+    tokenizer = AutoTokenizer.from_pretrained(path)
+    rows = [json.loads(x) for x in (workdir / "trl_rows.jsonl").read_text().splitlines()]
+    dataset = Dataset.from_list(rows)
+    out_dir = workdir / f"trl-run-{time.time_ns()}"
+    args = DPOConfig(
+        output_dir=str(out_dir),
+        per_device_train_batch_size=w.batch_size,
+        gradient_accumulation_steps=1,
+        max_steps=w.steps,
+        learning_rate=w.lr,
+        lr_scheduler_type="cosine",
+        warmup_steps=0,
+        weight_decay=0.0,
+        max_grad_norm=1.0,
+        beta=w.beta,
+        loss_type=["sigmoid"],
+        max_length=w.max_length,
+        bf16=False,
+        fp16=False,
+        gradient_checkpointing=False,
+        use_cpu=True,
+        seed=w.seed,
+        train_sampling_strategy="sequential",
+        model_init_kwargs={"dtype": "float32", "attn_implementation": "sdpa"},
+        logging_steps=w.log_every,
+        report_to="none",
+        save_strategy="no",
+        eval_strategy="no",
+        disable_tqdm=True,
+        dataloader_num_workers=0,
+    )
+
+    class Clock(TrainerCallback):
+        def on_step_end(self, args, state, control, **kwargs):
+            clock.step_done()
+
+    trainer = DPOTrainer(
+        path, ref_model=None, args=args, train_dataset=dataset, processing_class=tokenizer,
+        callbacks=[Clock()],
+    )  # fmt: skip
+    identical = _same_tokens(trainer.train_dataset, workdir)
+    original_training_step = trainer.training_step
+
+    def counted_training_step(model, inputs, *rest, **kwargs):
+        clock.count(inputs["attention_mask"])
+        return original_training_step(model, inputs, *rest, **kwargs)
+
+    trainer.training_step = counted_training_step
+    result = trainer.train()
+    shutil.rmtree(out_dir, ignore_errors=True)
+    return {
+        "impl": "trl",
+        **clock.summary(),
+        "rss_after_imports_mb": after_imports,
+        "peak_rss_mb": memory.overall(),
+        "peak_rss_timed_mb": peak_rss_mb(),
+        "peak_rss_setup_mb": memory.phases.get("setup_and_warmup"),
+        "rss_reset_supported": memory.resettable,
+        "threads": torch.get_num_threads(),
+        "optimizer": str(args.optim),
+        "tokens_identical_to_ours": identical,
+        "final_logged_loss": next(
+            (h["loss"] for h in reversed(trainer.state.log_history) if "loss" in h), None
+        ),
+        "train_runtime_s": result.metrics.get("train_runtime"),
+    }
+
+
+def _same_tokens(dataset, workdir: Path) -> bool:
+    """Whether TRL's tokenized rows equal our pipeline's token ids, row by row."""
+    expected = json.loads((workdir / "expected.json").read_text())["pairs"]
+    if len(dataset) != len(expected):
+        return False
+    cols = {k: dataset[k] for k in ("prompt_ids", "chosen_ids", "rejected_ids")}
+    return all(
+        all(cols[k][i] == e[k] for k in cols) for i, e in enumerate(expected)
+    )
+
+
+# ----------------------------------------------------------------------------- the comparison
+
+
+def compare(w: Workload, rounds: int, *, timeout: float = 900) -> dict[str, Any]:
+    """Prepare once, then `rounds` x (ours, TRL) in fresh processes, alternating who goes first."""
+    with tempfile.TemporaryDirectory(prefix="rlhf-bench-dpo-") as tmp:
+        workdir = Path(tmp)
+        common = ["--workload", w.to_json(), "--workdir", str(workdir)]
+        prep = run_worker("benchmarks.dpo", ["prepare", *common], threads=w.threads, timeout=timeout)
+        runs: list[dict[str, Any]] = []
+        for r in range(rounds):
+            order = ("ours", "trl") if r % 2 == 0 else ("trl", "ours")
+            for impl in order:
+                out = run_worker("benchmarks.dpo", [impl, *common], threads=w.threads, timeout=timeout)
+                out["round"] = r
+                runs.append(out)
+                print(
+                    f"  round {r + 1}/{rounds} {impl:4s}: {out['tokens_per_s']:8.1f} tok/s, "
+                    f"peak RSS {out['peak_rss_mb']:7.1f} MiB (timed steps {out['peak_rss_timed_mb']:.1f})"
+                    f", {out['process_wall_s']:.1f} s process",
+                    flush=True,
+                )
+    return {"workload": asdict(w), "prepare": prep, "runs": runs, "summary": summarize(prep, runs)}
+
+
+def summarize(prep: dict[str, Any], runs: list[dict[str, Any]]) -> dict[str, Any]:
+    by = {impl: [r for r in runs if r["impl"] == impl] for impl in ("ours", "trl")}
+    keys = ("tokens_per_s", "peak_rss_mb", "peak_rss_timed_mb", "rss_after_imports_mb",
+            "step_s_median", "to_first_step_end_s", "process_wall_s")  # fmt: skip
+    out: dict[str, Any] = {
+        impl: {k: median([r[k] for r in rs]) for k in keys} | {
+            f"{k}_range": spread([r[k] for r in rs]) for k in ("tokens_per_s", "peak_rss_mb")
+        }
+        for impl, rs in by.items()
+    }  # fmt: skip
+    # Per-round ratios (each round's two runs ran back to back), then their median.
+    rounds = sorted({r["round"] for r in runs})
+    pair = {
+        rd: {r["impl"]: r for r in runs if r["round"] == rd} for rd in rounds
+    }
+    out["ratio_tokens_per_s"] = median(
+        [p["ours"]["tokens_per_s"] / p["trl"]["tokens_per_s"] for p in pair.values()]
+    )
+    out["ratio_peak_rss"] = median(
+        [p["ours"]["peak_rss_mb"] / p["trl"]["peak_rss_mb"] for p in pair.values()]
+    )
+    out["ratio_peak_rss_timed"] = median(
+        [p["ours"]["peak_rss_timed_mb"] / p["trl"]["peak_rss_timed_mb"] for p in pair.values()]
+    )
+    expected = sum(prep["step_tokens"][runs[0]["steps"] - runs[0]["timed_steps"] :])
+    out["timed_tokens_expected"] = expected
+    out["timed_tokens_match"] = all(r["timed_tokens"] == expected for r in runs)
+    out["tokens_identical"] = all(r.get("tokens_identical_to_ours", True) for r in runs)
+    out["targets"] = {
+        "tokens_per_s >= 2x": out["ratio_tokens_per_s"] >= 2.0,
+        "peak_rss <= 60%": out["ratio_peak_rss"] <= 0.60,
+    }
+    return out
+
+
+def markdown(result: dict[str, Any]) -> str:
+    w, s, p = result["workload"], result["summary"], result["prepare"]
+    m = p["model"]
+    lines = [
+        f"DPO, ours vs trl.DPOTrainer: model `{w['model']}` (Qwen3, {m['parameters'] / 1e6:.1f}M "
+        f"params, hidden {m['hidden_size']}, {m['layers']} layers, GPT-2 vocab {m['vocab_size']}), "
+        f"{p['pairs']} HH pairs, batch {w['batch_size']} pairs, {w['steps']} steps "
+        f"({w['steps'] - w['warmup_steps']} timed), max_length {w['max_length']}, fp32, "
+        f"{w['threads']} threads; medians of {len({r['round'] for r in result['runs']})} "
+        "alternating rounds (min-max in brackets).",
+        "",
+        "| | ours | TRL | ours / TRL | target |",
+        "| --- | ---: | ---: | ---: | --- |",
+        f"| non-pad tokens/s (timed steps) | {s['ours']['tokens_per_s']:.0f} "
+        f"({s['ours']['tokens_per_s_range']}) | {s['trl']['tokens_per_s']:.0f} "
+        f"({s['trl']['tokens_per_s_range']}) | **{s['ratio_tokens_per_s']:.2f}x** | >= 2x: "
+        f"{'met' if s['targets']['tokens_per_s >= 2x'] else 'NOT met'} |",
+        f"| peak RSS, whole process (MiB) | {s['ours']['peak_rss_mb']:.0f} "
+        f"({s['ours']['peak_rss_mb_range']}) | {s['trl']['peak_rss_mb']:.0f} "
+        f"({s['trl']['peak_rss_mb_range']}) | **{s['ratio_peak_rss']:.0%}** | <= 60%: "
+        f"{'met' if s['targets']['peak_rss <= 60%'] else 'NOT met'} |",
+        f"| peak RSS during timed steps (MiB) | {s['ours']['peak_rss_timed_mb']:.0f} | "
+        f"{s['trl']['peak_rss_timed_mb']:.0f} | {s['ratio_peak_rss_timed']:.0%} | |",
+        f"| RSS after imports (MiB) | {s['ours']['rss_after_imports_mb']:.0f} | "
+        f"{s['trl']['rss_after_imports_mb']:.0f} | | |",
+        f"| median step (s) | {s['ours']['step_s_median']:.3f} | {s['trl']['step_s_median']:.3f} "
+        "| | |",
+        f"| process start to end of step 1 (s) | {s['ours']['to_first_step_end_s']:.1f} | "
+        f"{s['trl']['to_first_step_end_s']:.1f} | | |",
+        "",
+        f"Timed non-pad tokens per run: {s['timed_tokens_expected']} (all runs equal: "
+        f"{s['timed_tokens_match']}; TRL's tokenized pairs identical to ours: "
+        f"{s['tokens_identical']}). Padding share of the batches: {p['padding_share']:.1%}; "
+        f"completion tokens are {p['completion_token_share']:.1%} of the sequence tokens.",
+        "",
+    ]
+    return "\n".join(lines)
+
+
+# ----------------------------------------------------------------------------- worker entry
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(prog="python -m benchmarks.dpo")
+    parser.add_argument("what", choices=["prepare", "ours", "trl"])
+    parser.add_argument("--workload", required=True, help="Workload as JSON")
+    parser.add_argument("--workdir", required=True, type=Path)
+    parser.add_argument("--result", required=True, type=Path)
+    args = parser.parse_args(argv)
+    w = Workload.from_json(args.workload)
+    fn = {"prepare": prepare, "ours": run_ours, "trl": run_trl}[args.what]
+    write_result_file(args.result, fn(w, args.workdir))
+
+
+if __name__ == "__main__":
+    main()

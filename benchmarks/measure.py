@@ -1,0 +1,199 @@
+"""Measurement plumbing shared by the benchmarks: peak RSS, fresh worker processes, medians, the
+machine description, and result files.
+
+Peak RSS is the kernel's high-water mark of the process's resident memory (`VmHWM` in
+/proc/self/status, the same figure `getrusage(RUSAGE_SELF).ru_maxrss` reports). Every measured run
+is its own fresh `python -m ...` process started from a small parent that never imports torch, so
+the figure belongs to that run alone. `reset_peak_rss` writes 5 to /proc/self/clear_refs (Linux >=
+4.0), which restarts the high-water mark, so one phase of a run (the timed training steps) can be
+measured on its own; `PeakRSS` keeps the maximum over such resets (the whole-process peak).
+
+Not here: anything that imports torch at module level (the parent process must stay small).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import re
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from datetime import datetime
+from importlib import metadata
+from pathlib import Path
+from typing import Any
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+RESULTS_DIR = REPO_ROOT / "benchmarks" / "results"
+
+
+# ----------------------------------------------------------------------------- memory
+
+
+def _status_mb(field: str) -> float:
+    text = Path("/proc/self/status").read_text()
+    match = re.search(rf"^{field}:\s+(\d+) kB", text, re.MULTILINE)
+    if match is None:
+        raise RuntimeError(f"/proc/self/status has no {field} line (Linux only)")
+    return int(match.group(1)) / 1024
+
+
+def rss_mb() -> float:
+    """Resident memory of this process now, MiB."""
+    return _status_mb("VmRSS")
+
+
+def peak_rss_mb() -> float:
+    """High-water mark of resident memory since start (or the last reset), MiB."""
+    return _status_mb("VmHWM")
+
+
+def reset_peak_rss() -> bool:
+    """Restart the high-water mark at the current RSS; False where the kernel does not allow it."""
+    try:
+        Path("/proc/self/clear_refs").write_text("5")
+    except OSError:
+        return False
+    return True
+
+
+class PeakRSS:
+    """Peak RSS of the whole process across phases: `phase()` closes a phase and starts the next.
+
+    `phases` maps each closed phase's name to its own peak (MiB); `overall()` is the maximum."""
+
+    def __init__(self) -> None:
+        self.phases: dict[str, float] = {}
+        self.resettable = True
+
+    def phase(self, name: str) -> float:
+        peak = peak_rss_mb()
+        self.phases[name] = peak
+        self.resettable = reset_peak_rss() and self.resettable
+        return peak
+
+    def overall(self) -> float:
+        return max([peak_rss_mb(), *self.phases.values()])
+
+
+# ----------------------------------------------------------------------------- workers
+
+
+def worker_env(threads: int) -> dict[str, str]:
+    """Environment of a measured process: fixed thread counts, no network, quiet libraries."""
+    env = dict(os.environ)
+    env.update({
+        "OMP_NUM_THREADS": str(threads),
+        "MKL_NUM_THREADS": str(threads),
+        "TOKENIZERS_PARALLELISM": "false",
+        "HF_HUB_OFFLINE": "1",
+        "HF_DATASETS_OFFLINE": "1",
+        "TRANSFORMERS_NO_ADVISORY_WARNINGS": "1",
+        "WANDB_MODE": "disabled",
+        "PYTHONWARNINGS": "ignore",
+    })  # fmt: skip
+    return env
+
+
+def run_worker(module: str, args: list[str], *, threads: int, timeout: float) -> dict[str, Any]:
+    """Run `python -m module *args --result FILE` in a fresh process and return FILE's JSON.
+
+    The wall time of the whole process (imports included) is added as `process_wall_s`."""
+    with tempfile.TemporaryDirectory(prefix="rlhf-bench-") as tmp:
+        result = Path(tmp) / "result.json"
+        cmd = [sys.executable, "-m", module, *args, "--result", str(result)]
+        start = time.perf_counter()
+        proc = subprocess.run(
+            cmd, cwd=REPO_ROOT, env=worker_env(threads), capture_output=True, text=True,
+            timeout=timeout,
+        )  # fmt: skip
+        wall = time.perf_counter() - start
+        if proc.returncode != 0 or not result.is_file():
+            tail = "\n".join((proc.stdout + proc.stderr).splitlines()[-40:])
+            raise RuntimeError(f"worker {' '.join(cmd[2:])} failed (exit {proc.returncode}):\n{tail}")
+        out = json.loads(result.read_text())
+    out["process_wall_s"] = wall
+    return out
+
+
+def write_result_file(path: str | Path, payload: dict[str, Any]) -> None:
+    """A worker's answer to its parent (atomic, so a crash never leaves half a file)."""
+    path = Path(path)
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps(payload, indent=1))
+    os.replace(tmp, path)
+
+
+# ----------------------------------------------------------------------------- statistics
+
+
+def median(values: list[float]) -> float:
+    return float(statistics.median(values))
+
+
+def spread(values: list[float]) -> str:
+    """`min-max` of a list, for the tables."""
+    return f"{min(values):.4g}-{max(values):.4g}"
+
+
+# ----------------------------------------------------------------------------- reporting
+
+
+def _version(dist: str) -> str:
+    try:
+        return metadata.version(dist)
+    except metadata.PackageNotFoundError:
+        return "not installed"
+
+
+def machine() -> dict[str, Any]:
+    """What the numbers were measured on."""
+    cpu = "unknown"
+    cpuinfo = Path("/proc/cpuinfo")
+    if cpuinfo.is_file():
+        match = re.search(r"^model name\s*:\s*(.+)$", cpuinfo.read_text(), re.MULTILINE)
+        cpu = match.group(1).strip() if match else cpu
+    meminfo = Path("/proc/meminfo")
+    mem_gib = None
+    if meminfo.is_file():
+        match = re.search(r"^MemTotal:\s+(\d+) kB", meminfo.read_text(), re.MULTILINE)
+        mem_gib = round(int(match.group(1)) / 2**20, 1) if match else None
+    try:
+        cores = len(os.sched_getaffinity(0))
+    except AttributeError:
+        cores = os.cpu_count()
+    return {
+        "cpu": cpu,
+        "cores_available": cores,
+        "memory_gib": mem_gib,
+        "platform": platform.platform(),
+        "python": platform.python_version(),
+        "load_average_at_start": [round(x, 2) for x in os.getloadavg()],
+        "versions": {
+            d: _version(d) for d in ("torch", "transformers", "trl", "accelerate", "datasets")
+        },
+    }
+
+
+def timestamp() -> str:
+    return datetime.now().strftime("%Y%m%d-%H%M%S")
+
+
+def write_results(stem: str, payload: dict[str, Any], markdown: str) -> tuple[Path, Path]:
+    """`results/<stem>.json` and `.md`, plus `results/latest.md` (the newest table)."""
+    RESULTS_DIR.mkdir(parents=True, exist_ok=True)
+    json_path = RESULTS_DIR / f"{stem}.json"
+    md_path = RESULTS_DIR / f"{stem}.md"
+    for path, text in ((json_path, json.dumps(payload, indent=1) + "\n"), (md_path, markdown)):
+        tmp = path.with_suffix(path.suffix + ".tmp")
+        tmp.write_text(text)
+        os.replace(tmp, path)
+    latest = RESULTS_DIR / "latest.md"
+    tmp = latest.with_suffix(".md.tmp")
+    tmp.write_text(markdown)
+    os.replace(tmp, latest)
+    return json_path, md_path

@@ -1,0 +1,145 @@
+"""One step's experience: rollouts -> rewards -> old/reference log-probs -> advantages.
+
+`collect_experience` is the first half of a policy-gradient step, kept out of `train.py` so that
+file reads as the loop. With DAPO's dynamic sampling it generates in rounds, keeps only groups
+whose rewards are not all equal (they carry no group-relative signal), and stops once it has
+`prompts_per_step` groups or `max_sampling_rounds` rounds. Each round becomes its own
+`Experience` (rows of different rounds differ in width; the replay buffer never mixes them).
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from policy_gradients.experience import Experience
+from policy_gradients.rewards import CombinedReward, RewardInput, scalar_on_last_token
+from policy_gradients.rollout import PromptSet, completion_logprobs, generate_rollouts
+from rlhf_core.data import EpochSampler
+from rlhf_core.kl import kl_estimate
+from rlhf_core.logprobs import masked_mean
+from rlhf_core.models import ReferencePolicy
+
+
+@dataclass
+class Collected:
+    experiences: list[Experience]
+    metrics: dict[str, float]
+    log_rows: list[tuple] = field(default_factory=list)
+
+
+@torch.no_grad()
+def collect_experience(
+    *,
+    step: int,
+    policy: torch.nn.Module,
+    reference: ReferencePolicy | None,
+    tokenizer,
+    prompts: PromptSet,
+    sampler: EpochSampler,
+    prompts_per_step: int,
+    rank: int,
+    world: int,
+    cfg: Any,  # PGConfig
+    reward_fn: CombinedReward,
+    estimator: Any,
+) -> Collected:
+    r, alg = cfg.rollout, cfg.algorithm
+    device = next(policy.parameters()).device
+    experiences, log_rows = [], []
+    sums: dict[str, float] = {}
+    counts = {"groups": 0, "completions": 0, "dropped_groups": 0}
+    t_gen = t_score = 0.0
+    rounds = alg.max_sampling_rounds if alg.dynamic_sampling else 1
+    needed = prompts_per_step // world
+    for _ in range(rounds):
+        # every rank draws the same global batch and keeps its own slice of whole groups
+        indices = sampler.next_batch(prompts_per_step)[rank::world]
+        items = [prompts.items[i] for i in indices]
+        t0 = time.perf_counter()
+        ro = generate_rollouts(
+            policy, tokenizer, [it["prompt"] for it in items], group_size=r.group_size,
+            max_new_tokens=r.max_new_tokens, temperature=r.temperature, top_p=r.top_p,
+            top_k=r.top_k, min_p=r.min_p,
+        )  # fmt: skip
+        t1 = time.perf_counter()
+        rep_items = [it for it in items for _ in range(r.group_size)]
+        lengths = ro.action_mask.sum(-1)
+        rin = RewardInput(
+            prompts=[it["prompt"] for it in rep_items], completions=ro.completions,
+            items=rep_items, lengths=lengths.cpu(), action_mask=ro.action_mask.cpu(),
+            scorer=prompts.scorer,
+        )  # fmt: skip
+        total, parts = reward_fn(rin)
+        t_score += time.perf_counter() - t1
+        t_gen += t1 - t0
+        group_ids = torch.arange(len(items)).repeat_interleave(r.group_size) + step * 100_000
+
+        keep = torch.ones(len(items), dtype=torch.bool)
+        if alg.dynamic_sampling:
+            grouped = (total if total.dim() == 1 else total.sum(-1)).view(len(items), r.group_size)
+            keep = grouped.max(-1).values > grouped.min(-1).values
+            room = needed - counts["groups"]
+            keep &= keep.long().cumsum(0) <= room
+            counts["dropped_groups"] += int((~keep).sum())
+        rows = keep.repeat_interleave(r.group_size).nonzero().squeeze(-1)
+        if len(rows) == 0:
+            continue
+        mask = ro.action_mask[rows].to(device)
+        ids, attn = ro.sequence_ids[rows], ro.attention_mask[rows]
+        old = completion_logprobs(policy, ids, attn, ro.prompt_length, temperature=r.temperature)
+        ref = None
+        if reference is not None:
+            with reference.model() as ref_model:
+                ref = completion_logprobs(ref_model, ids, attn, ro.prompt_length,
+                                          temperature=r.temperature)  # fmt: skip
+        reward = total[rows].to(device)
+        if alg.kl_in_reward.beta > 0:
+            kl_tok = kl_estimate(old, ref, alg.kl_in_reward.estimator) * mask
+            if getattr(estimator, "needs_values", False) or reward.dim() == 2:
+                dense = reward if reward.dim() == 2 else scalar_on_last_token(reward, mask)
+                reward = dense - alg.kl_in_reward.beta * kl_tok
+            else:
+                reward = reward - alg.kl_in_reward.beta * kl_tok.sum(-1)
+        advantages, returns = estimator(
+            reward, action_mask=mask, group_ids=group_ids[rows].to(device)
+        )
+        experiences.append(Experience(
+            sequence_ids=ids, attention_mask=attn, action_mask=mask, log_probs_old=old,
+            log_probs_ref=ref, advantages=advantages, returns=returns,
+            rewards={k: v[rows] for k, v in parts.items()}, group_ids=group_ids[rows],
+        ))  # fmt: skip
+
+        seq_adv = masked_mean(advantages, mask, dim=-1)
+        for j, row in enumerate(rows.tolist()):
+            components = json.dumps({k: float(v[row].sum()) for k, v in parts.items()})
+            log_rows.append((
+                step, rin.prompts[row], ro.completions[row], float(total[row].sum()), components,
+                float(seq_adv[j]), int(lengths[row]), int(ro.truncated[row]),
+            ))  # fmt: skip
+        counts["groups"] += int(keep.sum())
+        counts["completions"] += len(rows)
+        for key, value in parts.items():
+            sums[f"reward/{key}"] = sums.get(f"reward/{key}", 0.0) + float(value[rows].sum())
+        sums["reward/total"] = sums.get("reward/total", 0.0) + float(total[rows].sum())
+        sums["length/mean"] = sums.get("length/mean", 0.0) + float(lengths[rows].sum())
+        sums["length/truncated"] = sums.get("length/truncated", 0.0) + float(
+            ro.truncated[rows].sum()
+        )
+        if ref is not None:
+            sums["kl/k3"] = sums.get("kl/k3", 0.0) + float(
+                masked_mean(kl_estimate(old, ref, "k3"), mask, dim=-1).sum()
+            )
+        if counts["groups"] >= needed:
+            break
+    n = max(1, counts["completions"])
+    metrics = {k: v / n for k, v in sums.items()}
+    metrics.update({
+        "time/generate_s": t_gen, "time/score_s": t_score, "sampling/groups": counts["groups"],
+        "sampling/dropped_groups": counts["dropped_groups"],
+    })  # fmt: skip
+    return Collected(experiences=experiences, metrics=metrics, log_rows=log_rows)

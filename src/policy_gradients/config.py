@@ -1,0 +1,143 @@
+"""Configuration of policy-gradient training, loaded from YAML.
+
+An algorithm is a named combination written out in full in its YAML (nothing is filled in
+behind the user's back except documented keyword defaults, which the resolved config shows):
+
+    algorithm:
+      name: grpo                                   # a label for logs
+      advantage: {name: grpo, eps: 1.0e-6}         # policy_gradients.advantages.ADVANTAGES
+      loss: {name: clipped, eps_low: 0.2, eps_high: 0.2, aggregation: seq-mean-token-mean,
+             kl_beta: 0.04, kl_estimator: k3}      # policy_gradients.losses.LOSSES (KL in loss)
+      kl_in_reward: {beta: 0.0, estimator: k1}     # KL as a per-token reward (PPO, REINFORCE)
+      value_loss: null                             # PPO: {name: value, eps_v: 0.2}, coef
+      dynamic_sampling: false                      # DAPO: drop groups with equal rewards
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import Field, field_validator, model_validator
+
+from rlhf_core.checkpoint import CheckpointConfig
+from rlhf_core.config import StrictModel
+from rlhf_core.data import DataSource, check_heldout_seeds
+from rlhf_core.models import ModelConfig
+from rlhf_core.optim import OptimConfig
+from rlhf_core.registry import validate_spec
+from rlhf_core.tracking import TrackingConfig
+
+
+class KLRewardConfig(StrictModel):
+    beta: float = Field(0.0, ge=0, description="weight of -beta * k per token in the reward")
+    estimator: Literal["k1", "k2", "k3"] = Field("k1", description="KL estimator (rlhf_core.kl)")
+
+
+class AlgorithmConfig(StrictModel):
+    name: str = Field(description="label of this combination, e.g. grpo")
+    advantage: dict[str, Any] = Field(description="advantage estimator name and keywords")
+    loss: dict[str, Any] = Field(description="per-token policy loss name and keywords")
+    kl_in_reward: KLRewardConfig = Field(
+        default_factory=KLRewardConfig, description="KL penalty folded into the reward"
+    )
+    value_loss: dict[str, Any] | None = Field(None, description="value loss (PPO), name + keywords")
+    value_coef: float = Field(0.5, ge=0, description="weight of the value loss")
+    ppo_epochs: int = Field(1, ge=1, description="optimizer steps (passes) per rollout batch")
+    dynamic_sampling: bool = Field(
+        False, description="DAPO: drop groups whose rewards are all equal, resample to fill"
+    )
+    max_sampling_rounds: int = Field(4, ge=1, description="cap on dynamic-sampling generations")
+
+    @field_validator("advantage")
+    @classmethod
+    def _advantage(cls, spec: dict[str, Any]) -> dict[str, Any]:
+        from policy_gradients.advantages import ADVANTAGES
+
+        return validate_spec(ADVANTAGES, spec, where="algorithm.advantage")
+
+    @field_validator("loss", "value_loss")
+    @classmethod
+    def _loss(cls, spec: dict[str, Any] | None) -> dict[str, Any] | None:
+        from policy_gradients.losses import LOSSES
+
+        return None if spec is None else validate_spec(LOSSES, spec, where="algorithm.loss")
+
+
+class PromptDataConfig(StrictModel):
+    train: DataSource = Field(description="training prompts (reasoning-gym or a file)")
+    eval: DataSource | None = Field(None, description="held-out prompts")
+    prompt_column: str = Field("prompt", description="question column of file rows")
+    answer_column: str = Field("answer", description="reference answer column of file rows")
+    prompt_template: str = Field("{question}", description="user turn; {question} is replaced")
+    system_prompt: str | None = Field(None, description="optional system turn")
+
+    @model_validator(mode="after")
+    def _heldout_is_heldout(self) -> PromptDataConfig:
+        check_heldout_seeds(self.train, self.eval)
+        return self
+
+
+class RolloutConfig(StrictModel):
+    prompts_per_step: int = Field(8, gt=0, description="prompts sampled per step")
+    group_size: int = Field(8, gt=0, description="completions per prompt")
+    max_new_tokens: int = Field(64, gt=0, description="completion length cap")
+    temperature: float = Field(1.0, gt=0, description="sampling temperature (log-probs use it)")
+    top_p: float = Field(1.0, gt=0, le=1, description="nucleus sampling")
+    top_k: int = Field(0, ge=0, description="top-k sampling; 0 = off")
+    min_p: float = Field(0.0, ge=0, lt=1, description="min-p sampling; 0 = off")
+
+
+class PGTrainConfig(StrictModel):
+    max_steps: int = Field(100, gt=0, description="rollout + update steps")
+    micro_batch_size: int = Field(16, gt=0, description="completions per forward/backward")
+    eval_every: int = Field(0, ge=0, description="held-out eval every k steps (and at the end)")
+    eval_size: int | None = Field(None, gt=0, description="held-out prompts; null = all")
+    reference: Literal["copy", "adapter"] = Field(
+        "copy", description="pi_ref: a frozen copy, or (LoRA) the policy with adapter disabled"
+    )
+    threads: int | None = Field(None, gt=0, description="CPU threads; null = free cores")
+    device: Literal["auto", "cpu", "cuda"] = Field("auto", description="auto = cuda if available")
+
+
+class PGConfig(StrictModel):
+    name: str = Field(
+        "grpo", description="run name (run dir outputs/policy_gradients/<name>-<time>)"
+    )
+    seed: int = Field(0, description="seed for prompts order, sampling and shuffling")
+    model: ModelConfig = Field(description="the policy (its starting weights are also pi_ref)")
+    value_model: ModelConfig | None = Field(
+        None, description="PPO value model backbone; null = the policy's starting checkpoint"
+    )
+    data: PromptDataConfig = Field(description="prompts")
+    rewards: list[dict[str, Any]] = Field(description="reward components with weights")
+    algorithm: AlgorithmConfig = Field(description="estimator + loss + KL placement")
+    rollout: RolloutConfig = Field(default_factory=RolloutConfig, description="sampling")
+    train: PGTrainConfig = Field(default_factory=PGTrainConfig, description="loop settings")
+    optim: OptimConfig = Field(default_factory=OptimConfig, description="optimizer and schedule")
+    checkpoint: CheckpointConfig = Field(default_factory=CheckpointConfig, description="saving")
+    tracking: TrackingConfig = Field(default_factory=TrackingConfig, description="logging")
+
+    @field_validator("rewards")
+    @classmethod
+    def _rewards(cls, specs: list[dict[str, Any]]) -> list[dict[str, Any]]:
+        from policy_gradients.rewards import REWARDS
+
+        if not specs:
+            raise ValueError("rewards: list at least one component")
+        out = []
+        for i, spec in enumerate(specs):
+            extra = {k: spec[k] for k in ("weight", "label") if k in spec}
+            core = {k: v for k, v in spec.items() if k not in extra}
+            checked = validate_spec(REWARDS, core, where=f"rewards.{i}")
+            out.append({**checked, "weight": float(extra.get("weight", 1.0)),
+                        "label": extra.get("label", checked["name"])})  # fmt: skip
+        return out
+
+    @model_validator(mode="after")
+    def _consistent(self) -> PGConfig:
+        if self.train.reference == "adapter" and self.model.lora is None:
+            raise ValueError("train.reference 'adapter' needs model.lora")
+        uses_gae = self.algorithm.advantage["name"] == "gae"
+        if uses_gae != (self.algorithm.value_loss is not None):
+            raise ValueError("the 'gae' advantage needs algorithm.value_loss, and only it does")
+        return self

@@ -1,0 +1,95 @@
+"""What a rollout leaves behind for the update: `Experience`, and the `ReplayBuffer` of them.
+
+Shapes: B completions, S = prompt + completion tokens (left-padded prompts, right-padded
+completions), T = completion tokens (S = P + T). Per-token tensors (B, T) are aligned with the
+completion: column t is the t-th generated token, and `action_mask` is 1 on generated tokens up
+to and including the first eos, 0 after it and on padding.
+
+Not here: how rollouts are generated (`rollout.py`) or scored (`rewards.py`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, fields
+
+import torch
+
+
+@dataclass(kw_only=True)
+class Experience:
+    """One batch of rollouts with everything the losses need."""
+
+    sequence_ids: torch.Tensor  # (B, S) prompt + completion token ids
+    attention_mask: torch.Tensor  # (B, S)
+    action_mask: torch.Tensor  # (B, T) 1 on completion tokens through the first eos
+    log_probs_old: torch.Tensor  # (B, T) log pi_old(a_t | s_t) of the sampling distribution
+    advantages: torch.Tensor  # (B, T)
+    log_probs_ref: torch.Tensor | None = None  # (B, T) under pi_ref, when a KL is used
+    values_old: torch.Tensor | None = None  # (B, T) value model at rollout time (PPO)
+    returns: torch.Tensor | None = None  # (B, T) value targets (PPO)
+    rewards: dict[str, torch.Tensor] = field(default_factory=dict)  # name -> (B,) or (B, T)
+    group_ids: torch.Tensor | None = None  # (B,) which prompt each completion answers
+
+    @property
+    def completion_length(self) -> int:
+        return self.action_mask.shape[1]
+
+    def __len__(self) -> int:
+        return self.sequence_ids.shape[0]
+
+    def select(self, index: torch.Tensor | list[int]) -> Experience:
+        """The rows `index` (a micro-batch), every tensor field indexed alike."""
+        index = torch.as_tensor(index, dtype=torch.long, device=self.sequence_ids.device)
+        out = {}
+        for f in fields(self):
+            value = getattr(self, f.name)
+            if isinstance(value, torch.Tensor):
+                out[f.name] = value[index]
+            elif isinstance(value, dict):
+                out[f.name] = {k: v[index] for k, v in value.items()}
+            else:
+                out[f.name] = value
+        return Experience(**out)
+
+    def to(self, device: torch.device | str) -> Experience:
+        out = {}
+        for f in fields(self):
+            value = getattr(self, f.name)
+            if isinstance(value, torch.Tensor):
+                out[f.name] = value.to(device)
+            elif isinstance(value, dict):
+                out[f.name] = {k: v.to(device) for k, v in value.items()}
+            else:
+                out[f.name] = value
+        return Experience(**out)
+
+
+class ReplayBuffer:
+    """Holds the experiences of one policy step; yields seeded, shuffled micro-batches."""
+
+    def __init__(self) -> None:
+        self.items: list[Experience] = []
+
+    def add(self, experience: Experience) -> None:
+        self.items.append(experience)
+
+    def clear(self) -> None:
+        self.items.clear()
+
+    def __len__(self) -> int:
+        return sum(len(e) for e in self.items)
+
+    def micro_batches(self, micro_batch_size: int, *, seed: int) -> list[Experience]:
+        """All rows, shuffled by a generator seeded with `seed`, cut into micro-batches.
+
+        Rows of different experiences may differ in width (S, T); each micro-batch is drawn from
+        one experience so no re-padding is needed.
+        """
+        gen = torch.Generator().manual_seed(seed)
+        batches = []
+        for exp in self.items:
+            order = torch.randperm(len(exp), generator=gen)
+            for start in range(0, len(exp), micro_batch_size):
+                batches.append(exp.select(order[start : start + micro_batch_size]))
+        order = torch.randperm(len(batches), generator=gen).tolist()
+        return [batches[i] for i in order]

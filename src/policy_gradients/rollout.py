@@ -1,0 +1,194 @@
+"""Prompts, rollouts and the rollout log.
+
+`load_prompts` turns a data source into prompt items: reasoning-gym entries (question ->
+prompt, kept for the task's scorer) or file rows with a prompt and an answer column (GSM8K:
+`question` / `answer`). An optional `prompt_template` wraps the question (e.g. to ask for
+<answer> tags) and an optional system prompt is prepended.
+
+`generate_rollouts` samples `group_size` completions for each prompt with transformers
+`generate` (KV cache, left padding) and returns token-level tensors: the completion is everything
+after the (left-padded) prompt; `action_mask` is 1 through the first eos and 0 after it; a
+completion without eos is `truncated`.
+
+`RolloutLog` appends every rollout to `rollouts.sqlite` from a background thread, so writing
+never blocks training.
+"""
+
+from __future__ import annotations
+
+import queue
+import sqlite3
+import threading
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from rlhf_core.chat import render_prompt
+from rlhf_core.data import DataSource, load_rows, reasoning_gym_dataset
+
+
+@dataclass
+class PromptSet:
+    items: list[dict[str, Any]]  # {"prompt": rendered text, "answer": str, "entry": dict | None}
+    scorer: Any | None  # reasoning-gym dataset, if the prompts came from one
+
+
+def load_prompts(
+    source: DataSource,
+    tokenizer,
+    *,
+    prompt_column: str,
+    answer_column: str,
+    prompt_template: str,
+    system_prompt: str | None,
+    where: str,
+    limit: int | None = None,
+) -> PromptSet:
+    scorer = None
+    if source.reasoning_gym is not None:
+        scorer = reasoning_gym_dataset(source.reasoning_gym)
+        rows: Any = [{"question": e["question"], "answer": e["answer"], "entry": e} for e in scorer]
+        prompt_column, answer_column = "question", "answer"
+    else:
+        rows = load_rows(source, field=where)
+    items = []
+    for index, row in enumerate(rows):
+        for column in (prompt_column, answer_column):
+            if row.get(column) is None:
+                raise ValueError(f"{where}: row {index} is missing column {column!r} ({list(row)})")
+        messages = [
+            {"role": "user", "content": prompt_template.format(question=row[prompt_column])}
+        ]
+        if system_prompt:
+            messages.insert(0, {"role": "system", "content": system_prompt})
+        text = render_prompt(tokenizer, messages, where=f"{where}: row {index}")
+        items.append({"prompt": text, "answer": str(row[answer_column]), "entry": row.get("entry")})
+        if limit is not None and len(items) >= limit:
+            break
+    if not items:
+        raise ValueError(f"{where}: no prompts in {source.describe()}")
+    return PromptSet(items=items, scorer=scorer)
+
+
+@dataclass
+class Rollouts:
+    sequence_ids: torch.Tensor  # (B, S) = left-padded prompt (P) + completion (T)
+    attention_mask: torch.Tensor  # (B, S)
+    action_mask: torch.Tensor  # (B, T)
+    prompt_length: int  # P
+    completions: list[str]
+    truncated: torch.Tensor  # (B,) bool
+
+
+@torch.no_grad()
+def generate_rollouts(
+    model: torch.nn.Module,
+    tokenizer,
+    prompts: list[str],
+    *,
+    group_size: int,
+    max_new_tokens: int,
+    temperature: float,
+    top_p: float = 1.0,
+    top_k: int = 0,
+    min_p: float = 0.0,
+) -> Rollouts:
+    """`group_size` sampled completions per prompt, grouped consecutively (rows g*G ... g*G+G-1)."""
+    if tokenizer.padding_side != "left":
+        raise ValueError("generate_rollouts needs a left-padding tokenizer")
+    device = next(model.parameters()).device
+    enc = tokenizer(prompts, return_tensors="pt", padding=True, add_special_tokens=False).to(device)
+    ids = enc["input_ids"].repeat_interleave(group_size, dim=0)
+    mask = enc["attention_mask"].repeat_interleave(group_size, dim=0)
+    sampling: dict[str, Any] = {"do_sample": temperature > 0}
+    if temperature > 0:
+        sampling.update(temperature=temperature, top_p=top_p, top_k=top_k)
+        if min_p > 0:
+            sampling["min_p"] = min_p
+    was_training = model.training
+    model.eval()
+    try:
+        out = model.generate(
+            input_ids=ids, attention_mask=mask, max_new_tokens=max_new_tokens,
+            eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id,
+            use_cache=True, **sampling,
+        )  # fmt: skip
+    finally:
+        model.train(was_training)
+    prompt_length = ids.shape[1]
+    completion = out[:, prompt_length:]
+    is_eos = completion == tokenizer.eos_token_id
+    # 1 through the first eos: positions whose count of earlier eos tokens is zero
+    before_first_eos = (is_eos.long().cumsum(-1) - is_eos.long()) == 0
+    action_mask = before_first_eos.long()
+    truncated = ~is_eos.any(-1)
+    texts = tokenizer.batch_decode(completion.masked_fill(action_mask == 0, tokenizer.pad_token_id),
+                                   skip_special_tokens=True)  # fmt: skip
+    sequence_ids = torch.cat(
+        [ids, completion.masked_fill(action_mask == 0, tokenizer.pad_token_id)], 1
+    )
+    attention_mask = torch.cat([mask, action_mask], dim=1)
+    return Rollouts(sequence_ids, attention_mask, action_mask, prompt_length, texts, truncated)
+
+
+def completion_logprobs(
+    model: torch.nn.Module, rollouts_ids: torch.Tensor, attention_mask: torch.Tensor,
+    prompt_length: int, *, temperature: float, with_entropy: bool = False,
+) -> Any:  # fmt: skip
+    """Log-probs (B, T) of the completion tokens under logits / temperature (the sampling
+    distribution); with `with_entropy`, also the per-token entropies (B, T)."""
+    from rlhf_core.logprobs import causal_lm_token_logprobs
+
+    out = causal_lm_token_logprobs(
+        model, rollouts_ids, attention_mask, temperature=temperature, with_entropy=with_entropy
+    )
+    if with_entropy:
+        logps, entropy = out
+        return logps[:, prompt_length - 1 :], entropy[:, prompt_length - 1 :]
+    return out[:, prompt_length - 1 :]
+
+
+class RolloutLog:
+    """Appends rollouts to `<run_dir>/rollouts.sqlite` on a background thread."""
+
+    SCHEMA = (
+        "CREATE TABLE IF NOT EXISTS rollouts (step INTEGER, prompt TEXT, completion TEXT, "
+        "reward REAL, components TEXT, advantage REAL, length INTEGER, truncated INTEGER)"
+    )
+
+    def __init__(self, path: Path, *, enabled: bool = True, resume_step: int | None = None) -> None:
+        self.path, self.enabled = Path(path), enabled
+        self._queue: queue.Queue = queue.Queue()
+        self._thread: threading.Thread | None = None
+        if not enabled:
+            return
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        with sqlite3.connect(self.path) as conn:
+            conn.execute(self.SCHEMA)
+            # a fresh run starts empty; a resumed one drops the rows it is about to redo
+            conn.execute("DELETE FROM rollouts WHERE step > ?", (resume_step or 0,))
+        self._thread = threading.Thread(target=self._run, name="rollout-log", daemon=True)
+        self._thread.start()
+
+    def write(self, rows: list[tuple]) -> None:
+        if self.enabled:
+            self._queue.put(rows)
+
+    def _run(self) -> None:
+        conn = sqlite3.connect(self.path)
+        while True:
+            rows = self._queue.get()
+            if rows is None:
+                break
+            conn.executemany("INSERT INTO rollouts VALUES (?, ?, ?, ?, ?, ?, ?, ?)", rows)
+            conn.commit()
+        conn.close()
+
+    def close(self) -> None:
+        """Flush everything queued and stop the writer."""
+        if self._thread is not None:
+            self._queue.put(None)
+            self._thread.join()
+            self._thread = None

@@ -1,0 +1,241 @@
+"""Policy-gradient RL from verifiable or learned rewards: REINFORCE, RLOO, PPO, GRPO, Dr. GRPO,
+GSPO, CISPO, DAPO, each a YAML combination of advantage estimator, per-token loss, aggregation
+and KL placement.
+
+    uv run python -m policy_gradients.train --config configs/policy_gradients/grpo.yaml
+
+One step, top to bottom: sample prompts -> generate `group_size` completions each (KV cache,
+left padding) -> score with the reward components -> old and reference log-probs of the
+sampling distribution -> advantages (`collect.py`) -> `ppo_epochs` passes over the replay buffer
+in shuffled micro-batches, each pass one clipped optimizer step (the loss is normalised over the
+whole step's tokens/sequences, so accumulation equals one big batch) -> log (rewards, KL,
+entropy, clip fraction, lengths, time split) -> held-out eval every k steps -> checkpoint.
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+from contextlib import nullcontext
+
+import torch
+
+from policy_gradients.advantages import ADVANTAGES
+from policy_gradients.collect import collect_experience
+from policy_gradients.config import PGConfig
+from policy_gradients.evaluate import evaluate_policy
+from policy_gradients.experience import ReplayBuffer
+from policy_gradients.losses import LOSSES
+from policy_gradients.rewards import CombinedReward
+from policy_gradients.rollout import RolloutLog, completion_logprobs, load_prompts
+from rlhf_core.checkpoint import StopSignal
+from rlhf_core.config import RunArgs, parse_run_args
+from rlhf_core.data import EpochSampler
+from rlhf_core.loop import (
+    announce_stop,
+    optimizer_step,
+    print_dry_run,
+    restore_checkpoint,
+    save_final,
+    save_training_state,
+    start_accelerator,
+)
+from rlhf_core.models import ReferencePolicy, load_causal_lm, load_tokenizer, resolve_model_path
+from rlhf_core.optim import build_optimizer, build_scheduler
+from rlhf_core.registry import build_from_spec
+from rlhf_core.runtime import seed_everything
+from rlhf_core.tracking import Tracker, new_run_dir, resolve_resume
+
+PACKAGE = "policy_gradients"
+
+
+def train(cfg: PGConfig, run: RunArgs) -> int:
+    """Run RL as configured; returns the exit code (0, or 130/143 after a signal)."""
+    accelerator, threads = start_accelerator(cfg.train)
+    device, rank, world = accelerator.device, accelerator.process_index, accelerator.num_processes
+    is_main = accelerator.is_main_process
+    alg, ro, t = cfg.algorithm, cfg.rollout, cfg.train
+    if ro.prompts_per_step % world:
+        raise ValueError(f"rollout.prompts_per_step ({ro.prompts_per_step}) must divide by {world}")
+
+    # --- tokenizer, prompts, rewards, algorithm parts
+    tokenizer = load_tokenizer(cfg.model, padding_side="left")
+    d = cfg.data
+    prompt_args = {
+        "prompt_column": d.prompt_column, "answer_column": d.answer_column,
+        "prompt_template": d.prompt_template, "system_prompt": d.system_prompt,
+    }  # fmt: skip
+    train_prompts = load_prompts(d.train, tokenizer, where="data.train", **prompt_args)
+    eval_prompts = None
+    if d.eval is not None:
+        eval_prompts = load_prompts(
+            d.eval, tokenizer, where="data.eval", limit=t.eval_size, **prompt_args
+        )
+    reward_fn = CombinedReward(cfg.rewards)
+    estimator = build_from_spec(ADVANTAGES, alg.advantage)
+    loss_fn = build_from_spec(LOSSES, alg.loss)
+    needs_reference = loss_fn.needs_reference or alg.kl_in_reward.beta > 0
+    run_dir, ckpt = resolve_resume(
+        run.resume, package=PACKAGE, name=cfg.name, output_dir=run.output_dir
+    )
+    run_dir = run_dir or new_run_dir(PACKAGE, cfg.name, run.output_dir)
+
+    if run.dry_run:
+        print_dry_run(cfg, {
+            "model": f"{cfg.model.name_or_path} -> {resolve_model_path(cfg.model.name_or_path)}",
+            "tokenizer": f"{type(tokenizer).__name__}, vocab {len(tokenizer)}",
+            "algorithm": f"{alg.name}: {type(estimator).__name__} + {type(loss_fn).__name__}",
+            "reference": t.reference if needs_reference else "none (no KL term)",
+            "rewards": ", ".join(f"{r['weight']} x {r['label']}" for r in cfg.rewards),
+            "train prompts": f"{len(train_prompts.items)} ({d.train.describe()})",
+            "eval prompts": len(eval_prompts.items) if eval_prompts else 0,
+            "would run": f"{t.max_steps} steps x {ro.prompts_per_step} prompts x "
+            f"{ro.group_size} completions on {device} ({world} procs)",
+            "run dir": f"{run_dir}" + (f" (resuming {ckpt})" if ckpt else ""),
+        })  # fmt: skip
+        return 0
+
+    # --- policy, reference, optimizer
+    seed_everything(cfg.seed)
+    policy = load_causal_lm(cfg.model, device, weights_from=ckpt)
+    reference = None
+    if needs_reference:
+        if t.reference == "adapter":
+            reference = ReferencePolicy(policy, "adapter")
+        else:  # the starting weights, never the resumed ones
+            start = load_causal_lm(cfg.model.model_copy(update={"lora": None}), device)
+            reference = ReferencePolicy(start, "frozen")
+    policy.train()
+    total_updates = t.max_steps * alg.ppo_epochs
+    optimizer = build_optimizer(policy, cfg.optim)
+    scheduler = build_scheduler(optimizer, cfg.optim, total_updates)
+    policy, optimizer = accelerator.prepare(policy, optimizer)
+    sampler = EpochSampler(len(train_prompts.items), cfg.seed)
+    step, skipped = 0, 0
+    if ckpt is not None:
+        step, state = restore_checkpoint(
+            ckpt, optimizer=optimizer, scheduler=scheduler, sampler=sampler
+        )
+        skipped = state["skipped_steps"]
+    tracker = Tracker(
+        run_dir, cfg, cfg.tracking, total_steps=t.max_steps, resume_step=step if ckpt else None,
+        enabled=is_main,
+    )  # fmt: skip
+    rollout_log = RolloutLog(
+        run_dir / "rollouts.sqlite", enabled=is_main, resume_step=step if ckpt else None
+    )
+    buffer = ReplayBuffer()
+    unwrapped = accelerator.unwrap_model(policy)
+
+    def run_eval() -> dict[str, float]:
+        if eval_prompts is None or not is_main:
+            return {}
+        return evaluate_policy(
+            unwrapped, reference, tokenizer, eval_prompts, reward_fn,
+            max_new_tokens=ro.max_new_tokens, temperature=ro.temperature,
+            batch_size=max(t.micro_batch_size, 32), seed=cfg.seed + step,
+        )  # fmt: skip
+
+    def save() -> None:
+        save_training_state(
+            accelerator, run_dir, step, model=policy, tokenizer=tokenizer, optimizer=optimizer,
+            scheduler=scheduler, state={"sampler": sampler.state_dict(), "skipped_steps": skipped},
+            keep_last=cfg.checkpoint.keep_last,
+        )  # fmt: skip
+
+    # --- the loop
+    with StopSignal() as stop:
+        while step < t.max_steps:
+            collected = collect_experience(
+                step=step, policy=unwrapped, reference=reference, tokenizer=tokenizer,
+                prompts=train_prompts, sampler=sampler, prompts_per_step=ro.prompts_per_step,
+                rank=rank, world=world, cfg=cfg, reward_fn=reward_fn, estimator=estimator,
+            )  # fmt: skip
+            rollout_log.write(collected.log_rows)
+            for experience in collected.experiences:
+                buffer.add(experience)
+            t_train = time.perf_counter()
+            local = torch.tensor(
+                [float(sum(e.action_mask.sum() for e in buffer.items)), len(buffer)]
+            )
+            total_tokens, total_sequences = accelerator.reduce(local.to(device), reduction="sum")
+            sums: dict[str, float] = {}
+            for epoch in range(alg.ppo_epochs):
+                step_loss = torch.zeros((), device=device)
+                batches = buffer.micro_batches(
+                    t.micro_batch_size, seed=cfg.seed * 1_000_003 + step * 101 + epoch
+                )
+                for i, mb in enumerate(batches):
+                    sync = i == len(batches) - 1
+                    with nullcontext() if sync else accelerator.no_sync(policy):
+                        out = completion_logprobs(
+                            policy, mb.sequence_ids, mb.attention_mask,
+                            mb.sequence_ids.shape[1] - mb.action_mask.shape[1],
+                            temperature=ro.temperature, with_entropy=True,
+                        )  # fmt: skip
+                        logps, entropy = out
+                        loss, metrics = loss_fn(
+                            logps, mb, total_tokens=total_tokens.clamp(min=1),
+                            total_sequences=total_sequences.clamp(min=1), entropy=entropy,
+                        )  # fmt: skip
+                        accelerator.backward(loss * world)
+                    step_loss += loss.detach()
+                    share = len(mb) / float(total_sequences)
+                    for key, value in metrics.items():
+                        sums[key] = sums.get(key, 0.0) + float(value) * share / alg.ppo_epochs
+                step_loss = accelerator.reduce(step_loss, reduction="sum")
+                grad_norm, was_skipped = optimizer_step(
+                    accelerator, policy, optimizer, scheduler,
+                    max_grad_norm=cfg.optim.max_grad_norm, loss=step_loss,
+                )  # fmt: skip
+                skipped += was_skipped
+            buffer.clear()
+            step += 1
+
+            if step % cfg.tracking.log_every == 0 or step == t.max_steps:
+                tracker.log(step, {
+                    "train/loss": step_loss.item(), "train/grad_norm": grad_norm,
+                    "train/lr": scheduler.get_last_lr()[0], "train/skipped_steps": skipped,
+                    **{f"train/{k}": v for k, v in collected.metrics.items()},
+                    **{f"train/loss/{k}": v for k, v in sums.items()},
+                    "train/time/train_s": time.perf_counter() - t_train,
+                })  # fmt: skip
+            if t.eval_every and step % t.eval_every == 0 and step < t.max_steps:
+                tracker.log(step, run_eval())
+            if cfg.checkpoint.save_every and step % cfg.checkpoint.save_every == 0:
+                save()
+            if stop.requested:
+                save()
+                rollout_log.close()
+                if is_main:
+                    announce_stop(PACKAGE, run, run_dir, stop.signum, step)
+                tracker.plot()
+                return stop.exit_code
+
+    rollout_log.close()
+    final_eval = run_eval()
+    if final_eval:
+        tracker.log(step, final_eval)
+    if cfg.checkpoint.save_final:
+        save_final(accelerator, policy, tokenizer, run_dir / "final")
+    first = [r for r in tracker.history if "train/reward/total" in r]
+    summary = tracker.finish({
+        "steps": step, "skipped_steps": skipped, "threads": threads, "processes": world,
+        "algorithm": alg.name, "train_prompts": len(train_prompts.items),
+        "first_train_reward": first[0]["train/reward/total"] if first else None,
+        "last_train_reward": first[-1]["train/reward/total"] if first else None, **final_eval,
+    })  # fmt: skip
+    if is_main:
+        print(f"run dir: {run_dir}\n" + "\n".join(f"  {k}: {v}" for k, v in summary.items()))
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    cfg, run = parse_run_args(
+        argv, PGConfig, prog=f"python -m {PACKAGE}.train", description="Policy-gradient RL"
+    )
+    return train(cfg, run)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

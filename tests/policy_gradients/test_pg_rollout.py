@@ -1,0 +1,149 @@
+"""Rollouts, rewards, the replay buffer and the rollout log, on the real tiny model."""
+
+from __future__ import annotations
+
+import sqlite3
+
+import pytest
+import torch
+
+from policy_gradients.experience import Experience, ReplayBuffer
+from policy_gradients.rewards import (
+    CombinedReward,
+    GSM8KReward,
+    OverlongReward,
+    ReasoningGymReward,
+    RewardInput,
+    extract_answer,
+    scalar_on_last_token,
+)
+from policy_gradients.rollout import RolloutLog, completion_logprobs, generate_rollouts
+from rlhf_core.data import ReasoningGymSource, reasoning_gym_dataset
+from rlhf_core.logprobs import token_logprobs
+from rlhf_core.models import ModelConfig, load_causal_lm, load_tokenizer
+
+TINY = ModelConfig(name_or_path="tiny-qwen3")
+
+
+def reward_input(completions, items=None, lengths=None, scorer=None, width=4):
+    n = len(completions)
+    lengths = torch.tensor(lengths or [width] * n)
+    mask = (torch.arange(width)[None, :] < lengths[:, None]).long()
+    return RewardInput(["p"] * n, completions, items or [{}] * n, lengths, mask, scorer)
+
+
+def test_generated_rollouts_mask_through_the_first_eos_and_flag_truncation():
+    tok = load_tokenizer(TINY, padding_side="left")
+    model = load_causal_lm(TINY)
+    torch.manual_seed(0)
+    prompts = [
+        "<|user|>abc<|end|><|assistant|>",
+        "<|user|>a much longer prompt<|end|><|assistant|>",
+    ]
+    ro = generate_rollouts(model, tok, prompts, group_size=3, max_new_tokens=12, temperature=1.0)
+    assert (
+        ro.sequence_ids.shape[0] == 6
+        and ro.action_mask.shape[1] == ro.sequence_ids.shape[1] - ro.prompt_length
+    )
+    completion = ro.sequence_ids[:, ro.prompt_length :]
+    for b in range(6):
+        row = completion[b][ro.action_mask[b].bool()].tolist()
+        if ro.truncated[b]:
+            assert tok.eos_token_id not in row and len(row) == ro.action_mask.shape[1]
+        else:
+            assert row[-1] == tok.eos_token_id and tok.eos_token_id not in row[:-1]
+        assert ro.completions[b] == tok.decode(row, skip_special_tokens=True)
+
+
+def test_completion_logprobs_are_those_of_the_tempered_distribution_per_row():
+    tok = load_tokenizer(TINY, padding_side="left")
+    model = load_causal_lm(TINY)
+    torch.manual_seed(1)
+    prompts = ["<|user|>x<|end|><|assistant|>", "<|user|>longer one<|end|><|assistant|>"]
+    ro = generate_rollouts(model, tok, prompts, group_size=2, max_new_tokens=8, temperature=0.7)
+    batched = completion_logprobs(model, ro.sequence_ids, ro.attention_mask, ro.prompt_length,
+                                  temperature=0.7)  # fmt: skip
+    for b in range(4):  # each row alone, without padding
+        keep = ro.attention_mask[b].bool()
+        ids = ro.sequence_ids[b][keep][None]
+        logits = model(input_ids=ids).logits[0, :-1]
+        alone = token_logprobs(logits, ids[0, 1:], temperature=0.7)
+        n = int(ro.action_mask[b].sum())
+        torch.testing.assert_close(batched[b, :n], alone[-n:], rtol=1e-4, atol=1e-4)
+
+
+def test_reasoning_gym_reward_uses_the_task_scorer_on_the_answer_tag():
+    source = ReasoningGymSource(task="spell_backward", size=2, seed=5)
+    ds = reasoning_gym_dataset(source)
+    items = [{"entry": ds[0]}, {"entry": ds[1]}]
+    good = f"thinking <answer>{ds[0]['answer']}</answer>"
+    batch = reward_input([good, "no tags " + ds[1]["answer"]], items, scorer=ds)
+    assert ReasoningGymReward()(batch).tolist() == [1.0, 0.0]
+    full = reward_input([ds[0]["answer"], ds[1]["answer"][:-1] + "#"], items, scorer=ds)
+    scores = ReasoningGymReward(extract="full")(full).tolist()
+    assert scores[0] == 1.0 and 0 < scores[1] < 1  # partial credit from the task's own scorer
+    assert extract_answer("<answer>1</answer> then <answer> 2 </answer>") == "2"
+
+
+def test_gsm8k_reward_matches_the_final_number():
+    items = [{"answer": "work <<1+1=2>>\n#### 1,234"}] * 3
+    batch = reward_input(["so it is 1234.", "<answer>1234</answer>", "maybe 1233"], items)
+    assert GSM8KReward()(batch).tolist() == [1.0, 1.0, 0.0]
+
+
+@pytest.mark.parametrize(
+    ("length", "expected"), [(10, 0.0), (12, 0.0), (14, -0.5), (16, -1.0), (17, -1.0)]
+)
+def test_overlong_penalty_is_dapo_piecewise(length, expected):
+    batch = reward_input(["x"], lengths=[length], width=20)
+    got = OverlongReward(max_length=16, cache_length=4)(batch)
+    assert got.item() == pytest.approx(expected)
+
+
+def test_combined_reward_weights_components_and_places_scalars_on_the_last_token():
+    combo = CombinedReward([
+        {"name": "format", "weight": 0.5, "label": "fmt"},
+        {"name": "overlong", "weight": 2.0, "label": "long", "max_length": 3, "cache_length": 1},
+    ])  # fmt: skip
+    batch = reward_input(["<answer>a</answer>", "none"], lengths=[2, 4], width=4)
+    total, parts = combo(batch)
+    assert parts["fmt"].tolist() == [1.0, 0.0] and parts["long"].tolist() == [0.0, -1.0]
+    assert total.tolist() == [0.5, -2.0]
+    dense = scalar_on_last_token(torch.tensor([1.0, 2.0]), batch.action_mask)
+    assert dense.tolist() == [[0, 1, 0, 0], [0, 0, 0, 2]]
+
+
+def test_replay_buffer_shuffle_is_seeded_and_covers_every_row():
+    def exp(n, width):
+        return Experience(
+            sequence_ids=torch.arange(n)[:, None].repeat(1, width),
+            attention_mask=torch.ones(n, width), action_mask=torch.ones(n, 2),
+            log_probs_old=torch.zeros(n, 2), advantages=torch.zeros(n, 2),
+            rewards={"r": torch.arange(n).float()}, group_ids=torch.arange(n),
+        )  # fmt: skip
+
+    buffer = ReplayBuffer()
+    buffer.add(exp(5, 3))
+    buffer.add(exp(4, 6))
+    a = buffer.micro_batches(2, seed=7)
+    b = buffer.micro_batches(2, seed=7)
+    c = buffer.micro_batches(2, seed=8)
+    assert [m.sequence_ids.tolist() for m in a] == [m.sequence_ids.tolist() for m in b]
+    assert [m.sequence_ids.tolist() for m in a] != [m.sequence_ids.tolist() for m in c]
+    assert len(buffer) == 9 and sum(len(m) for m in a) == 9
+    for m in a:
+        assert torch.equal(m.rewards["r"].long(), m.sequence_ids[:, 0])
+    buffer.clear()
+    assert len(buffer) == 0
+
+
+def test_rollout_log_is_queryable_and_resume_drops_redone_steps(tmp_path):
+    path = tmp_path / "rollouts.sqlite"
+    log = RolloutLog(path)
+    log.write([(1, "p", "c", 1.0, "{}", 0.5, 3, 0), (2, "p", "d", 0.0, "{}", -0.5, 4, 1)])
+    log.close()
+    with sqlite3.connect(path) as conn:
+        assert conn.execute("SELECT COUNT(*), SUM(truncated) FROM rollouts").fetchone() == (2, 1)
+    RolloutLog(path, resume_step=1).close()
+    with sqlite3.connect(path) as conn:
+        assert conn.execute("SELECT step FROM rollouts").fetchall() == [(1,)]
