@@ -150,3 +150,45 @@ def tiny_dpo_dict() -> dict:
         "checkpoint": {"save_every": 0},
         "tracking": {"log_every": 1, "plot_every": 100},
     }
+
+
+@pytest.fixture(scope="session")
+def sft_checkpoint(tmp_path_factory) -> Path:
+    """A tiny-qwen3 model partly trained on spell_backward (shared by the RL tests): measured
+    here, 200 steps give held-out greedy exact match ~0.4-0.6 and sampled ~0.1-0.2."""
+    from instruction_tuning.config import SFTConfig
+    from instruction_tuning.train import train
+    from rlhf_core.config import RunArgs
+
+    out = tmp_path_factory.mktemp("sft")
+    rg = {"task": "spell_backward", "config": {"min_word_len": 3, "max_word_len": 10}}
+    cfg = SFTConfig.model_validate({
+        "name": "fixture_sft", "seed": 0, "model": {"name_or_path": "tiny-qwen3"},
+        "data": {"train": {"reasoning_gym": {**rg, "size": 20000, "seed": 1}}, "max_length": 96},
+        "train": {"batch_size": 64, "max_steps": 200},
+        "optim": {"lr": 1e-3, "warmup_steps": 10},
+        "tracking": {"log_every": 50, "plot_every": 100},
+    })  # fmt: skip
+    assert train(cfg, RunArgs(config_path=Path("fixture.yaml"), output_dir=out)) == 0
+    return out / "final"
+
+
+def tiny_pg_dict(model_path: Path, **algorithm) -> dict:
+    """A seconds-long policy-gradient config on spell_backward from `model_path`."""
+    rg = {"task": "spell_backward", "config": {"min_word_len": 3, "max_word_len": 10}}
+    return {
+        "name": "test_pg",
+        "seed": 0,
+        "model": {"name_or_path": str(model_path)},
+        "data": {
+            "train": {"reasoning_gym": {**rg, "size": 2000, "seed": 1}},
+            "eval": {"reasoning_gym": {**rg, "size": 16, "seed": 10_000_000}},
+        },
+        "rewards": [{"name": "reasoning_gym", "extract": "full"}],
+        "algorithm": algorithm,
+        "rollout": {"prompts_per_step": 8, "group_size": 4, "max_new_tokens": 12},
+        "train": {"max_steps": 2, "micro_batch_size": 16, "threads": 1},
+        "optim": {"lr": 1e-4, "warmup_steps": 0, "schedule": "constant"},
+        "checkpoint": {"save_every": 0},
+        "tracking": {"log_every": 1, "plot_every": 100},
+    }

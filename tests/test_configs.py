@@ -12,6 +12,7 @@ from rlhf_core.config import load_config
 CONFIG_CLASSES = {
     "instruction_tuning": "instruction_tuning.config:SFTConfig",
     "direct_alignment": "direct_alignment.config:DAConfig",
+    "policy_gradients": "policy_gradients.config:PGConfig",
 }
 
 SHIPPED = sorted(p for p in (REPO / "configs").rglob("*.yaml") if p.parent.name in CONFIG_CLASSES)

@@ -16,9 +16,15 @@ from typing import Any
 
 import torch
 
+from policy_gradients.advantages import last_token_rewards
 from policy_gradients.experience import Experience
-from policy_gradients.rewards import CombinedReward, RewardInput, scalar_on_last_token
-from policy_gradients.rollout import PromptSet, completion_logprobs, generate_rollouts
+from policy_gradients.rewards import CombinedReward, RewardInput
+from policy_gradients.rollout import (
+    PromptSet,
+    completion_logprobs,
+    completion_values,
+    generate_rollouts,
+)
 from rlhf_core.data import EpochSampler
 from rlhf_core.kl import kl_estimate
 from rlhf_core.logprobs import masked_mean
@@ -47,6 +53,7 @@ def collect_experience(
     cfg: Any,  # PGConfig
     reward_fn: CombinedReward,
     estimator: Any,
+    value_model: torch.nn.Module | None = None,
 ) -> Collected:
     r, alg = cfg.rollout, cfg.algorithm
     device = next(policy.parameters()).device
@@ -97,20 +104,23 @@ def collect_experience(
             with reference.model() as ref_model:
                 ref = completion_logprobs(ref_model, ids, attn, ro.prompt_length,
                                           temperature=r.temperature)  # fmt: skip
+        values = None
+        if value_model is not None:  # V(s_t) for completion token t: the state before it
+            values = completion_values(value_model, ids, attn, ro.prompt_length)
         reward = total[rows].to(device)
         if alg.kl_in_reward.beta > 0:
             kl_tok = kl_estimate(old, ref, alg.kl_in_reward.estimator) * mask
             if getattr(estimator, "needs_values", False) or reward.dim() == 2:
-                dense = reward if reward.dim() == 2 else scalar_on_last_token(reward, mask)
+                dense = reward if reward.dim() == 2 else last_token_rewards(reward, mask.bool())
                 reward = dense - alg.kl_in_reward.beta * kl_tok
             else:
                 reward = reward - alg.kl_in_reward.beta * kl_tok.sum(-1)
         advantages, returns = estimator(
-            reward, action_mask=mask, group_ids=group_ids[rows].to(device)
+            reward, action_mask=mask, group_ids=group_ids[rows].to(device), values=values
         )
         experiences.append(Experience(
             sequence_ids=ids, attention_mask=attn, action_mask=mask, log_probs_old=old,
-            log_probs_ref=ref, advantages=advantages, returns=returns,
+            log_probs_ref=ref, values_old=values, advantages=advantages, returns=returns,
             rewards={k: v[rows] for k, v in parts.items()}, group_ids=group_ids[rows],
         ))  # fmt: skip
 

@@ -9,7 +9,7 @@ behind the user's back except documented keyword defaults, which the resolved co
       loss: {name: clipped, eps_low: 0.2, eps_high: 0.2, aggregation: seq-mean-token-mean,
              kl_beta: 0.04, kl_estimator: k3}      # policy_gradients.losses.LOSSES (KL in loss)
       kl_in_reward: {beta: 0.0, estimator: k1}     # KL as a per-token reward (PPO, REINFORCE)
-      value_loss: null                             # PPO: {name: value, eps_v: 0.2}, coef
+      value_loss: null                             # PPO: {name: value, eps_value: 0.2}, coef
       dynamic_sampling: false                      # DAPO: drop groups with equal rewards
 """
 
@@ -17,7 +17,7 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import Field, field_validator, model_validator
+from pydantic import Field, ValidationInfo, field_validator, model_validator
 
 from rlhf_core.checkpoint import CheckpointConfig
 from rlhf_core.config import StrictModel
@@ -57,10 +57,14 @@ class AlgorithmConfig(StrictModel):
 
     @field_validator("loss", "value_loss")
     @classmethod
-    def _loss(cls, spec: dict[str, Any] | None) -> dict[str, Any] | None:
+    def _loss(cls, spec: dict[str, Any] | None, info: ValidationInfo) -> dict[str, Any] | None:
         from policy_gradients.losses import LOSSES
 
-        return None if spec is None else validate_spec(LOSSES, spec, where="algorithm.loss")
+        return (
+            None
+            if spec is None
+            else validate_spec(LOSSES, spec, where=f"algorithm.{info.field_name}")
+        )
 
 
 class PromptDataConfig(StrictModel):

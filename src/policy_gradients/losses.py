@@ -47,7 +47,7 @@ from __future__ import annotations
 import inspect
 import math
 from collections.abc import Callable
-from typing import ClassVar, Literal
+from typing import ClassVar
 
 import torch
 from torch import nn
@@ -85,7 +85,12 @@ class PolicyGradientLoss(nn.Module):
 
     def __init__(self, *, aggregation: AggregationMode, normalizer: float | None) -> None:
         super().__init__()
-        self._require(aggregation in AGGREGATION_MODES, "aggregation", aggregation, f"one of {AGGREGATION_MODES}")
+        self._require(
+            aggregation in AGGREGATION_MODES,
+            "aggregation",
+            aggregation,
+            f"one of {AGGREGATION_MODES}",
+        )
         if aggregation == "seq-mean-token-sum-norm":
             self._require(
                 normalizer is not None and 0 < normalizer < math.inf,
@@ -128,7 +133,9 @@ class PolicyGradientLoss(nn.Module):
             total_sequences=total_sequences,
         )
 
-    def _checked(self, arg: str, value: torch.Tensor | None, shape: tuple, why: str) -> torch.Tensor:
+    def _checked(
+        self, arg: str, value: torch.Tensor | None, shape: tuple, why: str
+    ) -> torch.Tensor:
         """`value` as a (B, T) tensor of the action_mask shape, or a ValueError naming `arg`."""
         if value is None:
             raise ValueError(f"{self.name} loss needs {arg} {why}, got None")
@@ -172,8 +179,12 @@ class PolicyLoss(PolicyGradientLoss):
     ) -> None:
         super().__init__(aggregation=aggregation, normalizer=normalizer)
         self._require(0 <= kl_beta < math.inf, "kl_beta", kl_beta, "a finite number >= 0")
-        self._require(kl_estimator in ("k1", "k2", "k3"), "kl_estimator", kl_estimator, "'k1', 'k2' or 'k3'")
-        self._require(0 <= entropy_coef < math.inf, "entropy_coef", entropy_coef, "a finite number >= 0")
+        self._require(
+            kl_estimator in ("k1", "k2", "k3"), "kl_estimator", kl_estimator, "'k1', 'k2' or 'k3'"
+        )
+        self._require(
+            0 <= entropy_coef < math.inf, "entropy_coef", entropy_coef, "a finite number >= 0"
+        )
         self.kl_beta = float(kl_beta)
         self.kl_estimator = kl_estimator
         self.entropy_coef = float(entropy_coef)

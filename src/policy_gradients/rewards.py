@@ -31,6 +31,7 @@ from typing import Any, Literal
 
 import torch
 
+from policy_gradients.advantages import last_token_rewards
 from rlhf_core.registry import Registry
 
 REWARDS: Registry[type] = Registry("reward")
@@ -169,14 +170,6 @@ class CombinedReward:
         for label, weight, _ in self.components:
             value = parts[label]
             if dense and value.dim() == 1:
-                value = scalar_on_last_token(value, batch.action_mask)
+                value = last_token_rewards(value, batch.action_mask.bool())
             total = total + weight * value
         return total, parts
-
-
-def scalar_on_last_token(scalar: torch.Tensor, action_mask: torch.Tensor) -> torch.Tensor:
-    """(B,) -> (B, T) with each value on the sequence's last completion token."""
-    dense = torch.zeros(action_mask.shape, dtype=scalar.dtype)
-    last = (action_mask.long().sum(-1) - 1).clamp(min=0)
-    dense[torch.arange(len(scalar)), last] = scalar
-    return dense

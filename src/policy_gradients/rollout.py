@@ -150,6 +150,18 @@ def completion_logprobs(
     return out[:, prompt_length - 1 :]
 
 
+def completion_values(
+    value_model: torch.nn.Module,
+    ids: torch.Tensor,
+    attention_mask: torch.Tensor,
+    prompt_length: int,
+) -> torch.Tensor:
+    """V(s_t) for each completion token t, (B, T): the value head at the position that predicts
+    token t (aligned with `completion_logprobs`)."""
+    scores = value_model(ids, attention_mask)[..., 0]  # (B, S)
+    return scores[:, prompt_length - 1 : -1]
+
+
 class RolloutLog:
     """Appends rollouts to `<run_dir>/rollouts.sqlite` on a background thread."""
 

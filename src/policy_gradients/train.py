@@ -27,7 +27,12 @@ from policy_gradients.evaluate import evaluate_policy
 from policy_gradients.experience import ReplayBuffer
 from policy_gradients.losses import LOSSES
 from policy_gradients.rewards import CombinedReward
-from policy_gradients.rollout import RolloutLog, completion_logprobs, load_prompts
+from policy_gradients.rollout import (
+    RolloutLog,
+    completion_logprobs,
+    completion_values,
+    load_prompts,
+)
 from rlhf_core.checkpoint import StopSignal
 from rlhf_core.config import RunArgs, parse_run_args
 from rlhf_core.data import EpochSampler
@@ -44,6 +49,7 @@ from rlhf_core.models import ReferencePolicy, load_causal_lm, load_tokenizer, re
 from rlhf_core.optim import build_optimizer, build_scheduler
 from rlhf_core.registry import build_from_spec
 from rlhf_core.runtime import seed_everything
+from rlhf_core.scalar_head import ScalarHeadInfo, ScalarHeadModel
 from rlhf_core.tracking import Tracker, new_run_dir, resolve_resume
 
 PACKAGE = "policy_gradients"
@@ -74,6 +80,7 @@ def train(cfg: PGConfig, run: RunArgs) -> int:
     reward_fn = CombinedReward(cfg.rewards)
     estimator = build_from_spec(ADVANTAGES, alg.advantage)
     loss_fn = build_from_spec(LOSSES, alg.loss)
+    value_loss_fn = build_from_spec(LOSSES, alg.value_loss) if alg.value_loss else None
     needs_reference = loss_fn.needs_reference or alg.kl_in_reward.beta > 0
     run_dir, ckpt = resolve_resume(
         run.resume, package=PACKAGE, name=cfg.name, output_dir=run.output_dir
@@ -105,11 +112,21 @@ def train(cfg: PGConfig, run: RunArgs) -> int:
         else:  # the starting weights, never the resumed ones
             start = load_causal_lm(cfg.model.model_copy(update={"lora": None}), device)
             reference = ReferencePolicy(start, "frozen")
+    value_model = value_opt = value_sched = None
+    if value_loss_fn is not None:  # PPO: backbone + scalar head, from the policy's start
+        value_model = ScalarHeadModel.from_config(
+            cfg.value_model or cfg.model, ScalarHeadInfo(kind="value"), device,
+            weights_from=ckpt / "value" if ckpt is not None else None,
+        ).train()  # fmt: skip
     policy.train()
     total_updates = t.max_steps * alg.ppo_epochs
     optimizer = build_optimizer(policy, cfg.optim)
     scheduler = build_scheduler(optimizer, cfg.optim, total_updates)
     policy, optimizer = accelerator.prepare(policy, optimizer)
+    if value_model is not None:
+        value_opt = build_optimizer(value_model, cfg.optim)
+        value_sched = build_scheduler(value_opt, cfg.optim, total_updates)
+        value_model, value_opt = accelerator.prepare(value_model, value_opt)
     sampler = EpochSampler(len(train_prompts.items), cfg.seed)
     step, skipped = 0, 0
     if ckpt is not None:
@@ -117,6 +134,9 @@ def train(cfg: PGConfig, run: RunArgs) -> int:
             ckpt, optimizer=optimizer, scheduler=scheduler, sampler=sampler
         )
         skipped = state["skipped_steps"]
+        if value_model is not None:
+            value_opt.load_state_dict(state["value_optimizer"])
+            value_sched.load_state_dict(state["value_scheduler"])
     tracker = Tracker(
         run_dir, cfg, cfg.tracking, total_steps=t.max_steps, resume_step=step if ckpt else None,
         enabled=is_main,
@@ -137,10 +157,17 @@ def train(cfg: PGConfig, run: RunArgs) -> int:
         )  # fmt: skip
 
     def save() -> None:
+        state = {"sampler": sampler.state_dict(), "skipped_steps": skipped}
+        extra = {}
+        if value_model is not None:
+            state.update(
+                value_optimizer=value_opt.state_dict(), value_scheduler=value_sched.state_dict()
+            )
+            extra["value"] = value_model
         save_training_state(
             accelerator, run_dir, step, model=policy, tokenizer=tokenizer, optimizer=optimizer,
-            scheduler=scheduler, state={"sampler": sampler.state_dict(), "skipped_steps": skipped},
-            keep_last=cfg.checkpoint.keep_last,
+            scheduler=scheduler, state=state, keep_last=cfg.checkpoint.keep_last,
+            extra_models=extra,
         )  # fmt: skip
 
     # --- the loop
@@ -150,6 +177,7 @@ def train(cfg: PGConfig, run: RunArgs) -> int:
                 step=step, policy=unwrapped, reference=reference, tokenizer=tokenizer,
                 prompts=train_prompts, sampler=sampler, prompts_per_step=ro.prompts_per_step,
                 rank=rank, world=world, cfg=cfg, reward_fn=reward_fn, estimator=estimator,
+                value_model=accelerator.unwrap_model(value_model) if value_model else None,
             )  # fmt: skip
             rollout_log.write(collected.log_rows)
             for experience in collected.experiences:
@@ -174,10 +202,17 @@ def train(cfg: PGConfig, run: RunArgs) -> int:
                             temperature=ro.temperature, with_entropy=True,
                         )  # fmt: skip
                         logps, entropy = out
-                        loss, metrics = loss_fn(
-                            logps, mb, total_tokens=total_tokens.clamp(min=1),
-                            total_sequences=total_sequences.clamp(min=1), entropy=entropy,
-                        )  # fmt: skip
+                        norm = {"total_tokens": total_tokens.clamp(min=1),
+                                "total_sequences": total_sequences.clamp(min=1)}  # fmt: skip
+                        loss, metrics = loss_fn(logps, mb, entropy=entropy, **norm)
+                        if value_model is not None:
+                            prompt_len = mb.sequence_ids.shape[1] - mb.action_mask.shape[1]
+                            values = completion_values(
+                                value_model, mb.sequence_ids, mb.attention_mask, prompt_len
+                            )
+                            v_loss, v_metrics = value_loss_fn(None, mb, values=values, **norm)
+                            metrics = {**metrics, **{f"value/{k}": v for k, v in v_metrics.items()}}
+                            loss = loss + alg.value_coef * v_loss
                         accelerator.backward(loss * world)
                     step_loss += loss.detach()
                     share = len(mb) / float(total_sequences)
@@ -188,6 +223,11 @@ def train(cfg: PGConfig, run: RunArgs) -> int:
                     accelerator, policy, optimizer, scheduler,
                     max_grad_norm=cfg.optim.max_grad_norm, loss=step_loss,
                 )  # fmt: skip
+                if value_model is not None:
+                    optimizer_step(
+                        accelerator, value_model, value_opt, value_sched,
+                        max_grad_norm=cfg.optim.max_grad_norm, loss=step_loss,
+                    )  # fmt: skip
                 skipped += was_skipped
             buffer.clear()
             step += 1

@@ -93,8 +93,12 @@ def save_checkpoint(
     scheduler: Any,
     state: dict[str, Any],
     keep_last: int,
+    extra_models: dict[str, Any] | None = None,
 ) -> Path:
     """Write checkpoint-<step> atomically, then delete all but the newest `keep_last`.
+
+    `extra_models` (e.g. {"value": value_model}) are saved with `save_pretrained` into
+    subdirectories of the same checkpoint, inside the same atomic rename.
 
     `state` is the loop's own resumable state (data position, counters); it must contain only
     tensors, numbers, strings, lists and dicts.
@@ -107,6 +111,8 @@ def save_checkpoint(
         model.save_pretrained(tmp, safe_serialization=True)
         if tokenizer is not None:
             tokenizer.save_pretrained(tmp)
+        for name, extra in (extra_models or {}).items():
+            extra.save_pretrained(tmp / name)
         payload = {
             "step": step,
             "optimizer": optimizer.state_dict(),

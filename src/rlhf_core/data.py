@@ -125,7 +125,13 @@ def reasoning_gym_dataset(source: ReasoningGymSource) -> Any:
         return reasoning_gym.create_dataset(
             source.task, size=source.size, seed=source.seed, **config
         )
-    except (TypeError, ValueError, KeyError, AssertionError, AttributeError) as exc:  # configs validate by assert
+    except (
+        TypeError,
+        ValueError,
+        KeyError,
+        AssertionError,
+        AttributeError,
+    ) as exc:  # configs validate by assert
         msg = f"reasoning_gym task {source.task!r} with config {source.config}: {exc}"
         raise ValueError(msg) from exc
 

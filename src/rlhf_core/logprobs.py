@@ -91,7 +91,10 @@ def causal_lm_token_logprobs(
     """
     position_ids = (attention_mask.long().cumsum(-1) - 1).clamp(min=0)
     logits = model(
-        input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, use_cache=False
+        input_ids=input_ids,
+        attention_mask=attention_mask,
+        position_ids=position_ids,
+        use_cache=False,
     ).logits
     return token_logprobs(
         logits[:, :-1],

@@ -111,6 +111,7 @@ def save_training_state(
     scheduler: Any,
     state: dict[str, Any],
     keep_last: int,
+    extra_models: dict[str, torch.nn.Module] | None = None,
 ) -> None:
     """All processes sync; the main process writes checkpoint-<step> atomically."""
     accelerator.wait_for_everyone()
@@ -119,6 +120,7 @@ def save_training_state(
             run_dir / "checkpoints", step, model=accelerator.unwrap_model(model),
             tokenizer=tokenizer, optimizer=optimizer, scheduler=scheduler, state=state,
             keep_last=keep_last,
+            extra_models={k: accelerator.unwrap_model(m) for k, m in (extra_models or {}).items()},
         )  # fmt: skip
 
 

@@ -9,13 +9,13 @@ import torch
 
 from policy_gradients.experience import Experience, ReplayBuffer
 from policy_gradients.rewards import (
+    REWARDS,
     CombinedReward,
     GSM8KReward,
     OverlongReward,
     ReasoningGymReward,
     RewardInput,
     extract_answer,
-    scalar_on_last_token,
 )
 from policy_gradients.rollout import RolloutLog, completion_logprobs, generate_rollouts
 from rlhf_core.data import ReasoningGymSource, reasoning_gym_dataset
@@ -109,8 +109,31 @@ def test_combined_reward_weights_components_and_places_scalars_on_the_last_token
     total, parts = combo(batch)
     assert parts["fmt"].tolist() == [1.0, 0.0] and parts["long"].tolist() == [0.0, -1.0]
     assert total.tolist() == [0.5, -2.0]
-    dense = scalar_on_last_token(torch.tensor([1.0, 2.0]), batch.action_mask)
-    assert dense.tolist() == [[0, 1, 0, 0], [0, 0, 0, 2]]
+
+
+class PerTokenLengthPenalty:
+    """A dense (B, T) component registered the way a user would add one."""
+
+    def __init__(self, *, per_token: float = -0.1) -> None:
+        self.per_token = per_token
+
+    def __call__(self, batch: RewardInput) -> torch.Tensor:
+        return self.per_token * batch.action_mask.float()
+
+
+if "test_per_token_penalty" not in REWARDS:
+    REWARDS.register("test_per_token_penalty")(PerTokenLengthPenalty)
+
+
+def test_dense_components_make_a_dense_total_with_scalars_on_the_last_token():
+    combo = CombinedReward([
+        {"name": "format", "weight": 1.0},
+        {"name": "test_per_token_penalty", "weight": 2.0, "per_token": -0.5},
+    ])  # fmt: skip
+    batch = reward_input(["<answer>a</answer>", "none"], lengths=[2, 4], width=4)
+    total, parts = combo(batch)
+    assert parts["test_per_token_penalty"].shape == (2, 4)
+    assert total.tolist() == [[-1.0, 0.0, 0.0, 0.0], [-1.0, -1.0, -1.0, -1.0]]
 
 
 def test_replay_buffer_shuffle_is_seeded_and_covers_every_row():

@@ -1,0 +1,146 @@
+"""Configuration of reward-model training (preference / ORM / PRM), loaded from YAML.
+
+The loss is named with its keyword arguments, `loss: {name: bradley_terry, centering_eta: 0.01}`;
+the spec is checked against the registered class's signature and the resolved config shows every
+value. The loss decides the model kind (and so the data format and head size): `bradley_terry`
+trains a preference model, `orm_bce` an outcome model, `prm_ce` a process model.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import Field, field_validator, model_validator
+
+from rlhf_core.checkpoint import CheckpointConfig
+from rlhf_core.config import StrictModel
+from rlhf_core.data import DataSource, check_heldout_seeds
+from rlhf_core.loop import LoopConfig
+from rlhf_core.models import ModelConfig
+from rlhf_core.optim import OptimConfig
+from rlhf_core.registry import validate_spec
+from rlhf_core.tracking import TrackingConfig
+
+FORMAT_NAMES = Literal[
+    "auto", "preference", "ultrafeedback", "hh", "orm", "prm", "prm800k", "gsm8k"
+]
+
+
+class BuilderConfig(StrictModel):
+    """Options of `reward_models.build_data` when rows are built on the fly from a GSM8K file or
+    a reasoning-gym task (the same as the command-line builder's)."""
+
+    wrong: int = Field(3, ge=1, description="ORM: wrong answers per question")
+    wrong_kinds: list[Literal["reverse", "swap", "replace", "other"]] = Field(
+        default_factory=lambda: ["reverse", "swap", "replace", "other"],
+        min_length=1,
+        description="reasoning-gym text answers: how wrong answers are made (reversed, two "
+        "neighbours swapped, one letter replaced, another example's answer)",
+    )
+    corruption: Literal["arithmetic", "copy"] = Field(
+        "arithmetic",
+        description="PRM (GSM8K): arithmetic = a calculation's result is wrong; copy = the stated "
+        "result contradicts the step's own calculator annotation",
+    )
+    after_error: Literal["drop", "negative"] = Field(
+        "drop", description="PRM: steps after the corrupted one: drop (PRM800K) or label -1"
+    )
+    gold: bool = Field(True, description="PRM: also include each all-correct reference solution")
+    seed: int = Field(0, description="seed of the builder's random choices")
+
+
+class RMDataConfig(StrictModel):
+    train: DataSource = Field(description="training rows (file, hub id, or reasoning-gym)")
+    eval: DataSource | None = Field(None, description="held-out rows")
+    format: FORMAT_NAMES = Field(
+        "auto",
+        description="row format (see reward_models.data); auto = chosen from the columns; must "
+        "suit the loss's kind",
+    )
+    max_length: int = Field(1024, gt=2, description="max prompt + completion tokens")
+    max_prompt_length: int | None = Field(
+        None, gt=0, description="keep the last N prompt tokens; null = max_length // 2"
+    )
+    margin_column: str | list[str] | None = Field(
+        None,
+        description="preference margins (loss use_margin): a numeric column, or [a, b] for "
+        "row[a] - row[b], e.g. [score_chosen, score_rejected]",
+    )
+    step_separator: str = Field(
+        "\n", description="PRM: the one-token text after every step, where steps are scored"
+    )
+    neutral_label: Literal["positive", "negative"] = Field(
+        "positive", description="PRM with 2 classes: what a PRM800K 0 (neutral) rating becomes"
+    )
+    builder: BuilderConfig = Field(
+        default_factory=BuilderConfig, description="options of the on-the-fly data builders"
+    )
+
+    @model_validator(mode="after")
+    def _heldout_is_heldout(self) -> RMDataConfig:
+        check_heldout_seeds(self.train, self.eval)
+        if isinstance(self.margin_column, list) and len(self.margin_column) != 2:
+            raise ValueError("data.margin_column: a list must name exactly two columns [a, b]")
+        return self
+
+
+class RMTrainConfig(LoopConfig):
+    export_sequence_classification: bool = Field(
+        False,
+        description="preference: also write <run_dir>/final-seqcls, a transformers "
+        "AutoModelForSequenceClassification directory",
+    )
+
+
+class RMConfig(StrictModel):
+    name: str = Field(
+        "reward_model", description="run name (run dir outputs/reward_models/<name>-<time>)"
+    )
+    seed: int = Field(0, description="seed for the head's init and the data order")
+    model: ModelConfig = Field(description="the backbone: tiny preset, local dir or hub id")
+    freeze_backbone: bool = Field(False, description="train the head only (not with LoRA)")
+    data: RMDataConfig = Field(description="training and held-out rows")
+    loss: dict[str, Any] = Field(
+        default_factory=lambda: {"name": "bradley_terry"},
+        description="loss name in reward_models.losses.LOSSES and its keyword arguments",
+    )
+    train: RMTrainConfig = Field(default_factory=RMTrainConfig, description="loop settings")
+    optim: OptimConfig = Field(default_factory=OptimConfig, description="optimizer and schedule")
+    checkpoint: CheckpointConfig = Field(default_factory=CheckpointConfig, description="saving")
+    tracking: TrackingConfig = Field(default_factory=TrackingConfig, description="logging")
+
+    @field_validator("loss")
+    @classmethod
+    def _loss_spec(cls, spec: dict[str, Any]) -> dict[str, Any]:
+        from reward_models.losses import LOSSES
+
+        return validate_spec(LOSSES, spec, where="loss")
+
+    @property
+    def kind(self) -> str:
+        from reward_models.losses import LOSSES
+
+        return LOSSES.get(self.loss["name"]).kind
+
+    @model_validator(mode="after")
+    def _consistent(self) -> RMConfig:
+        from reward_models.data import FORMATS
+
+        kind = self.kind
+        if self.data.format not in FORMATS[kind]:
+            raise ValueError(
+                f"data.format {self.data.format!r} does not suit loss {self.loss['name']!r} "
+                f"(a {kind} model); allowed: {', '.join(FORMATS[kind])}"
+            )
+        use_margin = bool(self.loss.get("use_margin"))
+        if use_margin != (self.data.margin_column is not None):
+            raise ValueError(
+                "loss.use_margin needs data.margin_column, and data.margin_column is only read "
+                f"with loss.use_margin (got use_margin={use_margin}, "
+                f"margin_column={self.data.margin_column!r})"
+            )
+        if self.freeze_backbone and self.model.lora is not None:
+            raise ValueError("freeze_backbone with model.lora: choose one (LoRA freezes the base)")
+        if self.train.export_sequence_classification and kind != "preference":
+            raise ValueError("train.export_sequence_classification is for preference models only")
+        return self

@@ -1,0 +1,418 @@
+"""Reward-model data: rows -> token ids -> batches, for preference, outcome (ORM) and process (PRM)
+models.
+
+Row formats (`data.format`; `auto` picks by columns):
+  preference (kind preference)
+    preference     {"prompt": str | messages, "chosen": str | messages, "rejected": ...}; message
+                   completions may repeat the prompt (UltraFeedback-binarized): the shared prefix is
+                   removed and the last assistant turn is the completion
+    ultrafeedback  the same, named for UltraFeedback-binarized rows
+    hh             Anthropic HH {"chosen": transcript, "rejected": transcript}, split at the last
+                   shared "\\n\\nAssistant:" into a multi-turn prompt and two completions
+    margins        `data.margin_column`: a numeric column, or [a, b] for row[a] - row[b]
+                   (UltraFeedback: [score_chosen, score_rejected])
+  orm (kind orm)
+    orm            {"prompt", "completion": str | messages, "label": bool | 0/1 | float in [0, 1]}
+    gsm8k          GSM8K {"question", "answer"} rows, labelled on the fly by
+                   `build_data.gsm8k_orm_rows` (the reference answer and wrong ones)
+  prm (kind prm)
+    prm            {"prompt", "steps": [str], "labels": [bool | -1/0/+1]}  (booleans: True = good)
+    prm800k        PRM800K rows {"question": {"problem"}, "label": {"steps": [...]}}: the rated path
+                   through each step's completions (see `prm800k_row`)
+    gsm8k          GSM8K rows, one step corrupted on the fly (`build_data.gsm8k_prm_rows`)
+A reasoning-gym source builds preference pairs (chosen = the answer, rejected = a wrong one) or
+ORM rows (the answer and wrong ones) on the fly; see `build_data`.
+
+Prompts are rendered with the chat template; completions end with eos; PRM completions are the
+steps, each followed by the one-token `step_separator`. Truncation is `rlhf_core.scalar_head`'s
+(the same as at scoring time). Preference pairs identical after truncation are dropped and
+counted. A malformed row raises naming its index and column.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from reward_models.build_data import (
+    gsm8k_orm_rows,
+    gsm8k_prm_rows,
+    reasoning_gym_orm_rows,
+    reasoning_gym_preference_rows,
+)
+from reward_models.losses import IGNORE_INDEX
+from rlhf_core.chat import Messages, as_messages, render_prompt
+from rlhf_core.data import DataSource, load_rows, reasoning_gym_dataset
+from rlhf_core.scalar_head import encode_completions, encode_steps, pad_sequences
+
+FORMATS = {
+    "preference": ("auto", "preference", "ultrafeedback", "hh"),
+    "orm": ("auto", "orm", "gsm8k"),
+    "prm": ("auto", "prm", "prm800k", "gsm8k"),
+}
+HH_TURN = re.compile(r"\n\n(Human|Assistant):[ ]?")
+
+
+# ----------------------------------------------------------------------------- examples
+
+
+@dataclass
+class PreferencePair:
+    prompt_ids: list[int]
+    chosen_ids: list[int]
+    rejected_ids: list[int]
+    margin: float | None = None
+
+
+@dataclass
+class OutcomeExample:
+    prompt_ids: list[int]
+    completion_ids: list[int]
+    label: float
+    group: int  # examples with the same prompt share a group (a question's candidates)
+
+
+@dataclass
+class ProcessExample:
+    prompt_ids: list[int]
+    completion_ids: list[int]
+    step_ends: list[int]  # index in completion_ids of each step's separator
+    step_classes: list[int]  # class of each step (0 = negative)
+
+
+@dataclass
+class RewardData:
+    """Examples of one kind plus what happened to the rows on the way."""
+
+    examples: list[Any]
+    counts: dict[str, int] = field(default_factory=dict)
+
+    def describe(self) -> str:
+        extra = ", ".join(f"{k} {v}" for k, v in self.counts.items())
+        return f"{len(self.examples)}" + (f" ({extra})" if extra else "")
+
+
+# ----------------------------------------------------------------------------- row parsing
+
+
+def split_hh_pair(chosen: str, rejected: str, *, where: str) -> tuple[Messages, str, str]:
+    """(prompt messages, chosen completion, rejected completion) of an HH pair: the prompt ends
+    at the last '\\n\\nAssistant:' inside the text the two transcripts share."""
+    shared = 0
+    while shared < min(len(chosen), len(rejected)) and chosen[shared] == rejected[shared]:
+        shared += 1
+    cut = chosen.rfind("\n\nAssistant:", 0, shared + len("\n\nAssistant:"))
+    if cut < 0:
+        raise ValueError(f"{where}: no shared '\\n\\nAssistant:' turn in the two transcripts")
+    parts = HH_TURN.split(chosen[:cut])
+    if parts[0].strip():
+        raise ValueError(f"{where}: transcript does not start with '\\n\\nHuman:'")
+    roles = {"Human": "user", "Assistant": "assistant"}
+    turns = zip(parts[1::2], parts[2::2], strict=True)
+    messages = [{"role": roles[role], "content": content} for role, content in turns]
+    if not messages:
+        raise ValueError(f"{where}: transcript has no prompt turns")
+    start = cut + len("\n\nAssistant:")
+    return messages, chosen[start:].lstrip(" "), rejected[start:].lstrip(" ")
+
+
+def completion_text(value: Any, prompt: Messages, where: str) -> str:
+    """A completion given as a string or as messages (possibly repeating the prompt)."""
+    if isinstance(value, str):
+        return value
+    messages = as_messages(value, where=where)
+    if messages[: len(prompt)] == prompt:
+        messages = messages[len(prompt) :]
+    if not messages or messages[-1]["role"] != "assistant":
+        raise ValueError(f"{where}: a message-list completion must end with an assistant turn")
+    return messages[-1]["content"]
+
+
+def _column(row: dict[str, Any], column: str, here: str) -> Any:
+    if row.get(column) is None:
+        raise ValueError(f"{here} is missing column {column!r} (columns: {list(row)})")
+    return row[column]
+
+
+def preference_row(
+    row: dict[str, Any], index: int, fmt: str, where: str
+) -> tuple[Messages, str, str]:
+    """(prompt messages, chosen text, rejected text) of one preference row."""
+    here = f"{where}: row {index}"
+    chosen, rejected = _column(row, "chosen", here), _column(row, "rejected", here)
+    if fmt == "auto":
+        fmt = "preference" if row.get("prompt") is not None else "hh"
+    if fmt == "hh":
+        if not isinstance(chosen, str) or not isinstance(rejected, str):
+            raise ValueError(f"{here}: HH rows need string transcripts in 'chosen' and 'rejected'")
+        return split_hh_pair(chosen, rejected, where=f"{here} columns chosen/rejected")
+    prompt = as_messages(_column(row, "prompt", here), where=f"{here} column 'prompt'")
+    return (
+        prompt,
+        completion_text(chosen, prompt, f"{here} column 'chosen'"),
+        completion_text(rejected, prompt, f"{here} column 'rejected'"),
+    )
+
+
+def row_margin(row: dict[str, Any], spec: str | list[str], here: str) -> float:
+    """The Llama 2 margin of a row: one numeric column, or the difference of two."""
+    columns = [spec] if isinstance(spec, str) else list(spec)
+    values = []
+    for column in columns:
+        value = _column(row, column, here)
+        if isinstance(value, bool) or not isinstance(value, int | float) or math.isnan(value):
+            raise ValueError(f"{here} column {column!r}: expected a number, got {value!r}")
+        values.append(float(value))
+    return values[0] if len(values) == 1 else values[0] - values[1]
+
+
+def outcome_row(row: dict[str, Any], index: int, where: str) -> tuple[Messages, str, float]:
+    """(prompt messages, completion text, label in [0, 1]) of one ORM row."""
+    here = f"{where}: row {index}"
+    prompt = as_messages(_column(row, "prompt", here), where=f"{here} column 'prompt'")
+    completion = completion_text(
+        _column(row, "completion", here), prompt, f"{here} column 'completion'"
+    )
+    label = _column(row, "label", here)
+    if isinstance(label, bool):
+        return prompt, completion, float(label)
+    if isinstance(label, int | float) and 0 <= label <= 1:
+        return prompt, completion, float(label)
+    raise ValueError(
+        f"{here} column 'label': expected true/false or a number in [0, 1], got {label!r}"
+    )
+
+
+def step_class(label: Any, num_classes: int, neutral: str, here: str) -> int:
+    """A step label as a class: booleans (True = good) or PRM800K ratings -1 / 0 / +1."""
+    if isinstance(label, bool):
+        return num_classes - 1 if label else 0
+    if label in (-1, 0, 1) and isinstance(label, int | float):
+        if num_classes == 3:
+            return int(label) + 1
+        return 0 if label < 0 or (label == 0 and neutral == "negative") else 1
+    raise ValueError(f"{here}: expected a step label true/false or -1/0/+1, got {label!r}")
+
+
+def prm800k_row(row: dict[str, Any], here: str) -> dict[str, Any]:
+    """A PRM800K row as {"prompt", "steps", "labels"}: at each step the labeller's chosen
+    completion (its rating), or their own written step (`human_completion`, counted +1); where
+    labelling stopped with no continuation, the first -1 completion is kept as the last step."""
+    question, label = _column(row, "question", here), _column(row, "label", here)
+    if not isinstance(question, dict) or not isinstance(label, dict) or "steps" not in label:
+        raise ValueError(f"{here}: not a PRM800K row (question.problem, label.steps expected)")
+    steps, ratings = [], []
+    for k, step in enumerate(label["steps"]):
+        completions = step.get("completions") or []
+        chosen = step.get("chosen_completion")
+        if chosen is not None:
+            text, rating = completions[chosen]["text"], completions[chosen].get("rating")
+        elif step.get("human_completion") is not None:
+            human = step["human_completion"]
+            text, rating = (human["text"] if isinstance(human, dict) else str(human)), 1
+        else:
+            negative = [c for c in completions if c.get("rating") == -1]
+            if negative:
+                steps.append(negative[0]["text"])
+                ratings.append(-1)
+            break
+        if rating is None:
+            raise ValueError(f"{here} column 'label': step {k} has an unrated chosen completion")
+        steps.append(text)
+        ratings.append(rating)
+    return {"prompt": question.get("problem", ""), "steps": steps, "labels": ratings}
+
+
+def process_row(
+    row: dict[str, Any], index: int, fmt: str, where: str, num_classes: int, neutral: str
+) -> tuple[Messages, list[str], list[int]]:
+    """(prompt messages, steps, step classes) of one PRM row."""
+    here = f"{where}: row {index}"
+    if fmt == "prm800k" or (fmt == "auto" and isinstance(row.get("label"), dict)):
+        row = prm800k_row(row, here)
+    prompt = as_messages(_column(row, "prompt", here), where=f"{here} column 'prompt'")
+    steps, labels = _column(row, "steps", here), _column(row, "labels", here)
+    if not isinstance(steps, list) or not all(isinstance(s, str) for s in steps) or not steps:
+        raise ValueError(f"{here} column 'steps': expected a non-empty list of strings")
+    if not isinstance(labels, list) or len(labels) != len(steps):
+        raise ValueError(
+            f"{here} column 'labels': expected a list of {len(steps)} labels (one per step), "
+            f"got {labels!r}"
+        )
+    classes = [
+        step_class(x, num_classes, neutral, f"{here} column 'labels' step {k}")
+        for k, x in enumerate(labels)
+    ]
+    return prompt, steps, classes
+
+
+# ----------------------------------------------------------------------------- loading
+
+
+def source_rows(source: DataSource, kind: str, fmt: str, builder: Any, where: str):
+    """(rows, format) of a source: files and hub sets as read; GSM8K and reasoning-gym sources
+    turned into labelled rows by the offline builders."""
+    if source.reasoning_gym is not None:
+        entries = list(reasoning_gym_dataset(source.reasoning_gym))
+        kinds = tuple(builder.wrong_kinds)
+        if kind == "preference":
+            rows = reasoning_gym_preference_rows(entries, kinds=kinds, seed=builder.seed)
+            return list(rows), "preference"
+        if kind == "orm":
+            rows = reasoning_gym_orm_rows(
+                entries, wrong=builder.wrong, kinds=kinds, seed=builder.seed
+            )
+            return list(rows), "orm"
+        raise ValueError(f"{where}: reasoning-gym has no step labels; use a GSM8K file for a PRM")
+    rows = load_rows(source, field=where)
+    if fmt == "auto" and kind != "preference" and "question" in rows.column_names:
+        fmt = "gsm8k" if isinstance(rows[0]["question"], str) else fmt
+    if fmt == "gsm8k" and kind == "orm":
+        return list(
+            gsm8k_orm_rows(rows, wrong=builder.wrong, seed=builder.seed, where=where)
+        ), "orm"
+    if fmt == "gsm8k":
+        built = gsm8k_prm_rows(
+            rows, corruption=builder.corruption, after_error=builder.after_error,
+            gold=builder.gold, seed=builder.seed, where=where,
+        )  # fmt: skip
+        return list(built), "prm"
+    return rows, fmt
+
+
+def build_reward_data(
+    source: DataSource,
+    tokenizer: Any,
+    *,
+    kind: str,
+    data_cfg: Any,
+    num_classes: int = 3,
+    where: str,
+    limit: int | None = None,
+) -> RewardData:
+    """Load, render, tokenize and truncate the examples of one kind (see the module docstring).
+
+    `data_cfg` is the config's `data` block (format, lengths, margin column, step separator,
+    builder options); `limit` keeps the first N examples (ORM: whole prompt groups).
+    """
+    rows, fmt = source_rows(source, kind, data_cfg.format, data_cfg.builder, where)
+    lengths = {"max_length": data_cfg.max_length, "max_prompt_length": data_cfg.max_prompt_length}
+    parsed, prompts = [], []
+    for index, row in enumerate(rows):
+        if kind == "preference":
+            prompt, *rest = preference_row(row, index, fmt, where)
+            if data_cfg.margin_column is not None:
+                rest.append(row_margin(row, data_cfg.margin_column, f"{where}: row {index}"))
+        elif kind == "orm":
+            prompt, *rest = outcome_row(row, index, where)
+        else:
+            prompt, *rest = process_row(row, index, fmt, where, num_classes, data_cfg.neutral_label)
+        if (
+            limit is not None
+            and len(parsed) >= limit
+            and (kind != "orm" or prompt != parsed[-1][0])
+        ):
+            break
+        parsed.append((prompt, *rest))
+        prompts.append(render_prompt(tokenizer, prompt, where=f"{where}: row {index} prompt"))
+    if not parsed:
+        raise ValueError(f"{where}: no rows in {source.describe()}")
+    if kind == "preference":
+        data = _preference_examples(tokenizer, prompts, parsed, lengths)
+    elif kind == "orm":
+        data = _outcome_examples(tokenizer, prompts, parsed, lengths)
+    else:
+        data = _process_examples(tokenizer, prompts, parsed, lengths, data_cfg.step_separator)
+    if not data.examples:
+        raise ValueError(f"{where}: no usable {kind} examples in {source.describe()}")
+    return data
+
+
+def _preference_examples(tokenizer, prompts, parsed, lengths) -> RewardData:
+    chosen = encode_completions(tokenizer, prompts, [p[1] for p in parsed], **lengths)
+    rejected = encode_completions(tokenizer, prompts, [p[2] for p in parsed], **lengths)
+    data = RewardData([], {"dropped_identical": 0, "truncated": 0, "empty_completions": 0})
+    for item, c, r in zip(parsed, chosen, rejected, strict=True):
+        data.counts["empty_completions"] += (not item[1].strip()) + (not item[2].strip())
+        data.counts["truncated"] += c.truncated or r.truncated
+        if c.completion_ids == r.completion_ids:
+            data.counts["dropped_identical"] += 1
+            continue
+        margin = item[3] if len(item) > 3 else None
+        data.examples.append(
+            PreferencePair(c.prompt_ids, c.completion_ids, r.completion_ids, margin)
+        )
+    return data
+
+
+def _outcome_examples(tokenizer, prompts, parsed, lengths) -> RewardData:
+    encoded = encode_completions(tokenizer, prompts, [p[1] for p in parsed], **lengths)
+    groups: dict[str, int] = {}
+    data = RewardData([], {"truncated": 0, "groups": 0, "correct": 0})
+    for text, item, e in zip(prompts, parsed, encoded, strict=True):
+        group = groups.setdefault(text, len(groups))
+        data.examples.append(OutcomeExample(e.prompt_ids, e.completion_ids, item[2], group))
+        data.counts["truncated"] += e.truncated
+        data.counts["correct"] += item[2] > 0.5
+    data.counts["groups"] = len(groups)
+    return data
+
+
+def _process_examples(tokenizer, prompts, parsed, lengths, separator) -> RewardData:
+    encoded = encode_steps(
+        tokenizer, prompts, [p[1] for p in parsed], separator=separator, **lengths
+    )
+    data = RewardData([], {"steps": 0, "dropped_steps": 0, "negative_steps": 0})
+    for item, e in zip(parsed, encoded, strict=True):
+        classes = item[2][: len(e.step_ends)]
+        data.examples.append(ProcessExample(e.prompt_ids, e.completion_ids, e.step_ends, classes))
+        data.counts["steps"] += len(classes)
+        data.counts["dropped_steps"] += e.dropped_steps
+        data.counts["negative_steps"] += sum(c == 0 for c in classes)
+    return data
+
+
+# ----------------------------------------------------------------------------- batches
+
+
+def collate_pairs(pairs: list[PreferencePair], pad_id: int) -> dict[str, torch.Tensor]:
+    """One right-padded batch of 2B rows, the B chosen sequences then the B rejected ones, and
+    `margins` (B,) when the pairs carry them."""
+    seqs = [p.prompt_ids + p.chosen_ids for p in pairs] + [
+        p.prompt_ids + p.rejected_ids for p in pairs
+    ]
+    input_ids, attention_mask = pad_sequences(seqs, pad_id)
+    batch = {"input_ids": input_ids, "attention_mask": attention_mask}
+    if pairs and all(p.margin is not None for p in pairs):
+        batch["margins"] = torch.tensor([p.margin for p in pairs], dtype=torch.float32)
+    return batch
+
+
+def collate_outcomes(examples: list[OutcomeExample], pad_id: int) -> dict[str, torch.Tensor]:
+    """Right-padded sequences, `completion_mask` (B, T) over completion tokens, `labels` (B,)."""
+    input_ids, attention_mask = pad_sequences(
+        [e.prompt_ids + e.completion_ids for e in examples], pad_id
+    )
+    completion_mask = torch.zeros_like(attention_mask, dtype=torch.bool)
+    for b, e in enumerate(examples):
+        completion_mask[b, len(e.prompt_ids) : len(e.prompt_ids) + len(e.completion_ids)] = True
+    labels = torch.tensor([e.label for e in examples], dtype=torch.float32)
+    return {"input_ids": input_ids, "attention_mask": attention_mask,
+            "completion_mask": completion_mask, "labels": labels}  # fmt: skip
+
+
+def collate_steps(examples: list[ProcessExample], pad_id: int) -> dict[str, torch.Tensor]:
+    """Right-padded sequences and `step_labels` (B, T): each step's class at its separator,
+    IGNORE_INDEX (-100) everywhere else."""
+    input_ids, attention_mask = pad_sequences(
+        [e.prompt_ids + e.completion_ids for e in examples], pad_id
+    )
+    step_labels = torch.full_like(input_ids, IGNORE_INDEX)
+    for b, e in enumerate(examples):
+        for end, cls in zip(e.step_ends, e.step_classes, strict=True):
+            step_labels[b, len(e.prompt_ids) + end] = cls
+    return {"input_ids": input_ids, "attention_mask": attention_mask, "step_labels": step_labels}

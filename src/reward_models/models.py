@@ -1,0 +1,94 @@
+"""`BaseRewardModel`: a causal-LM backbone with a linear head, trained as a preference, outcome
+or process reward model.
+
+All of the machinery (backbone loading, per-token scores, last-token pooling, the saved directory,
+`score`) is `rlhf_core.scalar_head.ScalarHeadModel`, so that `policy_gradients` can load a reward
+model from its directory without importing this package. This module adds what only training
+needs: building the model for a config, running a collated batch through it into the loss of its
+kind (`compute_loss`), and the sequence-classification export of preference models.
+
+    kind         head_dim      read at                       trained by
+    preference   1             the last token (eos)          bradley_terry
+    orm          1             every completion token        orm_bce
+    prm          2 or 3        each step's separator token   prm_ce
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from reward_models.config import RMConfig
+from reward_models.losses import RewardLoss
+from rlhf_core.scalar_head import (
+    ScalarHeadInfo,
+    ScalarHeadModel,
+    export_sequence_classification,
+    pool_last_token,
+)
+
+
+class BaseRewardModel(ScalarHeadModel):
+    """A reward model: `forward(input_ids, attention_mask) -> (B, T, head_dim)` scores; the loss
+    never lives in `forward`. See `rlhf_core.scalar_head.ScalarHeadModel`."""
+
+    @classmethod
+    def for_config(
+        cls,
+        cfg: RMConfig,
+        loss_fn: RewardLoss,
+        tokenizer: Any,
+        device: torch.device | str = "cpu",
+        *,
+        weights_from: str | Path | None = None,
+    ) -> BaseRewardModel:
+        """The model `cfg` describes, with the head `loss_fn` needs; `weights_from` resumes."""
+        info = ScalarHeadInfo(
+            kind=loss_fn.kind,
+            head_dim=loss_fn.head_dim,
+            chat_template=tokenizer.chat_template,
+            max_length=cfg.data.max_length,
+            max_prompt_length=cfg.data.max_prompt_length,
+            step_separator=cfg.data.step_separator if loss_fn.kind == "prm" else None,
+        )
+        return cls.from_config(
+            cfg.model, info, device, weights_from=weights_from,
+            freeze_backbone=cfg.freeze_backbone,
+        )  # fmt: skip
+
+    def export_sequence_classification(self, out_dir: str | Path, *, tokenizer: Any = None) -> Path:
+        """Write a transformers `AutoModelForSequenceClassification` directory (preference only);
+        see `rlhf_core.scalar_head.export_sequence_classification`."""
+        if self.info.kind != "preference":
+            raise ValueError(f"only preference models export to sequence classification, this "
+                             f"one is {self.info.kind!r}")  # fmt: skip
+        return export_sequence_classification(self, out_dir, tokenizer=tokenizer)
+
+
+def preference_rewards(
+    model: torch.nn.Module, batch: dict[str, torch.Tensor]
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(chosen, rejected) rewards (B,) of a `collate_pairs` batch, from one forward of 2B rows."""
+    scores = model(batch["input_ids"], batch["attention_mask"])[..., 0]
+    rewards = pool_last_token(scores, batch["attention_mask"])
+    half = rewards.shape[0] // 2
+    return rewards[:half], rewards[half:]
+
+
+def compute_loss(
+    model: torch.nn.Module, loss_fn: RewardLoss, batch: dict[str, torch.Tensor]
+) -> tuple[torch.Tensor, dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+    """(loss, metrics, outputs) of one collated batch of the loss's kind. `outputs` are the
+    detached scores the loss read: chosen/rejected rewards (B,), or logits (B, T[, C])."""
+    if loss_fn.kind == "preference":
+        chosen, rejected = preference_rewards(model, batch)
+        loss, metrics = loss_fn(chosen, rejected, margins=batch.get("margins"))
+        return loss, metrics, {"chosen": chosen.detach(), "rejected": rejected.detach()}
+    scores = model(batch["input_ids"], batch["attention_mask"])
+    if loss_fn.kind == "orm":
+        loss, metrics = loss_fn(scores[..., 0], batch["labels"], batch["completion_mask"])
+        return loss, metrics, {"logits": scores[..., 0].detach()}
+    loss, metrics = loss_fn(scores, batch["step_labels"])
+    return loss, metrics, {"logits": scores.detach()}

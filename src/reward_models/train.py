@@ -1,0 +1,208 @@
+"""Reward-model training: preference (Bradley-Terry), outcome (ORM) and process (PRM) models.
+
+    uv run python -m reward_models.train --config configs/reward_models/preference.yaml
+
+Read top to bottom: config -> the loss (it fixes the model kind, the head size and the data
+format) -> tokenizer and examples -> the model (backbone + linear head; LoRA or a frozen backbone
+optional), optimizer, schedule -> the loop (each optimizer step takes `batch_size` examples in
+micro-batches; every loss is a mean of per-example losses, so weighting each micro-batch by its
+share of the step gives the one-big-batch update across accumulation and processes; clip, skip
+non-finite steps, log, evaluate every k steps, checkpoint, stop on SIGINT/SIGTERM) -> final
+held-out figures, `final/` (a scalar-head directory `rlhf_core.scalar_head` loads; with
+`train.export_sequence_classification` also `final-seqcls/`), summary.
+
+Resuming restores model, optimizer, schedule, RNGs and data position, so a resumed run reproduces
+the uninterrupted one exactly on CPU.
+"""
+
+from __future__ import annotations
+
+import sys
+from contextlib import nullcontext
+
+import torch
+
+from reward_models.config import RMConfig
+from reward_models.data import build_reward_data
+from reward_models.evaluate import COLLATE, evaluate
+from reward_models.losses import LOSSES
+from reward_models.models import BaseRewardModel, compute_loss
+from rlhf_core.checkpoint import StopSignal
+from rlhf_core.config import RunArgs, parse_run_args
+from rlhf_core.data import EpochSampler
+from rlhf_core.loop import (
+    announce_stop,
+    optimizer_step,
+    plan_steps,
+    print_dry_run,
+    restore_checkpoint,
+    save_final,
+    save_training_state,
+    start_accelerator,
+)
+from rlhf_core.models import load_tokenizer, resolve_model_path
+from rlhf_core.optim import build_optimizer, build_scheduler
+from rlhf_core.registry import build_from_spec
+from rlhf_core.runtime import seed_everything
+from rlhf_core.tracking import Tracker, new_run_dir, resolve_resume
+
+PACKAGE = "reward_models"
+
+
+def train(cfg: RMConfig, run: RunArgs) -> int:
+    """Train one reward model; returns the exit code (0, or 130/143 after a signal)."""
+    accelerator, threads = start_accelerator(cfg.train)
+    device, rank, world = accelerator.device, accelerator.process_index, accelerator.num_processes
+    is_main = accelerator.is_main_process
+
+    # --- loss, tokenizer and data
+    loss_fn = build_from_spec(LOSSES, cfg.loss)
+    kind, collate = loss_fn.kind, COLLATE[loss_fn.kind]
+    tokenizer = load_tokenizer(cfg.model, padding_side="right")
+    d, t = cfg.data, cfg.train
+    classes = loss_fn.head_dim
+    train_data = build_reward_data(
+        d.train, tokenizer, kind=kind, data_cfg=d, num_classes=classes, where="data.train"
+    )
+    eval_data = None
+    if d.eval is not None:
+        eval_data = build_reward_data(
+            d.eval, tokenizer, kind=kind, data_cfg=d, num_classes=classes, where="data.eval",
+            limit=t.eval_size,
+        )  # fmt: skip
+    micro, total_steps = plan_steps(t, len(train_data.examples), world)
+    run_dir, ckpt = resolve_resume(
+        run.resume, package=PACKAGE, name=cfg.name, output_dir=run.output_dir
+    )
+    run_dir = run_dir or new_run_dir(PACKAGE, cfg.name, run.output_dir)
+
+    if run.dry_run:
+        print_dry_run(cfg, {
+            "model": f"{cfg.model.name_or_path} -> {resolve_model_path(cfg.model.name_or_path)}",
+            "tokenizer": f"{type(tokenizer).__name__}, vocab {len(tokenizer)}",
+            "loss": f"{type(loss_fn).__name__} {cfg.loss}",
+            "kind": f"{kind} (head {classes}; backbone "
+            f"{'frozen' if cfg.freeze_backbone else 'LoRA' if cfg.model.lora else 'trained'})",
+            "train examples": f"{train_data.describe()} from {d.train.describe()}",
+            "eval examples": eval_data.describe() if eval_data else 0,
+            "would run": f"{total_steps} steps x {t.batch_size} examples on {device} "
+            f"({world} procs)",
+            "run dir": f"{run_dir}" + (f" (resuming {ckpt})" if ckpt else ""),
+        })  # fmt: skip
+        return 0
+
+    # --- model, optimizer, schedule
+    seed_everything(cfg.seed)
+    model = BaseRewardModel.for_config(cfg, loss_fn, tokenizer, device, weights_from=ckpt)
+    model.train()
+    optimizer = build_optimizer(model, cfg.optim)
+    scheduler = build_scheduler(optimizer, cfg.optim, total_steps)
+    model, optimizer = accelerator.prepare(model, optimizer)
+    sampler = EpochSampler(len(train_data.examples), cfg.seed)
+    step, skipped = 0, 0
+    if ckpt is not None:
+        step, state = restore_checkpoint(
+            ckpt, optimizer=optimizer, scheduler=scheduler, sampler=sampler
+        )
+        skipped = state["skipped_steps"]
+    tracker = Tracker(
+        run_dir, cfg, cfg.tracking, total_steps=total_steps, resume_step=step if ckpt else None,
+        enabled=is_main,
+    )  # fmt: skip
+    pad_id = tokenizer.pad_token_id
+
+    def run_eval() -> dict[str, float]:
+        if eval_data is None or not is_main:
+            return {}
+        return evaluate(
+            accelerator.unwrap_model(model), loss_fn, eval_data, pad_id=pad_id, batch_size=micro
+        )
+
+    def save() -> None:
+        save_training_state(
+            accelerator, run_dir, step, model=model, tokenizer=tokenizer, optimizer=optimizer,
+            scheduler=scheduler, state={"sampler": sampler.state_dict(), "skipped_steps": skipped},
+            keep_last=cfg.checkpoint.keep_last,
+        )  # fmt: skip
+
+    # --- the loop
+    metrics: dict[str, torch.Tensor] = {}
+    step_loss = torch.zeros(())
+    with StopSignal() as stop:
+        while step < total_steps:
+            indices = sampler.next_batch(t.batch_size)[rank::world]
+            step_loss = torch.zeros((), device=device)
+            metrics = {}
+            for start in range(0, len(indices), micro):
+                rows = indices[start : start + micro]
+                batch = collate([train_data.examples[j] for j in rows], pad_id)
+                batch = {k: v.to(device) for k, v in batch.items()}
+                weight = len(rows) / t.batch_size  # share of the global step's examples
+                sync = start + micro >= len(indices)
+                with nullcontext() if sync else accelerator.no_sync(model):
+                    loss, m, _ = compute_loss(model, loss_fn, batch)
+                    # DDP averages gradients over processes; scale so they sum to the global mean
+                    accelerator.backward(loss * weight * world)
+                step_loss += loss.detach() * weight
+                for key, value in m.items():
+                    metrics[key] = metrics.get(key, 0.0) + value * weight
+            step_loss = accelerator.reduce(step_loss, reduction="sum")
+            grad_norm, was_skipped = optimizer_step(
+                accelerator, model, optimizer, scheduler,
+                max_grad_norm=cfg.optim.max_grad_norm, loss=step_loss,
+            )  # fmt: skip
+            skipped += was_skipped
+            step += 1
+
+            if step % cfg.tracking.log_every == 0 or step == total_steps:
+                reduced = {
+                    k: accelerator.reduce(v, reduction="sum").item() for k, v in metrics.items()
+                }
+                tracker.log(step, {
+                    "train/loss": step_loss.item(), "train/grad_norm": grad_norm,
+                    "train/lr": scheduler.get_last_lr()[0], "train/epoch": sampler.epoch_float,
+                    "train/skipped_steps": skipped, **{f"train/{k}": v for k, v in reduced.items()},
+                })  # fmt: skip
+            if t.eval_every and step % t.eval_every == 0 and step < total_steps:
+                tracker.log(step, run_eval())
+            if cfg.checkpoint.save_every and step % cfg.checkpoint.save_every == 0:
+                save()
+            if stop.requested:
+                save()
+                if is_main:
+                    announce_stop(PACKAGE, run, run_dir, stop.signum, step)
+                tracker.plot()
+                return stop.exit_code
+
+    # --- final evaluation and model
+    final_eval = run_eval()
+    if final_eval:
+        tracker.log(step, final_eval)
+    if cfg.checkpoint.save_final:
+        save_final(accelerator, model, tokenizer, run_dir / "final")
+    if t.export_sequence_classification and is_main:
+        accelerator.unwrap_model(model).export_sequence_classification(
+            run_dir / "final-seqcls", tokenizer=tokenizer
+        )
+    summary = tracker.finish({
+        "steps": step, "skipped_steps": skipped, "threads": threads, "processes": world,
+        "kind": kind, "loss": cfg.loss, "train_examples": len(train_data.examples),
+        **{f"train_data/{k}": v for k, v in train_data.counts.items()},
+        "final_train_loss": step_loss.item(),
+        **{f"final_train/{k}": float(v) for k, v in metrics.items()}, **final_eval,
+    })  # fmt: skip
+    if is_main:
+        print(f"run dir: {run_dir}\n" + "\n".join(f"  {k}: {v}" for k, v in summary.items()))
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    cfg, run = parse_run_args(
+        argv, RMConfig, prog=f"python -m {PACKAGE}.train",
+        description="Reward models: preference (Bradley-Terry), outcome (ORM), process (PRM)",
+    )  # fmt: skip
+    return train(cfg, run)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
