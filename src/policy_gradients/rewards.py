@@ -145,6 +145,45 @@ class OverlongReward:
         )
 
 
+@REWARDS.register("reward_model")
+class RewardModelReward:
+    """A learned reward: a directory saved by `reward_models` (or any transformers
+    `...ForSequenceClassification` directory), loaded through `rlhf_core.scalar_head` so this
+    package never imports `reward_models`. Scores prompt + completion as the model was trained
+    (its chat template and lengths), then normalises: (score - mean) / std * scale + bias."""
+
+    def __init__(
+        self,
+        *,
+        path: str,
+        batch_size: int = 32,
+        mean: float = 0.0,
+        std: float = 1.0,
+        scale: float = 1.0,
+        bias: float = 0.0,
+        device: str = "auto",
+    ) -> None:
+        from rlhf_core.scalar_head import ScalarHeadModel
+
+        if std <= 0:
+            raise ValueError(f"reward_model: std must be > 0, got {std}")
+        if device == "auto":
+            device = "cuda" if torch.cuda.is_available() else "cpu"
+        self.model = ScalarHeadModel.from_pretrained(path, device=device)
+        self.batch_size, self.mean, self.std, self.scale, self.bias = (
+            batch_size,
+            mean,
+            std,
+            scale,
+            bias,
+        )
+
+    def __call__(self, batch: RewardInput) -> torch.Tensor:
+        prompts = [item["messages"] for item in batch.items]
+        raw = self.model.score(prompts, batch.completions, batch_size=self.batch_size).float().cpu()
+        return (raw - self.mean) / self.std * self.scale + self.bias
+
+
 class CombinedReward:
     """Weighted sum of named components. Returns (total, {name: component}); the total is (B,)
     if every component is scalar, else (B, T) with scalar components on the last token."""

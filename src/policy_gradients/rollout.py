@@ -31,7 +31,7 @@ from rlhf_core.data import DataSource, load_rows, reasoning_gym_dataset
 
 @dataclass
 class PromptSet:
-    items: list[dict[str, Any]]  # {"prompt": rendered text, "answer": str, "entry": dict | None}
+    items: list[dict[str, Any]]  # prompt (rendered), messages, answer, entry (reasoning-gym)
     scorer: Any | None  # reasoning-gym dataset, if the prompts came from one
 
 
@@ -64,7 +64,10 @@ def load_prompts(
         if system_prompt:
             messages.insert(0, {"role": "system", "content": system_prompt})
         text = render_prompt(tokenizer, messages, where=f"{where}: row {index}")
-        items.append({"prompt": text, "answer": str(row[answer_column]), "entry": row.get("entry")})
+        items.append({
+            "prompt": text, "messages": messages, "answer": str(row[answer_column]),
+            "entry": row.get("entry"),
+        })  # fmt: skip
         if limit is not None and len(items) >= limit:
             break
     if not items:

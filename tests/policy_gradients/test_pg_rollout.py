@@ -170,3 +170,18 @@ def test_rollout_log_is_queryable_and_resume_drops_redone_steps(tmp_path):
     RolloutLog(path, resume_step=1).close()
     with sqlite3.connect(path) as conn:
         assert conn.execute("SELECT step FROM rollouts").fetchall() == [(1,)]
+
+
+def test_reward_model_component_loads_a_saved_scalar_head_directory(tmp_path):
+    from policy_gradients.rewards import RewardModelReward
+    from rlhf_core.scalar_head import ScalarHeadInfo, ScalarHeadModel
+
+    torch.manual_seed(0)
+    model = ScalarHeadModel.from_config(TINY, ScalarHeadInfo(kind="preference", max_length=64))
+    model.tokenizer = load_tokenizer(TINY, padding_side="right")
+    model.save_pretrained(tmp_path / "rm")
+    messages = [[{"role": "user", "content": "Spell: abc"}], [{"role": "user", "content": "hi"}]]
+    batch = reward_input(["cba", "hello"], [{"messages": m} for m in messages])
+    expected = model.eval().score(messages, ["cba", "hello"])
+    reward = RewardModelReward(path=str(tmp_path / "rm"), mean=0.5, std=2.0, scale=3.0, bias=1.0)
+    torch.testing.assert_close(reward(batch), (expected - 0.5) / 2.0 * 3.0 + 1.0)
