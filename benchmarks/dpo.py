@@ -54,6 +54,7 @@ from typing import Any
 from benchmarks.measure import (
     REPO_ROOT,
     PeakRSS,
+    machine,
     median,
     peak_rss_mb,
     rss_mb,
@@ -78,11 +79,11 @@ SMALL_MODEL = {
 @dataclass(frozen=True)
 class Workload:
     model: str = "tiny"  # "tiny" (preset tiny-qwen3-gpt2) or "small"
-    batch_size: int = 8
-    steps: int = 16
+    batch_size: int = 4
+    steps: int = 8
     warmup_steps: int = 1  # steps before the timed window
-    max_length: int = 512
-    max_prompt_length: int = 384
+    max_length: int = 256
+    max_prompt_length: int = 192
     threads: int = 2
     lr: float = 1e-6
     beta: float = 0.1
@@ -106,8 +107,13 @@ class Workload:
 
 def model_dir(name: str) -> Path:
     """The model directory of workload model `name`, built once into the rlhf-lab cache."""
-    from rlhf_core.tiny import TinyPreset, build_gpt2_tokenizer, build_tiny_model, cache_root
-    from rlhf_core.tiny import preset_dir
+    from rlhf_core.tiny import (
+        TinyPreset,
+        build_gpt2_tokenizer,
+        build_tiny_model,
+        cache_root,
+        preset_dir,
+    )
 
     if name == "tiny":
         return preset_dir("tiny-qwen3-gpt2")
@@ -117,7 +123,11 @@ def model_dir(name: str) -> Path:
 
     preset = TinyPreset(tokenizer="gpt2", **SMALL_MODEL)
     spec = json.dumps({"preset": asdict(preset), "tf": transformers.__version__})
-    target = cache_root() / "bench" / f"qwen3-gpt2-small-{hashlib.sha256(spec.encode()).hexdigest()[:10]}"
+    target = (
+        cache_root()
+        / "bench"
+        / f"qwen3-gpt2-small-{hashlib.sha256(spec.encode()).hexdigest()[:10]}"
+    )
     if (target / "config.json").is_file():
         return target
     target.parent.mkdir(parents=True, exist_ok=True)
@@ -199,10 +209,14 @@ def prepare(w: Workload, workdir: Path) -> dict[str, Any]:
     ]  # fmt: skip
     step_tokens, step_padded = [], []
     for s in range(w.steps):
-        batch = collate_pairs([data.pairs[i] for i in order[s * w.batch_size : (s + 1) * w.batch_size]], 0)
+        batch = collate_pairs(
+            [data.pairs[i] for i in order[s * w.batch_size : (s + 1) * w.batch_size]], 0
+        )
         step_tokens.append(int(batch["attention_mask"].sum()))
         step_padded.append(int(batch["attention_mask"].numel()))
-    (workdir / "expected.json").write_text(json.dumps({"pairs": expected, "step_tokens": step_tokens}))
+    (workdir / "expected.json").write_text(
+        json.dumps({"pairs": expected, "step_tokens": step_tokens})
+    )
     lengths = [len(p.prompt_ids) + len(p.chosen_ids) for p in data.pairs] + [
         len(p.prompt_ids) + len(p.rejected_ids) for p in data.pairs
     ]
@@ -277,7 +291,8 @@ class StepClock:
         }
 
 
-def run_ours(w: Workload, workdir: Path) -> dict[str, Any]:
+def run_ours(w: Workload, workdir: Path, *, prototype: bool = False) -> dict[str, Any]:
+    """Our trainer as shipped, or (`prototype`) with `benchmarks.prototype` patched in."""
     memory = PeakRSS()
     import torch
 
@@ -290,6 +305,10 @@ def run_ours(w: Workload, workdir: Path) -> dict[str, Any]:
     from rlhf_core.optim import OptimConfig
     from rlhf_core.tracking import TrackingConfig
 
+    if prototype:
+        from benchmarks.prototype import patch_our_trainer
+
+        patch_our_trainer()
     after_imports = rss_mb()
     clock = StepClock(w.warmup_steps, memory)
     cfg = DAConfig(
@@ -330,7 +349,7 @@ def run_ours(w: Workload, workdir: Path) -> dict[str, Any]:
     metrics = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
     shutil.rmtree(run_dir, ignore_errors=True)
     return {
-        "impl": "ours",
+        "impl": "ours-proto" if prototype else "ours",
         **clock.summary(),
         "rss_after_imports_mb": after_imports,
         "peak_rss_mb": memory.overall(),
@@ -428,105 +447,137 @@ def _same_tokens(dataset, workdir: Path) -> bool:
     if len(dataset) != len(expected):
         return False
     cols = {k: dataset[k] for k in ("prompt_ids", "chosen_ids", "rejected_ids")}
-    return all(
-        all(cols[k][i] == e[k] for k in cols) for i, e in enumerate(expected)
-    )
+    return all(all(cols[k][i] == e[k] for k in cols) for i, e in enumerate(expected))
 
 
 # ----------------------------------------------------------------------------- the comparison
 
+#: The measured arms: ours as shipped, TRL, and ours with `benchmarks.prototype` patched in.
+ARMS = ("ours", "trl", "ours-proto")
+LABELS = {
+    "ours": "ours (as shipped)",
+    "trl": "TRL DPOTrainer",
+    "ours-proto": "ours + completion-only LM head (prototype, not in src)",
+}
 
-def compare(w: Workload, rounds: int, *, timeout: float = 900) -> dict[str, Any]:
-    """Prepare once, then `rounds` x (ours, TRL) in fresh processes, alternating who goes first."""
+
+def compare(
+    w: Workload, rounds: int, *, arms: tuple[str, ...] = ARMS, timeout: float = 900
+) -> dict[str, Any]:
+    """Prepare once, then `rounds` rounds of one fresh process per arm; the order of the arms
+    rotates from round to round, so no arm always runs first or last."""
+    host = machine()
     with tempfile.TemporaryDirectory(prefix="rlhf-bench-dpo-") as tmp:
         workdir = Path(tmp)
         common = ["--workload", w.to_json(), "--workdir", str(workdir)]
-        prep = run_worker("benchmarks.dpo", ["prepare", *common], threads=w.threads, timeout=timeout)
+        prep = run_worker(
+            "benchmarks.dpo", ["prepare", *common], threads=w.threads, timeout=timeout
+        )
         runs: list[dict[str, Any]] = []
         for r in range(rounds):
-            order = ("ours", "trl") if r % 2 == 0 else ("trl", "ours")
+            order = arms[r % len(arms) :] + arms[: r % len(arms)]
+            if r % 2:
+                order = order[::-1]
             for impl in order:
-                out = run_worker("benchmarks.dpo", [impl, *common], threads=w.threads, timeout=timeout)
+                out = run_worker(
+                    "benchmarks.dpo", [impl, *common], threads=w.threads, timeout=timeout
+                )
                 out["round"] = r
                 runs.append(out)
                 print(
-                    f"  round {r + 1}/{rounds} {impl:4s}: {out['tokens_per_s']:8.1f} tok/s, "
-                    f"peak RSS {out['peak_rss_mb']:7.1f} MiB (timed steps {out['peak_rss_timed_mb']:.1f})"
-                    f", {out['process_wall_s']:.1f} s process",
+                    f"  round {r + 1}/{rounds} {impl:10s}: {out['tokens_per_s']:7.1f} tok/s, "
+                    f"peak RSS {out['peak_rss_mb']:6.0f} MiB "
+                    f"(timed steps {out['peak_rss_timed_mb']:.0f}), "
+                    f"process {out['process_wall_s']:.0f} s",
                     flush=True,
                 )
-    return {"workload": asdict(w), "prepare": prep, "runs": runs, "summary": summarize(prep, runs)}
+    return {
+        "machine": host, "workload": asdict(w), "prepare": prep, "runs": runs,
+        "summary": summarize(prep, runs),
+    }  # fmt: skip
 
 
 def summarize(prep: dict[str, Any], runs: list[dict[str, Any]]) -> dict[str, Any]:
-    by = {impl: [r for r in runs if r["impl"] == impl] for impl in ("ours", "trl")}
+    """Medians per arm, and per-round ratios against TRL (each round's runs ran back to back)."""
     keys = ("tokens_per_s", "peak_rss_mb", "peak_rss_timed_mb", "rss_after_imports_mb",
             "step_s_median", "to_first_step_end_s", "process_wall_s")  # fmt: skip
-    out: dict[str, Any] = {
-        impl: {k: median([r[k] for r in rs]) for k in keys} | {
-            f"{k}_range": spread([r[k] for r in rs]) for k in ("tokens_per_s", "peak_rss_mb")
+    arms = [a for a in ARMS if any(r["impl"] == a for r in runs)]
+    out: dict[str, Any] = {"arms": {}}
+    for arm in arms:
+        rs = [r for r in runs if r["impl"] == arm]
+        out["arms"][arm] = {k: median([r[k] for r in rs]) for k in keys}
+        out["arms"][arm]["tokens_per_s_range"] = spread([r["tokens_per_s"] for r in rs])
+        out["arms"][arm]["peak_rss_mb_range"] = spread([r["peak_rss_mb"] for r in rs])
+    by_round: dict[int, dict[str, dict[str, Any]]] = {}
+    for r in runs:
+        by_round.setdefault(r["round"], {})[r["impl"]] = r
+    for arm in arms:
+        if arm == "trl" or "trl" not in arms:
+            continue
+        for key in ("tokens_per_s", "peak_rss_mb", "peak_rss_timed_mb"):
+            out["arms"][arm][f"ratio_{key}"] = median(
+                [p[arm][key] / p["trl"][key] for p in by_round.values() if arm in p and "trl" in p]
+            )
+        out["arms"][arm]["targets_met"] = {
+            "tokens_per_s >= 2x": out["arms"][arm]["ratio_tokens_per_s"] >= 2.0,
+            "peak_rss <= 60%": out["arms"][arm]["ratio_peak_rss_mb"] <= 0.60,
         }
-        for impl, rs in by.items()
-    }  # fmt: skip
-    # Per-round ratios (each round's two runs ran back to back), then their median.
-    rounds = sorted({r["round"] for r in runs})
-    pair = {
-        rd: {r["impl"]: r for r in runs if r["round"] == rd} for rd in rounds
-    }
-    out["ratio_tokens_per_s"] = median(
-        [p["ours"]["tokens_per_s"] / p["trl"]["tokens_per_s"] for p in pair.values()]
-    )
-    out["ratio_peak_rss"] = median(
-        [p["ours"]["peak_rss_mb"] / p["trl"]["peak_rss_mb"] for p in pair.values()]
-    )
-    out["ratio_peak_rss_timed"] = median(
-        [p["ours"]["peak_rss_timed_mb"] / p["trl"]["peak_rss_timed_mb"] for p in pair.values()]
-    )
-    expected = sum(prep["step_tokens"][runs[0]["steps"] - runs[0]["timed_steps"] :])
-    out["timed_tokens_expected"] = expected
-    out["timed_tokens_match"] = all(r["timed_tokens"] == expected for r in runs)
+    timed_from = runs[0]["steps"] - runs[0]["timed_steps"]
+    out["timed_tokens_expected"] = sum(prep["step_tokens"][timed_from:])
+    out["timed_tokens_match"] = all(r["timed_tokens"] == out["timed_tokens_expected"] for r in runs)
     out["tokens_identical"] = all(r.get("tokens_identical_to_ours", True) for r in runs)
-    out["targets"] = {
-        "tokens_per_s >= 2x": out["ratio_tokens_per_s"] >= 2.0,
-        "peak_rss <= 60%": out["ratio_peak_rss"] <= 0.60,
-    }
     return out
 
 
 def markdown(result: dict[str, Any]) -> str:
+    """The result table (also printed and written to results/latest.md)."""
     w, s, p = result["workload"], result["summary"], result["prepare"]
-    m = p["model"]
+    m, arms = p["model"], s["arms"]
+    rounds = len({r["round"] for r in result["runs"]})
+
+    def ratio(arm: str, key: str, fmt: str) -> str:
+        value = arms[arm].get(f"ratio_{key}")
+        return "" if value is None else format(value, fmt)
+
     lines = [
-        f"DPO, ours vs trl.DPOTrainer: model `{w['model']}` (Qwen3, {m['parameters'] / 1e6:.1f}M "
-        f"params, hidden {m['hidden_size']}, {m['layers']} layers, GPT-2 vocab {m['vocab_size']}), "
-        f"{p['pairs']} HH pairs, batch {w['batch_size']} pairs, {w['steps']} steps "
-        f"({w['steps'] - w['warmup_steps']} timed), max_length {w['max_length']}, fp32, "
-        f"{w['threads']} threads; medians of {len({r['round'] for r in result['runs']})} "
-        "alternating rounds (min-max in brackets).",
+        f"### DPO: ours vs `trl.DPOTrainer` {result['machine']['versions']['trl']}",
         "",
-        "| | ours | TRL | ours / TRL | target |",
-        "| --- | ---: | ---: | ---: | --- |",
-        f"| non-pad tokens/s (timed steps) | {s['ours']['tokens_per_s']:.0f} "
-        f"({s['ours']['tokens_per_s_range']}) | {s['trl']['tokens_per_s']:.0f} "
-        f"({s['trl']['tokens_per_s_range']}) | **{s['ratio_tokens_per_s']:.2f}x** | >= 2x: "
-        f"{'met' if s['targets']['tokens_per_s >= 2x'] else 'NOT met'} |",
-        f"| peak RSS, whole process (MiB) | {s['ours']['peak_rss_mb']:.0f} "
-        f"({s['ours']['peak_rss_mb_range']}) | {s['trl']['peak_rss_mb']:.0f} "
-        f"({s['trl']['peak_rss_mb_range']}) | **{s['ratio_peak_rss']:.0%}** | <= 60%: "
-        f"{'met' if s['targets']['peak_rss <= 60%'] else 'NOT met'} |",
-        f"| peak RSS during timed steps (MiB) | {s['ours']['peak_rss_timed_mb']:.0f} | "
-        f"{s['trl']['peak_rss_timed_mb']:.0f} | {s['ratio_peak_rss_timed']:.0%} | |",
-        f"| RSS after imports (MiB) | {s['ours']['rss_after_imports_mb']:.0f} | "
-        f"{s['trl']['rss_after_imports_mb']:.0f} | | |",
-        f"| median step (s) | {s['ours']['step_s_median']:.3f} | {s['trl']['step_s_median']:.3f} "
-        "| | |",
-        f"| process start to end of step 1 (s) | {s['ours']['to_first_step_end_s']:.1f} | "
-        f"{s['trl']['to_first_step_end_s']:.1f} | | |",
+        f"Model `{w['model']}`: Qwen3 from config, {m['parameters'] / 1e6:.1f}M parameters (hidden "
+        f"{m['hidden_size']}, {m['layers']} layers, MLP {m['intermediate_size']}), GPT-2 "
+        f"tokenizer (vocab {m['vocab_size']}). {p['pairs']} HH harmless-base pairs, batch "
+        f"{w['batch_size']} pairs, {w['steps']} optimizer steps ({w['steps'] - w['warmup_steps']} "
+        f"timed), max_length {w['max_length']}, max_prompt_length {w['max_prompt_length']}, fp32, "
+        f"{w['threads']} torch threads, CPU ({result['machine']['cpu']}, "
+        f"{result['machine']['cores_available']} cores). Medians of {rounds} rounds, one fresh "
+        "process per run, arm order rotating per round; min-max in brackets; ratios are medians "
+        "of per-round ratios.",
         "",
-        f"Timed non-pad tokens per run: {s['timed_tokens_expected']} (all runs equal: "
-        f"{s['timed_tokens_match']}; TRL's tokenized pairs identical to ours: "
-        f"{s['tokens_identical']}). Padding share of the batches: {p['padding_share']:.1%}; "
-        f"completion tokens are {p['completion_token_share']:.1%} of the sequence tokens.",
+        "| | non-pad tokens/s | vs TRL | peak RSS MiB | vs TRL | peak RSS in timed steps | "
+        "RSS after imports | median step s |",
+        "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
+    ]
+    for arm in arms:
+        a = arms[arm]
+        lines.append(
+            f"| {LABELS[arm]} | {a['tokens_per_s']:.0f} ({a['tokens_per_s_range']}) | "
+            f"{ratio(arm, 'tokens_per_s', '.2f')}{'x' if arm != 'trl' else ''} | "
+            f"{a['peak_rss_mb']:.0f} ({a['peak_rss_mb_range']}) | "
+            f"{ratio(arm, 'peak_rss_mb', '.0%')} | {a['peak_rss_timed_mb']:.0f} | "
+            f"{a['rss_after_imports_mb']:.0f} | {a['step_s_median']:.2f} |"
+        )
+    lines.append("")
+    for arm in arms:
+        if "targets_met" in arms[arm]:
+            met = ", ".join(
+                f"{k}: {'met' if v else 'NOT met'}" for k, v in arms[arm]["targets_met"].items()
+            )
+            lines.append(f"- {LABELS[arm]}: {met}")
+    lines += [
+        f"- Timed non-pad tokens per run: {s['timed_tokens_expected']} (equal in every run: "
+        f"{s['timed_tokens_match']}); TRL's tokenized pairs identical to ours: "
+        f"{s['tokens_identical']}.",
+        f"- Batches: {p['padding_share']:.0%} of the padded positions are padding; completion "
+        f"tokens are {p['completion_token_share']:.0%} of the non-pad tokens.",
         "",
     ]
     return "\n".join(lines)
@@ -537,14 +588,19 @@ def markdown(result: dict[str, Any]) -> str:
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="python -m benchmarks.dpo")
-    parser.add_argument("what", choices=["prepare", "ours", "trl"])
+    parser.add_argument("what", choices=["prepare", *ARMS])
     parser.add_argument("--workload", required=True, help="Workload as JSON")
     parser.add_argument("--workdir", required=True, type=Path)
     parser.add_argument("--result", required=True, type=Path)
     args = parser.parse_args(argv)
     w = Workload.from_json(args.workload)
-    fn = {"prepare": prepare, "ours": run_ours, "trl": run_trl}[args.what]
-    write_result_file(args.result, fn(w, args.workdir))
+    if args.what == "prepare":
+        out = prepare(w, args.workdir)
+    elif args.what == "trl":
+        out = run_trl(w, args.workdir)
+    else:
+        out = run_ours(w, args.workdir, prototype=args.what == "ours-proto")
+    write_result_file(args.result, out)
 
 
 if __name__ == "__main__":

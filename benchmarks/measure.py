@@ -102,10 +102,12 @@ def worker_env(threads: int) -> dict[str, str]:
 def run_worker(module: str, args: list[str], *, threads: int, timeout: float) -> dict[str, Any]:
     """Run `python -m module *args --result FILE` in a fresh process and return FILE's JSON.
 
-    The wall time of the whole process (imports included) is added as `process_wall_s`."""
+    Added: `process_wall_s` (the whole process, imports included) and `load_average_before`
+    (the 1-minute load average when it started: other work on a shared machine shows here)."""
     with tempfile.TemporaryDirectory(prefix="rlhf-bench-") as tmp:
         result = Path(tmp) / "result.json"
         cmd = [sys.executable, "-m", module, *args, "--result", str(result)]
+        load = round(os.getloadavg()[0], 2)
         start = time.perf_counter()
         proc = subprocess.run(
             cmd, cwd=REPO_ROOT, env=worker_env(threads), capture_output=True, text=True,
@@ -114,9 +116,12 @@ def run_worker(module: str, args: list[str], *, threads: int, timeout: float) ->
         wall = time.perf_counter() - start
         if proc.returncode != 0 or not result.is_file():
             tail = "\n".join((proc.stdout + proc.stderr).splitlines()[-40:])
-            raise RuntimeError(f"worker {' '.join(cmd[2:])} failed (exit {proc.returncode}):\n{tail}")
+            raise RuntimeError(
+                f"worker {' '.join(cmd[2:])} failed (exit {proc.returncode}):\n{tail}"
+            )
         out = json.loads(result.read_text())
     out["process_wall_s"] = wall
+    out["load_average_before"] = load
     return out
 
 

@@ -1,0 +1,73 @@
+"""Run the side-by-side benchmarks and write `benchmarks/results/<time>.{json,md}` + `latest.md`.
+
+    uv run --group bench python -m benchmarks.run                # DPO vs TRL, then techniques
+    uv run --group bench python -m benchmarks.run --only dpo --rounds 3
+    uv run --group bench python -m benchmarks.run --only techniques
+
+This process stays small (it never imports torch): every measurement runs in a fresh child
+process (`benchmarks.dpo`, `benchmarks.techniques`), so each child's peak RSS is its own. See
+docs/performance.md for the workload, what is timed, and the latest figures.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import sys
+import time
+
+from benchmarks import dpo, techniques
+from benchmarks.measure import machine, timestamp, write_results
+
+SECTIONS = ("dpo", "techniques")
+
+
+def main(argv: list[str] | None = None) -> int:
+    defaults = dpo.Workload()
+    parser = argparse.ArgumentParser(prog="python -m benchmarks.run", description=__doc__)
+    parser.add_argument("--only", choices=SECTIONS, action="append", help="run only this section")
+    parser.add_argument("--rounds", type=int, default=3, help="alternating rounds per comparison")
+    parser.add_argument("--model", choices=["tiny", "small"], default=defaults.model)
+    parser.add_argument("--batch-size", type=int, default=defaults.batch_size, help="pairs")
+    parser.add_argument("--steps", type=int, default=defaults.steps, help="optimizer steps")
+    parser.add_argument("--max-length", type=int, default=defaults.max_length)
+    parser.add_argument("--max-prompt-length", type=int, default=defaults.max_prompt_length)
+    parser.add_argument("--threads", type=int, default=defaults.threads, help="torch threads")
+    parser.add_argument(
+        "--no-prototype", action="store_true", help="skip the 'ours + prototype' arm of the DPO run"
+    )
+    args = parser.parse_args(argv)
+    if args.rounds < 1:
+        parser.error("--rounds must be >= 1")
+    workload = dataclasses.replace(
+        defaults, model=args.model, batch_size=args.batch_size, steps=args.steps,
+        max_length=args.max_length, max_prompt_length=args.max_prompt_length,
+        threads=args.threads,
+    )  # fmt: skip
+    sections = args.only or list(SECTIONS)
+    stamp = timestamp()
+    payload: dict = {"started": stamp, "machine": machine(), "command": sys.argv}
+    tables: list[str] = [f"# Benchmarks {stamp}", ""]
+    start = time.perf_counter()
+
+    if "dpo" in sections:
+        arms = tuple(a for a in dpo.ARMS if not (args.no_prototype and a == "ours-proto"))
+        print(f"DPO vs TRL: {workload}, {args.rounds} rounds of {', '.join(arms)}", flush=True)
+        payload["dpo"] = dpo.compare(workload, args.rounds, arms=arms)
+        tables.append(dpo.markdown(payload["dpo"]))
+    if "techniques" in sections:
+        print(f"techniques: {workload.model}, {args.rounds} alternating rounds", flush=True)
+        payload["techniques"] = techniques.compare(workload, args.rounds)
+        tables.append(techniques.markdown(payload["techniques"]))
+
+    payload["total_wall_s"] = time.perf_counter() - start
+    tables.append(f"Total benchmark wall time: {payload['total_wall_s']:.0f} s.\n")
+    text = "\n".join(tables)
+    json_path, md_path = write_results(stamp, payload, text)
+    print("\n" + text)
+    print(f"wrote {json_path} and {md_path} (and results/latest.md)")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
