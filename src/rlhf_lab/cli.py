@@ -1,10 +1,9 @@
-"""`rlhf-lab`: a front door to the package trainers (the primary interface stays
+"""`rlhf-lab`: a front door to the trainers and the quickstart (the primary interface stays
 `python -m <package>.train --config ...`).
 
-    rlhf-lab sft --config configs/instruction_tuning/tiny_sft.yaml [--set k=v ...]
+    rlhf-lab quickstart [--fast]   SFT -> pairs -> RM -> GRPO, RLOO+RM -> DPO -> report (offline)
+    rlhf-lab sft|rm|dpo|rl --config FILE [--set k=v ...]   the package trainers
     rlhf-lab tiny [--build]        list (and build) the offline tiny-world presets
-
-Trainers are found by module name, so rlhf_core does not import the chapter packages.
 """
 
 from __future__ import annotations
@@ -13,7 +12,13 @@ import argparse
 import importlib
 import sys
 
-TRAINERS = {"sft": "instruction_tuning.train"}
+TRAINERS = {
+    "sft": "instruction_tuning.train",
+    "rm": "reward_models.train",
+    "dpo": "direct_alignment.train",
+    "rl": "policy_gradients.train",
+    "quickstart": "rlhf_lab.quickstart",
+}
 
 
 def _tiny(args: list[str]) -> int:

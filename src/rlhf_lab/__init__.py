@@ -1,0 +1,1 @@
+"""rlhf_lab: the application layer (CLI front door, quickstart) over the four packages."""

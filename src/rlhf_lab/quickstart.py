@@ -1,0 +1,267 @@
+"""`rlhf-lab quickstart`: SFT -> on-policy pairs -> reward model -> GRPO and RLOO-with-the-RM ->
+DPO -> one evaluation of every checkpoint -> report.md and report.png. Offline, on the tiny world.
+
+Every stage is the same trainer a user runs by hand with the YAML in `configs/quickstart/`
+(listed in the README); the quickstart only points each stage at the previous stage's output
+inside its own run dir, `outputs/quickstart-<timestamp>/<stage>/`.
+
+The evaluation uses one set of held-out spell_backward prompts (seeds far from training) for every
+checkpoint: greedy and sampled (T=1) exact match, the task's partial-credit score, mean length,
+and the per-token KL (k3) to the SFT model on the sampled completions.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+REPO_CONFIGS = Path("configs") / "quickstart"
+HELDOUT = {
+    "task": "spell_backward",
+    "seed": 10_000_000,
+    "config": {"min_word_len": 3, "max_word_len": 10},
+}
+PAIR_PROMPTS = {"task": "spell_backward", "config": HELDOUT["config"]}
+EVAL_STAGES = ("sft", "grpo", "rloo_rm", "dpo")
+
+
+def _config(name: str, cls: Any, overrides: list[str]) -> Any:
+    from rlhf_core.config import load_config
+
+    return load_config(cls, REPO_CONFIGS / f"{name}.yaml", overrides)
+
+
+def _run(trainer: Any, cfg: Any, out: Path, config_name: str) -> dict[str, Any]:
+    from rlhf_core.config import RunArgs
+
+    code = trainer(cfg, RunArgs(config_path=REPO_CONFIGS / f"{config_name}.yaml", output_dir=out))
+    if code != 0:
+        raise RuntimeError(f"stage {config_name} exited with {code}")
+    return json.loads((out / "summary.json").read_text())
+
+
+def run_quickstart(out: Path, *, fast: bool = False) -> dict[str, Any]:
+    """Run every stage into `out`; returns the report's figures. `fast` shortens every stage
+    (a CI smoke run of a minute or two: the figures are then not meaningful)."""
+    from direct_alignment.config import DAConfig
+    from direct_alignment.train import train as train_dpo
+    from instruction_tuning.config import SFTConfig
+    from instruction_tuning.train import train as train_sft
+    from policy_gradients.config import PGConfig
+    from policy_gradients.train import train as train_pg
+    from reward_models.config import RMConfig
+    from reward_models.train import train as train_rm
+    from rlhf_core.data import DataSource
+    from rlhf_lab.onpolicy import build_onpolicy_pairs
+
+    out.mkdir(parents=True, exist_ok=True)
+    times: dict[str, float] = {}
+    figures: dict[str, Any] = {"run_dir": str(out), "fast": fast}
+
+    def stage(name: str):
+        print(f"\n=== quickstart stage: {name} ===", file=sys.stderr, flush=True)
+        return time.perf_counter()
+
+    short = {
+        "sft": ["train.max_steps=40"],
+        "pairs": 64,
+        "rm": ["train.epochs=1"],
+        "grpo": ["train.max_steps=4", "rollout.prompts_per_step=8"],
+        "rloo_rm": ["train.max_steps=3", "rollout.prompts_per_step=8"],
+        "dpo": ["train.epochs=1"],
+    }
+
+    t0 = stage("sft")
+    sft_dir = out / "sft"
+    _run(train_sft, _config("sft", SFTConfig, short["sft"] if fast else []), sft_dir, "sft")
+    sft_final = sft_dir / "final"
+    times["sft"] = time.perf_counter() - t0
+
+    t0 = stage("pairs (sample the SFT model, grade, pair)")
+    n_pairs = short["pairs"] if fast else 512
+    pair_stats = {}
+    for split, seed in (("train", 1), ("eval", 20_000_000)):
+        size = n_pairs if split == "train" else n_pairs // 4
+        source = DataSource.model_validate(
+            {"reasoning_gym": {**PAIR_PROMPTS, "size": size, "seed": seed}}
+        )
+        pair_stats[split] = build_onpolicy_pairs(
+            sft_final, source, out / "pairs" / f"{split}.jsonl", samples=4, max_new_tokens=16,
+            seed=seed,
+        )  # fmt: skip
+    figures["pairs"] = pair_stats
+    times["pairs"] = time.perf_counter() - t0
+
+    t0 = stage("reward model (Bradley-Terry on the on-policy pairs)")
+    on_pairs = [f"model.name_or_path={sft_final}", f"data.train.path={out / 'pairs/train.jsonl'}",
+                f"data.eval.path={out / 'pairs/eval.jsonl'}"]  # fmt: skip
+    rm_over = on_pairs + (short["rm"] if fast else [])
+    figures["rm"] = _run(train_rm, _config("rm", RMConfig, rm_over), out / "rm", "rm")
+    times["rm"] = time.perf_counter() - t0
+
+    t0 = stage("GRPO with the verifiable reward")
+    grpo_over = [f"model.name_or_path={sft_final}"] + (short["grpo"] if fast else [])
+    figures["grpo"] = _run(train_pg, _config("grpo", PGConfig, grpo_over), out / "grpo", "grpo")
+    times["grpo"] = time.perf_counter() - t0
+
+    t0 = stage("RLOO with the learned reward model")
+    rloo_over = [f"model.name_or_path={sft_final}", f"rewards.0.path={out / 'rm' / 'final'}"]
+    rloo_cfg = _config("rloo_rm", PGConfig, rloo_over + (short["rloo_rm"] if fast else []))
+    figures["rloo_rm"] = _run(train_pg, rloo_cfg, out / "rloo_rm", "rloo_rm")
+    times["rloo_rm"] = time.perf_counter() - t0
+
+    t0 = stage("DPO on the on-policy pairs")
+    dpo_over = on_pairs + (short["dpo"] if fast else [])
+    figures["dpo"] = _run(train_dpo, _config("dpo", DAConfig, dpo_over), out / "dpo", "dpo")
+    times["dpo"] = time.perf_counter() - t0
+
+    t0 = stage("evaluate every checkpoint on the same held-out prompts")
+    figures["eval"] = evaluate_checkpoints(out, size=64 if fast else 200)
+    times["eval"] = time.perf_counter() - t0
+    figures["times_s"] = times
+    write_report(out, figures)
+    return figures
+
+
+def evaluate_checkpoints(out: Path, *, size: int) -> dict[str, dict[str, float]]:
+    """Greedy/sampled exact match, partial credit, length and KL to SFT for each stage's model."""
+    import torch
+
+    from policy_gradients.evaluate import evaluate_policy
+    from policy_gradients.rewards import CombinedReward
+    from policy_gradients.rollout import load_prompts
+    from rlhf_core.data import DataSource
+    from rlhf_core.models import ModelConfig, ReferencePolicy, load_causal_lm, load_tokenizer
+
+    sft_cfg = ModelConfig(name_or_path=str(out / "sft" / "final"))
+    tokenizer = load_tokenizer(sft_cfg, padding_side="left")
+    prompts = load_prompts(
+        DataSource.model_validate({"reasoning_gym": {**HELDOUT, "size": size}}), tokenizer,
+        prompt_column="prompt", answer_column="answer", prompt_template="{question}",
+        system_prompt=None, where="quickstart.eval",
+    )  # fmt: skip
+    reference = ReferencePolicy(load_causal_lm(sft_cfg), "frozen")
+    reward = CombinedReward([{"name": "reasoning_gym", "extract": "full", "label": "task"}])
+    results = {}
+    for name in EVAL_STAGES:
+        policy = load_causal_lm(ModelConfig(name_or_path=str(out / name / "final"))).eval()
+        with torch.no_grad():
+            results[name] = evaluate_policy(
+                policy, reference, tokenizer, prompts, reward, max_new_tokens=16,
+                temperature=1.0, batch_size=64, seed=1234,
+            )  # fmt: skip
+    return results
+
+
+ROWS = [
+    ("greedy exact match", "eval/greedy_task_exact"),
+    ("sampled exact match (T=1)", "eval/sampled_task_exact"),
+    ("greedy partial credit", "eval/greedy_task"),
+    ("sampled partial credit", "eval/sampled_task"),
+    ("mean length (sampled)", "eval/sampled_length"),
+    ("KL to SFT (k3, per token)", "eval/sampled_kl_k3"),
+]
+
+
+def _fmt(value: Any) -> str:
+    return f"{value:.3f}" if isinstance(value, int | float) else "n/a"
+
+
+def write_report(out: Path, figures: dict[str, Any]) -> None:
+    """report.md (tables of stages, figures and wall times) and report.png."""
+    ev, times, rm = figures["eval"], figures["times_s"], figures["rm"]
+    pairs, grpo, rloo, dpo = figures["pairs"], figures["grpo"], figures["rloo_rm"], figures["dpo"]
+    smoke = " (fast smoke run: the figures are not meaningful)" if figures["fast"] else ""
+    lines = ["# rlhf-lab quickstart report", "", f"Run dir: `{out}`{smoke}", ""]
+    lines += ["## Held-out evaluation (the same prompts for every checkpoint)", ""]
+    lines += ["| metric | " + " | ".join(EVAL_STAGES) + " |", "|---" * (len(EVAL_STAGES) + 1) + "|"]
+    for label, key in ROWS:
+        cells = " | ".join(_fmt(ev[s].get(key)) for s in EVAL_STAGES)
+        lines.append(f"| {label} | {cells} |")
+    table_end = len(lines)
+    notes = {
+        "sft": "partly trained policy: the start of every later stage",
+        "pairs": f"{pairs['train']['pairs']} train pairs from {pairs['train']['prompts']} prompts "
+        f"(sample accuracy {_fmt(pairs['train']['sample_accuracy'])}), "
+        f"{pairs['eval']['pairs']} held-out pairs",
+        "rm": f"held-out pairwise accuracy {_fmt(rm.get('eval/accuracy'))}",
+        "grpo": f"train reward {_fmt(grpo.get('first_train_reward'))} -> "
+        f"{_fmt(grpo.get('last_train_reward'))}",
+        "rloo_rm": f"learned reward {_fmt(rloo.get('first_train_reward'))} -> "
+        f"{_fmt(rloo.get('last_train_reward'))}",
+        "dpo": f"reward accuracy: train {_fmt(dpo.get('final_train/rewards/accuracy'))}, "
+        f"held-out {_fmt(dpo.get('eval/rewards/accuracy'))}",
+        "eval": f"{len(EVAL_STAGES)} checkpoints",
+    }
+    lines += ["", "## Stages", "", "| stage | wall time (s) | figures |", "|---|---|---|"]
+    lines += [f"| {name} | {secs:.1f} | {notes.get(name, '')} |" for name, secs in times.items()]
+    total = sum(times.values())
+    lines += [f"| **total** | {total:.1f} | |", "", "## Against the targets", ""]
+    key = "eval/sampled_task_exact"
+    base = ev["sft"][key]
+    for name in ("grpo", "rloo_rm", "dpo"):
+        delta = 100 * (ev[name][key] - base)
+        verdict = "" if delta > 0 else " (no improvement on this run: see its metrics.jsonl)"
+        target = " (target +10)" if name == "grpo" else ""
+        lines.append(
+            f"- {name} vs SFT, sampled exact match: {_fmt(base)} -> {_fmt(ev[name][key])} "
+            f"({delta:+.1f} points){target}{verdict}"
+        )
+    lines.append(f"- reward model held-out pairwise accuracy: {_fmt(rm.get('eval/accuracy'))}")
+    lines.append(f"- total wall time: {total:.0f} s (target <= 600 s on 2 CPU cores)")
+    lines += ["", "![report](report.png)", ""]
+    (out / "report.md").write_text("\n".join(lines) + "\n")
+    (out / "figures.json").write_text(json.dumps(figures, indent=2, default=str) + "\n")
+    _plot(out, figures)
+    print("\n".join(lines[:table_end]), flush=True)
+
+
+def _plot(out: Path, figures: dict[str, Any]) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 3, figsize=(15, 4))
+    ev = figures["eval"]
+    xs = range(len(EVAL_STAGES))
+    for offset, (label, key) in zip((-0.2, 0.0, 0.2), ROWS[:3], strict=True):
+        axes[0].bar(
+            [x + offset for x in xs], [ev[s][key] for s in EVAL_STAGES], width=0.2, label=label
+        )
+    axes[0].set_xticks(list(xs), EVAL_STAGES)
+    axes[0].set_title("held-out accuracy per stage")
+    axes[0].legend(fontsize=7)
+    curves = (("grpo", "GRPO train reward"), ("rloo_rm", "RLOO learned reward"))
+    for ax, (stage, title) in zip(axes[1:], curves, strict=True):
+        key = "train/reward/total"
+        rows = [json.loads(x) for x in (out / stage / "metrics.jsonl").read_text().splitlines()]
+        pts = [
+            (r["step"], r[key]) for r in rows if r.get(key) is not None and math.isfinite(r[key])
+        ]
+        ax.plot([p[0] for p in pts], [p[1] for p in pts])
+        ax.set_title(title)
+        ax.set_xlabel("step")
+    fig.tight_layout()
+    fig.savefig(out / "report.png", dpi=90)
+    plt.close(fig)
+
+
+def main(argv: list[str] | None = None) -> int:
+    from rlhf_core.tracking import timestamp
+
+    parser = argparse.ArgumentParser(prog="rlhf-lab quickstart", description=__doc__.split("\n")[0])
+    parser.add_argument(
+        "--output-dir", type=Path, default=None, help="default outputs/quickstart-<time>"
+    )
+    parser.add_argument("--fast", action="store_true", help="a 1-2 minute smoke run (CI)")
+    args = parser.parse_args(argv)
+    out = args.output_dir or Path("outputs") / f"quickstart-{timestamp()}"
+    run_quickstart(out, fast=args.fast)
+    print(f"\nreport: {out / 'report.md'}")
+    return 0
