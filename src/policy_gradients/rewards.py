@@ -62,10 +62,14 @@ def extract_answer(text: str) -> str | None:
 class ReasoningGymReward:
     """Correctness by the reasoning-gym task's own `score_answer` (composite datasets dispatch
     each entry to its task). `extract: answer_tag` scores the last <answer> block (missing -> 0);
-    `extract: full` scores the whole stripped completion."""
+    `extract: full` scores the whole stripped completion. `exact: true` turns partial credit into
+    0 (only a fully correct answer scores 1)."""
 
-    def __init__(self, *, extract: Literal["answer_tag", "full"] = "answer_tag") -> None:
+    def __init__(
+        self, *, extract: Literal["answer_tag", "full"] = "answer_tag", exact: bool = False
+    ) -> None:
         self.extract = extract
+        self.exact = exact  # 1 only for a fully correct answer (no partial credit)
 
     def __call__(self, batch: RewardInput) -> torch.Tensor:
         if batch.scorer is None:
@@ -73,9 +77,10 @@ class ReasoningGymReward:
         scores = []
         for text, item in zip(batch.completions, batch.items, strict=True):
             answer = extract_answer(text) if self.extract == "answer_tag" else text.strip()
-            scores.append(
+            score = (
                 0.0 if answer is None else float(batch.scorer.score_answer(answer, item["entry"]))
             )
+            scores.append(float(score >= 1.0) if self.exact else score)
         return torch.tensor(scores)
 
 

@@ -85,19 +85,35 @@ def apply_overrides(data: dict[str, Any], overrides: list[str]) -> dict[str, Any
             value = yaml.safe_load(raw) if raw.strip() else ""
         except yaml.YAMLError as exc:
             raise ConfigError(f"--set {item!r}: value is not valid YAML: {exc}") from exc
-        node = data
+        node: Any = data
         for depth, part in enumerate(parts[:-1]):
+            where = ".".join(parts[: depth + 1])
+            if isinstance(node, list):
+                node = node[_list_index(node, part, item, where)]
+                continue
             child = node.get(part)
             if child is None:
                 child = node[part] = {}
-            if not isinstance(child, dict):
-                where = ".".join(parts[: depth + 1])
+            if not isinstance(child, dict | list):
                 raise ConfigError(
                     f"--set {item!r}: {where!r} is a {type(child).__name__}, not a mapping"
                 )
             node = child
-        node[parts[-1]] = value
+        if isinstance(node, list):
+            node[_list_index(node, parts[-1], item, key)] = value
+        else:
+            node[parts[-1]] = value
     return data
+
+
+def _list_index(node: list, part: str, item: str, where: str) -> int:
+    """`rewards.0.path=...`: a numeric key path component indexes a list."""
+    if not part.lstrip("-").isdigit() or not -len(node) <= int(part) < len(node):
+        raise ConfigError(
+            f"--set {item!r}: {where!r} is a list of {len(node)} items; "
+            f"use an index 0..{len(node) - 1}"
+        )
+    return int(part)
 
 
 def validate_config(cls: type[C], data: dict[str, Any], source: str = "<config>") -> C:

@@ -89,6 +89,8 @@ def load_rows(source: DataSource, *, field: str = "data") -> Any:
         path = Path(source.path).expanduser()
         if not path.is_file():
             raise FileNotFoundError(f"{field}.path: data file not found: {source.path}")
+        if path.stat().st_size == 0:
+            raise ValueError(f"{field}.path: data file is empty: {source.path}")
         builder = LOCAL_SUFFIXES.get(path.suffix)
         if builder is None:
             raise ValueError(

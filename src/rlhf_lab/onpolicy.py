@@ -3,7 +3,9 @@
 For each prompt, `samples` completions are drawn at temperature 1 from the model; each is graded
 by the reasoning-gym task's own scorer (exact = score 1.0). A prompt with at least one correct and
 one incorrect completion gives one pair (chosen = a correct completion, rejected = an incorrect
-one, both picked at random with a seeded generator). Rows are written as jsonl with the columns
+one, both picked at random with a seeded generator). With `reference_fallback`, a prompt whose
+samples are all wrong still gives a pair, with the task's reference answer as chosen (counted
+separately: those pairs are only half on-policy). Rows are written as jsonl with the columns
 direct_alignment and reward_models read: `prompt` (the question), `chosen`, `rejected`.
 """
 
@@ -30,6 +32,7 @@ def build_onpolicy_pairs(
     max_new_tokens: int,
     seed: int,
     batch_prompts: int = 64,
+    reference_fallback: bool = True,
 ) -> dict[str, float]:
     """Write pairs to `out_path`; return counts (prompts, pairs, sample accuracy)."""
     cfg = ModelConfig(name_or_path=str(model_path))
@@ -40,7 +43,7 @@ def build_onpolicy_pairs(
         prompt_template="{question}", system_prompt=None, where="pairs.source",
     )  # fmt: skip
     rng = random.Random(seed)
-    rows, correct_total, graded = [], 0, 0
+    rows, correct_total, graded, fallback = [], 0, 0, 0
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         for start in range(0, len(prompts.items), batch_prompts):
@@ -56,9 +59,11 @@ def build_onpolicy_pairs(
                 bad = [t for t, s in zip(texts, scores, strict=True) if s < 1.0 and t]
                 correct_total += len(good)
                 graded += len(texts)
-                if good and bad:
+                if bad and (good or reference_fallback):
+                    chosen = rng.choice(good) if good else item["entry"]["answer"]
+                    fallback += not good
                     rows.append({
-                        "prompt": item["entry"]["question"], "chosen": rng.choice(good),
+                        "prompt": item["entry"]["question"], "chosen": chosen,
                         "rejected": rng.choice(bad),
                     })  # fmt: skip
     out_path.parent.mkdir(parents=True, exist_ok=True)

@@ -493,3 +493,13 @@ def test_dump_config_default_union_member_round_trips(tmp_path):
     again = load_config(TrainConfig, write(tmp_path, dump_config(cfg)))
     assert again == cfg
     assert isinstance(again.loss, DPOLoss)
+
+
+def test_set_indexes_lists_by_number():
+    from rlhf_core.config import apply_overrides
+
+    data = {"rewards": [{"name": "a", "weight": 1.0}, {"name": "b"}]}
+    apply_overrides(data, ["rewards.1.weight=0.5", "rewards.0.name=c"])
+    assert data == {"rewards": [{"name": "c", "weight": 1.0}, {"name": "b", "weight": 0.5}]}
+    with pytest.raises(ConfigError, match=r"'rewards' is a list of 2 items; use an index 0..1"):
+        apply_overrides(data, ["rewards.5.weight=1"])
