@@ -89,7 +89,7 @@ def apply_overrides(data: dict[str, Any], overrides: list[str]) -> dict[str, Any
         for depth, part in enumerate(parts[:-1]):
             where = ".".join(parts[: depth + 1])
             if isinstance(node, list):
-                node = node[_list_index(node, part, item, where)]
+                node = node[_list_index(node, part, item, ".".join(parts[:depth]))]
                 continue
             child = node.get(part)
             if child is None:
@@ -100,7 +100,7 @@ def apply_overrides(data: dict[str, Any], overrides: list[str]) -> dict[str, Any
                 )
             node = child
         if isinstance(node, list):
-            node[_list_index(node, parts[-1], item, key)] = value
+            node[_list_index(node, parts[-1], item, ".".join(parts[:-1]))] = value
         else:
             node[parts[-1]] = value
     return data
