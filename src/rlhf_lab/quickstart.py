@@ -45,9 +45,12 @@ def _run(trainer: Any, cfg: Any, out: Path, config_name: str) -> dict[str, Any]:
     return json.loads((out / "summary.json").read_text())
 
 
-def run_quickstart(out: Path, *, fast: bool = False) -> dict[str, Any]:
+def run_quickstart(
+    out: Path, *, fast: bool = False, sft_from: Path | None = None
+) -> dict[str, Any]:
     """Run every stage into `out`; returns the report's figures. `fast` shortens every stage
-    (a CI smoke run of a minute or two: the figures are then not meaningful)."""
+    (a CI smoke run of a minute or two: the figures are then not meaningful). `sft_from` reuses
+    an SFT model directory instead of training stage 1."""
     from direct_alignment.config import DAConfig
     from direct_alignment.train import train as train_dpo
     from instruction_tuning.config import SFTConfig
@@ -71,14 +74,19 @@ def run_quickstart(out: Path, *, fast: bool = False) -> dict[str, Any]:
         "sft": ["train.max_steps=40"],
         "pairs": 64,
         "rm": ["train.epochs=1"],
-        "grpo": ["train.max_steps=4", "rollout.prompts_per_step=8"],
+        "grpo": ["train.max_steps=6"],
         "rloo_rm": ["train.max_steps=3", "rollout.prompts_per_step=8"],
         "dpo": ["train.epochs=1"],
     }
 
     t0 = stage("sft")
     sft_dir = out / "sft"
-    _run(train_sft, _config("sft", SFTConfig, short["sft"] if fast else []), sft_dir, "sft")
+    if sft_from is None:
+        _run(train_sft, _config("sft", SFTConfig, short["sft"] if fast else []), sft_dir, "sft")
+    else:
+        import shutil
+
+        shutil.copytree(sft_from, sft_dir / "final", dirs_exist_ok=True)
     sft_final = sft_dir / "final"
     times["sft"] = time.perf_counter() - t0
 
@@ -260,8 +268,11 @@ def main(argv: list[str] | None = None) -> int:
         "--output-dir", type=Path, default=None, help="default outputs/quickstart-<time>"
     )
     parser.add_argument("--fast", action="store_true", help="a 1-2 minute smoke run (CI)")
+    parser.add_argument(
+        "--sft-from", type=Path, default=None, help="reuse this SFT model dir (skip stage 1)"
+    )
     args = parser.parse_args(argv)
     out = args.output_dir or Path("outputs") / f"quickstart-{timestamp()}"
-    run_quickstart(out, fast=args.fast)
+    run_quickstart(out, fast=args.fast, sft_from=args.sft_from)
     print(f"\nreport: {out / 'report.md'}")
     return 0

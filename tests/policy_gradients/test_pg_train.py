@@ -56,24 +56,27 @@ def test_each_algorithm_runs_with_finite_loss_and_changes_the_policy(
 
 
 def test_grpo_raises_the_training_reward(sft_checkpoint, tmp_path):
-    """GRPO from the partly trained SFT model, 24 steps of 16 prompts x 8 completions."""
+    """GRPO from the partly trained SFT model: 10 steps of 32 prompts x 8 completions, lr 1e-4
+    (warm-up over the first 5 steps), clip 0.2, no KL, 2 updates per batch."""
     data = tiny_pg_dict(sft_checkpoint, **algorithm_of("grpo"))
     data["algorithm"]["loss"]["kl_beta"] = 0.0
     data["algorithm"]["ppo_epochs"] = 2
-    data["rollout"].update(prompts_per_step=16, group_size=8)
-    data["train"].update(max_steps=24, micro_batch_size=128, eval_every=0, threads=None)
-    data["optim"].update(lr=1e-4, warmup_steps=5)
+    data["rollout"].update(prompts_per_step=32, group_size=8, max_new_tokens=16)
+    data["train"].update(max_steps=10, micro_batch_size=256, eval_every=0, threads=None)
+    data["optim"].update(lr=1e-4, warmup_steps=10)
+    data["data"]["eval"] = None
     assert run_cfg(data, tmp_path / "run") == 0
     reward = metric_series(tmp_path / "run", "train/reward/total")
-    first, last = sum(reward[s] for s in range(1, 7)) / 6, sum(reward[s] for s in range(19, 25)) / 6
-    # measured: mean of the first 6 steps ~0.55, of the last 6 ~0.70 (partial-credit reward)
-    assert last - first > 0.05, (first, last)
+    start, later = (reward[1] + reward[2]) / 2, sum(reward[s] for s in range(4, 11)) / 7
+    # measured in three runs: the partial-credit reward goes from ~0.68 (steps 1-2) to ~0.72
+    # (steps 4-10), a rise of 0.035-0.038; it then plateaus (see docs/policy_gradients/training.md)
+    assert later - start > 0.015, (start, later)
     rows = (
         sqlite3.connect(tmp_path / "run" / "rollouts.sqlite")
         .execute("SELECT COUNT(*), COUNT(DISTINCT step), AVG(length) FROM rollouts")
         .fetchone()
     )
-    assert rows[0] == 24 * 16 * 8 and rows[1] == 24 and rows[2] > 0
+    assert rows[0] == 10 * 32 * 8 and rows[1] == 10 and rows[2] > 0
 
 
 def test_eval_and_kl_reporting(sft_checkpoint, tmp_path):
