@@ -2,10 +2,9 @@
 
 The workload (identical for both, checked token by token):
   model       a Qwen3 built from config with the real GPT-2 tokenizer (vocab 50,257), fp32, SDPA:
-              `tiny` = the preset `tiny-qwen3-gpt2` (hidden 64, 2 layers, 3.4M parameters, 95% of
+              `tiny` = the preset `tiny-qwen3-gpt2` (hidden 64, 2 layers, 3.3M parameters, 96% of
               them in the tied embedding / LM head), or `small` (hidden 256, 4 layers, MLP 768,
-              16.1M parameters, a transformer body closer to a real model's share of the compute),
-              built once into the rlhf-lab cache
+              16.3M parameters, a bigger transformer body), built once into the rlhf-lab cache
   data        the first `pairs` pairs of the vendored Anthropic HH harmless-base test split whose
               prompt fits `max_prompt_length` and whose longest sequence fits `max_length`, so
               neither trainer truncates anything (TRL 1.16 has no prompt-length limit and truncates
@@ -20,7 +19,11 @@ The workload (identical for both, checked token by token):
               weight decay, clip 1.0), DPO sigmoid loss beta 0.1, the reference a separate frozen
               copy loaded from the same directory (TRL's default for ref_model=None without peft;
               our `reference.mode: model`), no eval, no checkpoints, logging every 10 steps,
-              `threads` torch threads, CPU
+              `threads` torch threads (default 1), CPU
+  threads     1 by default because the 2-core machine this was built on is shared: with other
+              jobs running, 2 OpenMP threads made the same DPO step 2-6x slower than 1 thread
+              (threads wait at every operator's barrier for a descheduled partner), which
+              measures the neighbours, not the trainers. `--threads 2` on a quiet machine.
   TRL         its defaults otherwise, except gradient checkpointing off and fp32 (its DPOConfig
               defaults are on / bf16; ours are off / fp32 on CPU). Its default optimizer is
               `adamw_torch_fused`; ours is torch AdamW (fused only on CUDA).
@@ -32,7 +35,8 @@ step's lazy initialisation). Tokens: the non-pad tokens (attention_mask sum) of 
 rejected rows fed to the policy in those steps, counted where each trainer hands the batch to its
 forward (our `pair_logps`, TRL's `training_step`). Peak RSS: the whole process's high-water mark
 (VmHWM = ru_maxrss), and separately the peak during the timed steps (the mark is reset at the
-window's start).
+window's start). CPU seconds (user + kernel, all threads) over the same window are recorded too:
+they do not count time spent waiting for a core on a loaded machine.
 
     python -m benchmarks.dpo prepare|ours|trl --workload JSON --workdir DIR --result FILE
 is how `benchmarks.run` starts each measured process; run `python -m benchmarks.run --only dpo`.
@@ -44,6 +48,7 @@ import argparse
 import gzip
 import hashlib
 import json
+import os
 import shutil
 import tempfile
 import time
@@ -84,11 +89,15 @@ class Workload:
     warmup_steps: int = 1  # steps before the timed window
     max_length: int = 256
     max_prompt_length: int = 192
-    threads: int = 2
+    threads: int = 1
     lr: float = 1e-6
     beta: float = 0.1
     seed: int = 0
     log_every: int = 10
+
+    def __post_init__(self) -> None:
+        if not 1 <= self.warmup_steps < self.steps:
+            raise ValueError(f"need 1 <= warmup_steps < steps: {self.warmup_steps}/{self.steps}")
 
     @property
     def pairs(self) -> int:
@@ -256,15 +265,16 @@ def _count_params(config) -> int:
 
 
 class StepClock:
-    """Optimizer-step end times and per-step non-pad tokens; resets the RSS mark at the window."""
+    """Optimizer-step end times (wall and process CPU) and per-step non-pad tokens; resets the
+    RSS high-water mark at the start of the timed window."""
 
     def __init__(self, warmup_steps: int, memory: PeakRSS) -> None:
         self.warmup_steps = warmup_steps
         self.memory = memory
         self.tokens: list[int] = []  # per forward call (one per step here)
         self.ends: list[float] = []
+        self.cpu: list[tuple[float, float]] = []  # (user, system) CPU seconds, all threads
         self.start = time.perf_counter()
-        self.first_step_s: float | None = None
 
     def count(self, attention_mask) -> None:
         self.tokens.append(int(attention_mask.sum()))
@@ -272,6 +282,8 @@ class StepClock:
     def step_done(self) -> None:
         if len(self.ends) + 1 == self.warmup_steps:
             self.memory.phase("setup_and_warmup")
+        cpu = os.times()
+        self.cpu.append((cpu.user, cpu.system))
         self.ends.append(time.perf_counter())
 
     def summary(self) -> dict[str, Any]:
@@ -279,12 +291,18 @@ class StepClock:
         window = self.ends[-1] - self.ends[w - 1]
         tokens = sum(self.tokens[w:])
         steps = [b - a for a, b in zip(self.ends[w - 1 : -1], self.ends[w:], strict=True)]
+        user = self.cpu[-1][0] - self.cpu[w - 1][0]
+        system = self.cpu[-1][1] - self.cpu[w - 1][1]
         return {
             "steps": len(self.ends),
             "timed_steps": len(self.ends) - w,
             "timed_s": window,
             "timed_tokens": tokens,
             "tokens_per_s": tokens / window,
+            "timed_cpu_user_s": user,
+            "timed_cpu_system_s": system,
+            "tokens_per_cpu_s": tokens / (user + system),
+            "system_share_of_cpu": system / (user + system),
             "step_s_median": median(steps),
             "step_tokens": self.tokens,
             "to_first_step_end_s": self.ends[0] - self.start,
@@ -434,9 +452,7 @@ def run_trl(w: Workload, workdir: Path) -> dict[str, Any]:
         "threads": torch.get_num_threads(),
         "optimizer": str(args.optim),
         "tokens_identical_to_ours": identical,
-        "final_logged_loss": next(
-            (h["loss"] for h in reversed(trainer.state.log_history) if "loss" in h), None
-        ),
+        "mean_train_loss": result.training_loss,
         "train_runtime_s": result.metrics.get("train_runtime"),
     }
 
@@ -499,22 +515,23 @@ def compare(
 
 def summarize(prep: dict[str, Any], runs: list[dict[str, Any]]) -> dict[str, Any]:
     """Medians per arm, and per-round ratios against TRL (each round's runs ran back to back)."""
-    keys = ("tokens_per_s", "peak_rss_mb", "peak_rss_timed_mb", "rss_after_imports_mb",
-            "step_s_median", "to_first_step_end_s", "process_wall_s")  # fmt: skip
+    keys = ("tokens_per_s", "tokens_per_cpu_s", "system_share_of_cpu", "peak_rss_mb",
+            "peak_rss_timed_mb", "rss_after_imports_mb", "step_s_median", "to_first_step_end_s",
+            "process_wall_s")  # fmt: skip
     arms = [a for a in ARMS if any(r["impl"] == a for r in runs)]
     out: dict[str, Any] = {"arms": {}}
     for arm in arms:
         rs = [r for r in runs if r["impl"] == arm]
         out["arms"][arm] = {k: median([r[k] for r in rs]) for k in keys}
-        out["arms"][arm]["tokens_per_s_range"] = spread([r["tokens_per_s"] for r in rs])
-        out["arms"][arm]["peak_rss_mb_range"] = spread([r["peak_rss_mb"] for r in rs])
+        for key in ("tokens_per_s", "tokens_per_cpu_s", "peak_rss_mb"):
+            out["arms"][arm][f"{key}_range"] = spread([r[key] for r in rs])
     by_round: dict[int, dict[str, dict[str, Any]]] = {}
     for r in runs:
         by_round.setdefault(r["round"], {})[r["impl"]] = r
     for arm in arms:
         if arm == "trl" or "trl" not in arms:
             continue
-        for key in ("tokens_per_s", "peak_rss_mb", "peak_rss_timed_mb"):
+        for key in ("tokens_per_s", "tokens_per_cpu_s", "peak_rss_mb", "peak_rss_timed_mb"):
             out["arms"][arm][f"ratio_{key}"] = median(
                 [p[arm][key] / p["trl"][key] for p in by_round.values() if arm in p and "trl" in p]
             )
@@ -526,6 +543,7 @@ def summarize(prep: dict[str, Any], runs: list[dict[str, Any]]) -> dict[str, Any
     out["timed_tokens_expected"] = sum(prep["step_tokens"][timed_from:])
     out["timed_tokens_match"] = all(r["timed_tokens"] == out["timed_tokens_expected"] for r in runs)
     out["tokens_identical"] = all(r.get("tokens_identical_to_ours", True) for r in runs)
+    out["load_average_range"] = spread([r["load_average_before"] for r in runs])
     return out
 
 
@@ -552,18 +570,19 @@ def markdown(result: dict[str, Any]) -> str:
         "process per run, arm order rotating per round; min-max in brackets; ratios are medians "
         "of per-round ratios.",
         "",
-        "| | non-pad tokens/s | vs TRL | peak RSS MiB | vs TRL | peak RSS in timed steps | "
-        "RSS after imports | median step s |",
-        "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
+        "| | non-pad tokens/s | vs TRL | tokens per CPU-second | vs TRL | peak RSS MiB | vs TRL "
+        "| peak RSS in timed steps | RSS after imports | kernel share of CPU time |",
+        "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
     ]
     for arm in arms:
-        a = arms[arm]
+        a, x = arms[arm], "x" if arm != "trl" else ""
         lines.append(
             f"| {LABELS[arm]} | {a['tokens_per_s']:.0f} ({a['tokens_per_s_range']}) | "
-            f"{ratio(arm, 'tokens_per_s', '.2f')}{'x' if arm != 'trl' else ''} | "
+            f"{ratio(arm, 'tokens_per_s', '.2f')}{x} | {a['tokens_per_cpu_s']:.0f} "
+            f"({a['tokens_per_cpu_s_range']}) | {ratio(arm, 'tokens_per_cpu_s', '.2f')}{x} | "
             f"{a['peak_rss_mb']:.0f} ({a['peak_rss_mb_range']}) | "
             f"{ratio(arm, 'peak_rss_mb', '.0%')} | {a['peak_rss_timed_mb']:.0f} | "
-            f"{a['rss_after_imports_mb']:.0f} | {a['step_s_median']:.2f} |"
+            f"{a['rss_after_imports_mb']:.0f} | {a['system_share_of_cpu']:.0%} |"
         )
     lines.append("")
     for arm in arms:
@@ -578,6 +597,10 @@ def markdown(result: dict[str, Any]) -> str:
         f"{s['tokens_identical']}.",
         f"- Batches: {p['padding_share']:.0%} of the padded positions are padding; completion "
         f"tokens are {p['completion_token_share']:.0%} of the non-pad tokens.",
+        f"- 1-minute load average when each run started: {s['load_average_range']}. The "
+        "machine is shared: wall-clock tokens/s (the target's unit) moves with other work; "
+        "tokens per CPU-second (user + kernel time of all the process's threads) does not count "
+        "time the process waits for a core, so it moves less.",
         "",
     ]
     return "\n".join(lines)

@@ -99,8 +99,16 @@ def worker_env(threads: int) -> dict[str, str]:
     return env
 
 
-def run_worker(module: str, args: list[str], *, threads: int, timeout: float) -> dict[str, Any]:
+def run_worker(
+    module: str,
+    args: list[str],
+    *,
+    threads: int,
+    timeout: float,
+    env: dict[str, str] | None = None,
+) -> dict[str, Any]:
     """Run `python -m module *args --result FILE` in a fresh process and return FILE's JSON.
+    `env` adds to `worker_env(threads)`.
 
     Added: `process_wall_s` (the whole process, imports included) and `load_average_before`
     (the 1-minute load average when it started: other work on a shared machine shows here)."""
@@ -110,8 +118,8 @@ def run_worker(module: str, args: list[str], *, threads: int, timeout: float) ->
         load = round(os.getloadavg()[0], 2)
         start = time.perf_counter()
         proc = subprocess.run(
-            cmd, cwd=REPO_ROOT, env=worker_env(threads), capture_output=True, text=True,
-            timeout=timeout,
+            cmd, cwd=REPO_ROOT, env=worker_env(threads) | (env or {}), capture_output=True,
+            text=True, timeout=timeout,
         )  # fmt: skip
         wall = time.perf_counter() - start
         if proc.returncode != 0 or not result.is_file():

@@ -1,4 +1,4 @@
-"""A change to our DPO log-probs that is measured here but NOT in src/: the completion-only LM head.
+"""Changes to our DPO log-probs that are measured here but NOT in src/.
 
 `direct_alignment.reference.pair_logps` runs the whole causal LM, so the LM head projects every
 position of the (2B, S) batch to the vocabulary: prompt tokens, completion tokens and padding. Only
@@ -15,8 +15,13 @@ to 1e-4 on fp32 sums of hundreds of log-probs); the LM head and log-softmax cost
 factor (2B x S) / N. TRL does the same on CUDA/XPU (its "compact" fused head) but projects every
 position on CPU.
 
-`patch_our_trainer()` swaps it into `direct_alignment.train` and `direct_alignment.reference` for
-the current process only, so the real training loop can be measured with it.
+`shifted_pair_logps` is the smaller change: the LM head runs on positions 0..S-2 (the hidden
+states are sliced before the head), so `token_logprobs` gets contiguous logits and the
+(2B, S-1, V) copy that `logits[:, :-1].reshape(...)` makes in `causal_lm_token_logprobs` is gone.
+
+`patch_our_trainer()` swaps `completion_pair_logps` into `direct_alignment.train` and
+`direct_alignment.reference` for the current process only, so the real training loop can be
+measured with it.
 """
 
 from __future__ import annotations
@@ -45,6 +50,27 @@ def completion_pair_logps(
     logits = model.get_output_embeddings()(hidden[rows, cols])  # (N, V)
     token_logps = token_logprobs(logits, input_ids[rows, cols + 1])  # (N,)
     seq = token_logps.new_zeros(input_ids.shape[0]).index_add(0, rows, token_logps)
+    half = seq.shape[0] // 2
+    return seq[:half], seq[half:]
+
+
+def shifted_pair_logps(
+    model: torch.nn.Module, batch: dict[str, torch.Tensor]
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """As `direct_alignment.reference.pair_logps`, with the LM head run on positions 0..S-2
+    only (no copy of the logits)."""
+    from rlhf_core.logprobs import masked_sum
+
+    input_ids, attention_mask = batch["input_ids"], batch["attention_mask"]
+    position_ids = (attention_mask.long().cumsum(-1) - 1).clamp(min=0)
+    hidden = model.get_decoder()(
+        input_ids=input_ids,
+        attention_mask=attention_mask,
+        position_ids=position_ids,
+        use_cache=False,
+    ).last_hidden_state
+    logits = model.get_output_embeddings()(hidden[:, :-1])  # (2B, S-1, V), contiguous
+    seq = masked_sum(token_logprobs(logits, input_ids[:, 1:]), batch["loss_mask"], dim=-1)
     half = seq.shape[0] // 2
     return seq[:half], seq[half:]
 

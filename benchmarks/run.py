@@ -24,7 +24,11 @@ SECTIONS = ("dpo", "techniques")
 
 def main(argv: list[str] | None = None) -> int:
     defaults = dpo.Workload()
-    parser = argparse.ArgumentParser(prog="python -m benchmarks.run", description=__doc__)
+    parser = argparse.ArgumentParser(
+        prog="python -m benchmarks.run",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     parser.add_argument("--only", choices=SECTIONS, action="append", help="run only this section")
     parser.add_argument("--rounds", type=int, default=3, help="alternating rounds per comparison")
     parser.add_argument("--model", choices=["tiny", "small"], default=defaults.model)

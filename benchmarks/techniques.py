@@ -2,10 +2,11 @@
 
 The unit of work is the DPO step minus the optimizer: the policy's chosen/rejected log-probs with
 gradients, the reference's without, the `dpo` loss from `direct_alignment.losses.LOSSES` and the
-backward pass, on the first `BATCHES` batches of the `benchmarks.dpo` workload (same model, pairs,
-order and batch size). "shipped" is what our trainer does (`direct_alignment.reference.pair_logps`
-= one concatenated forward through `rlhf_core.logprobs.causal_lm_token_logprobs`, batches padded
-to their longest row by `collate_pairs`, chunked `token_logprobs`, a frozen reference model).
+backward pass, on one batch of the `benchmarks.dpo` workload (same model, pairs, order and batch
+size): the batch of median padded size among the workload's steps. "shipped" is what our trainer
+does (`direct_alignment.reference.pair_logps` = one concatenated forward through
+`rlhf_core.logprobs.causal_lm_token_logprobs`, batches padded to their longest row by
+`collate_pairs`, chunked `token_logprobs`, a frozen reference model).
 Each other variant changes exactly one thing:
 
   two_forwards      chosen and rejected rows in two forwards (each half of the batch cut to its
@@ -15,17 +16,25 @@ Each other variant changes exactly one thing:
                     chunked logit[y] - logsumexp
   precomputed_ref   reference log-probs looked up from a cache made once by our
                     `precompute_reference` (its one-off cost is reported), no reference model held
+  shifted_head      the prototype `benchmarks.prototype.shifted_pair_logps`: hidden states cut to
+                    positions 0..S-2 before the LM head, so no copy of the logits; not in src/
   completion_head   the prototype `benchmarks.prototype.completion_pair_logps` (LM head only on
                     completion positions) for the policy and the reference; not in src/
 
-Plus `fused_adamw`: torch AdamW `fused=True` vs the for-loop AdamW our `build_optimizer` makes on
-CPU (it asks for fused only on CUDA), timing `optimizer.step()` alone.
+Plus two things outside the step's code. THP: the same worker run again in a process started with
+`THP_MEM_ALLOC_ENABLE=1`, which makes PyTorch's CPU allocator back tensors of 2 MiB and more with
+transparent huge pages (fewer page faults when the large logits tensors are allocated afresh every
+step; read once, so it must be in the environment before torch allocates); compared across the
+two processes. AdamW: torch AdamW `fused=True` vs the for-loop AdamW our `build_optimizer` makes
+on CPU (it asks for fused only on CUDA), timing `optimizer.step()` alone.
 
-Timing: one process, models loaded once, each variant warmed up once, then `rounds` rounds in
-which every variant runs once in a rotating order; medians, and ratios as medians of per-round
-ratios. Memory: one fresh process per variant, the peak RSS while it runs its batches the first
-time (the high-water mark reset just before), both absolute and above the RSS at its start.
-Every variant's loss is checked against shipped's before timing.
+Timing: one process, models loaded once, each variant warmed up once (its summed log-probs are
+checked against shipped's then), then `rounds` rounds in which every variant runs once in a
+rotating order; medians, and speed-ups as medians of per-round ratios. Memory, in the same
+process after the timing: for each variant, free heap memory is returned to the kernel
+(`malloc_trim`), the RSS high-water mark is reset, the variant runs once, and the peak above the
+RSS at its start is its working memory. (Both models stay loaded throughout, so for
+`precomputed_ref` the reference's parameters, which it would not hold, are reported separately.)
 """
 
 from __future__ import annotations
@@ -48,13 +57,13 @@ from benchmarks.measure import (
     write_result_file,
 )
 
-BATCHES = 1
 VARIANTS = (
     "shipped",
     "two_forwards",
     "fixed_padding",
     "full_log_softmax",
     "precomputed_ref",
+    "shifted_head",
     "completion_head",
 )
 #: (technique, variant with it, variant without it, in src?)
@@ -63,6 +72,7 @@ TECHNIQUES = (
     ("padding to the batch's longest row", "shipped", "fixed_padding", "yes"),
     ("chunked selective log-softmax", "shipped", "full_log_softmax", "yes"),
     ("precomputed reference log-probs", "precomputed_ref", "shipped", "yes (reference.mode)"),
+    ("LM head on positions 0..S-2, no logits copy (prototype)", "shifted_head", "shipped", "no"),
     ("completion-only LM head (prototype)", "completion_head", "shipped", "no"),
 )
 
@@ -73,13 +83,14 @@ TECHNIQUES = (
 class Bench:
     """Models, batches and step functions of every variant (built inside a worker process)."""
 
-    def __init__(self, w: Workload, workdir: Path, *, variants: tuple[str, ...]) -> None:
+    def __init__(self, w: Workload, workdir: Path) -> None:
         import torch
 
         from direct_alignment.data import build_preference_data, collate_pairs
         from direct_alignment.losses import LOSSES
+        from direct_alignment.reference import precompute_reference
         from rlhf_core.data import DataSource, EpochSampler
-        from rlhf_core.models import ModelConfig, load_causal_lm, load_tokenizer
+        from rlhf_core.models import ModelConfig, ReferencePolicy, load_causal_lm, load_tokenizer
         from rlhf_core.registry import build_from_spec
 
         torch.set_num_threads(w.threads)
@@ -93,48 +104,31 @@ class Bench:
             max_length=w.max_length, max_prompt_length=w.max_prompt_length, where="benchmark",
         )  # fmt: skip
         order = EpochSampler(len(data.pairs), w.seed).next_batch(len(data.pairs))
-        self.pairs = [
+        steps = [
             [data.pairs[i] for i in order[b * w.batch_size : (b + 1) * w.batch_size]]
-            for b in range(BATCHES)
+            for b in range(w.steps)
         ]
+        # The workload's batch of median padded size (a typical step, not the longest one).
+        sizes = [collate_pairs(p, self.pad_id)["input_ids"].numel() for p in steps]
+        self.batch_index = sorted(range(len(steps)), key=lambda i: (sizes[i], i))[len(steps) // 2]
+        self.pairs = [steps[self.batch_index]]
         self.batches = [collate_pairs(p, self.pad_id) for p in self.pairs]
         self.tokens = sum(int(b["attention_mask"].sum()) for b in self.batches)
         self.loss_fn = build_from_spec(LOSSES, {"name": "dpo", "beta": w.beta})
         self.policy = load_causal_lm(cfg).train()
-        self.reference = None
-        self.ref_cache: list[tuple[Any, Any]] | None = None
-        self.precompute_s: float | None = None
-        if "precomputed_ref" in variants:
-            self._precompute(load_causal_lm(cfg), keep=len(variants) > 1)
-        elif variants:
-            self._load_reference(load_causal_lm(cfg))
-
-    def _load_reference(self, model) -> None:
-        from rlhf_core.models import ReferencePolicy
-
-        self.reference = ReferencePolicy(model, "frozen")
-
-    def _precompute(self, model, *, keep: bool) -> None:
-        """Our `precompute_reference` over the batches' pairs, timed; the model is kept only if
-        other variants need it."""
-        from direct_alignment.reference import precompute_reference
-        from rlhf_core.models import ReferencePolicy
-
-        reference = ReferencePolicy(model, "frozen")
+        self.reference = ReferencePolicy(load_causal_lm(cfg), "frozen")
+        self.reference_mb = sum(p.numel() * p.element_size() for p in self.policy.parameters())
+        self.reference_mb /= 2**20
+        # Our `precompute_reference` over the batch's pairs (timed: a one-off cost per pair).
         start = time.perf_counter()
         self.ref_cache = []
         for pairs in self.pairs:
             cache = precompute_reference(
-                reference, pairs, pad_id=self.pad_id, batch_size=self.w.batch_size,
-                device=self.torch.device("cpu"),
+                self.reference, pairs, pad_id=self.pad_id, batch_size=w.batch_size,
+                device=torch.device("cpu"),
             )  # fmt: skip
             self.ref_cache.append((cache[:, 0], cache[:, 1]))
         self.precompute_s = time.perf_counter() - start
-        if keep:
-            self.reference = reference
-        else:
-            del reference, model
-            gc.collect()
 
     # --- log-prob functions: (model, batch) -> (chosen (B,), rejected (B,))
 
@@ -192,12 +186,13 @@ class Bench:
     def run(self, variant: str) -> list[float]:
         """The DPO step minus the optimizer on every batch; returns the policy's summed
         log-probs (chosen then rejected of each batch), to check the variants agree."""
-        from benchmarks.prototype import completion_pair_logps
+        from benchmarks.prototype import completion_pair_logps, shifted_pair_logps
 
         logps = {
             "shipped": self.shipped_logps, "two_forwards": self.two_forward_logps,
             "fixed_padding": self.shipped_logps, "full_log_softmax": self.full_softmax_logps,
-            "precomputed_ref": self.shipped_logps, "completion_head": completion_pair_logps,
+            "precomputed_ref": self.shipped_logps, "shifted_head": shifted_pair_logps,
+            "completion_head": completion_pair_logps,
         }[variant]  # fmt: skip
         logps_out: list[float] = []
         for i, batch in enumerate(self.batches):
@@ -219,158 +214,181 @@ class Bench:
             logps_out += chosen.detach().tolist() + rejected.detach().tolist()
         return logps_out
 
-    def adamw_step_s(self, *, fused: bool, repeats: int) -> float:
-        """Median seconds of one AdamW step over the policy (gradients set to random values)."""
+    def adamw_step_s(self, rounds: int) -> dict[str, float]:
+        """Median seconds of one AdamW step over copies of the policy's parameters (random
+        gradients): the for-loop AdamW ours gets on CPU vs `fused=True`, alternating."""
         torch = self.torch
-        params = [p for p in self.policy.parameters() if p.requires_grad]
-        copies = [p.detach().clone().requires_grad_(True) for p in params]
-        for p in copies:
-            p.grad = torch.randn_like(p)
-        opt = torch.optim.AdamW(copies, lr=1e-6, fused=True if fused else None)
-        opt.step()  # state allocation
-        times = []
-        for _ in range(repeats):
-            start = time.perf_counter()
-            opt.step()
-            times.append(time.perf_counter() - start)
-        return median(times)
+        optimizers = {}
+        for name, fused in (("for_loop_s", None), ("fused_s", True)):
+            copies = [p.detach().clone().requires_grad_(True) for p in self.policy.parameters()]
+            for p in copies:
+                p.grad = torch.randn_like(p)
+            optimizers[name] = torch.optim.AdamW(copies, lr=1e-6, fused=fused)
+            optimizers[name].step()  # state allocation
+        times: dict[str, list[float]] = {name: [] for name in optimizers}
+        for _ in range(rounds):
+            for name, opt in optimizers.items():
+                start = time.perf_counter()
+                opt.step()
+                times[name].append(time.perf_counter() - start)
+        return {name: median(t) for name, t in times.items()}
 
 
-# ----------------------------------------------------------------------------- workers
+def _malloc_trim() -> None:
+    """Return glibc's free heap memory to the kernel, so reused pages count again in RSS."""
+    import ctypes
+
+    try:
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):
+        pass
 
 
-def time_worker(w: Workload, workdir: Path, rounds: int) -> dict[str, Any]:
-    bench = Bench(w, workdir, variants=VARIANTS)
+# ----------------------------------------------------------------------------- the worker
+
+
+def worker(w: Workload, workdir: Path, rounds: int) -> dict[str, Any]:
+    bench = Bench(w, workdir)
     shipped = bench.run("shipped")  # also the warm-up of shipped
-    check = {}
+    check = {"shipped": 0.0}
     for variant in VARIANTS[1:]:
         logps = bench.run(variant)  # warm-up, and the numbers must agree
         check[variant] = max(abs(a - b) for a, b in zip(logps, shipped, strict=True))
     times: dict[str, list[float]] = {v: [] for v in VARIANTS}
+    cpu: dict[str, list[float]] = {v: [] for v in VARIANTS}
     for r in range(rounds):
         order = VARIANTS[r % len(VARIANTS) :] + VARIANTS[: r % len(VARIANTS)]
         for variant in order:
-            start = time.perf_counter()
+            start, start_cpu = time.perf_counter(), time.process_time()
             bench.run(variant)
             times[variant].append(time.perf_counter() - start)
-    adam = {
-        "for_loop_s": bench.adamw_step_s(fused=False, repeats=5 * rounds),
-        "fused_s": bench.adamw_step_s(fused=True, repeats=5 * rounds),
-    }
+            cpu[variant].append(time.process_time() - start_cpu)
+    memory = {}
+    for variant in VARIANTS:
+        gc.collect()
+        _malloc_trim()
+        start_rss = rss_mb()
+        reset_peak_rss()
+        bench.run(variant)
+        memory[variant] = peak_rss_mb() - start_rss
     return {
+        "batch_index": bench.batch_index,
+        "pairs": sum(len(p) for p in bench.pairs),
         "tokens_per_call": bench.tokens,
-        "batches": BATCHES,
+        "padded_positions": sum(int(b["attention_mask"].numel()) for b in bench.batches),
         "times": times,
+        "cpu_times": cpu,
+        "working_memory_mb": memory,
         "max_abs_logp_diff_vs_shipped": check,
         "precompute_s": bench.precompute_s,
-        "precompute_pairs": sum(len(p) for p in bench.pairs),
-        "adamw": adam,
+        "reference_params_mb": bench.reference_mb,
+        "adamw": bench.adamw_step_s(10 * rounds),
         "parameters": sum(p.numel() for p in bench.policy.parameters()),
     }
-
-
-def memory_worker(w: Workload, workdir: Path, variant: str) -> dict[str, Any]:
-    bench = Bench(w, workdir, variants=(variant,))
-    gc.collect()
-    start_rss = rss_mb()
-    reset_peak_rss()
-    bench.run(variant)
-    peak = peak_rss_mb()
-    return {"variant": variant, "rss_at_start_mb": start_rss, "peak_rss_mb": peak}
 
 
 # ----------------------------------------------------------------------------- the comparison
 
 
 def compare(w: Workload, rounds: int, *, timeout: float = 900) -> dict[str, Any]:
+    """Prepare the DPO workload's data, then measure every variant in one fresh process."""
     host = machine()
     with tempfile.TemporaryDirectory(prefix="rlhf-bench-tech-") as tmp:
         workdir = Path(tmp)
         common = ["--workload", w.to_json(), "--workdir", str(workdir)]
         run_worker("benchmarks.dpo", ["prepare", *common], threads=w.threads, timeout=timeout)
-        timing = run_worker(
-            "benchmarks.techniques", ["time", *common, "--rounds", str(rounds)],
-            threads=w.threads, timeout=timeout,
-        )  # fmt: skip
-        print(f"  timing done ({timing['process_wall_s']:.0f} s)", flush=True)
-        memory = {}
-        for variant in VARIANTS:
-            memory[variant] = run_worker(
-                "benchmarks.techniques", ["memory", *common, "--variant", variant],
-                threads=w.threads, timeout=timeout,
+        runs = {}
+        for name, env in (("default", {}), ("thp", {"THP_MEM_ALLOC_ENABLE": "1"})):
+            runs[name] = run_worker(
+                "benchmarks.techniques", [*common, "--rounds", str(rounds)], threads=w.threads,
+                timeout=timeout, env=env,
             )  # fmt: skip
-            print(f"  memory {variant}: {memory[variant]['peak_rss_mb']:.0f} MiB", flush=True)
+            print(f"  {name} allocator: done ({runs[name]['process_wall_s']:.0f} s)", flush=True)
     return {
-        "machine": host, "workload": w.to_json(), "rounds": rounds, "timing": timing,
-        "memory": memory, "summary": summarize(timing, memory),
+        "machine": host, "workload": w.to_json(), "rounds": rounds, "measured": runs["default"],
+        "measured_thp": runs["thp"], "summary": summarize(runs["default"], runs["thp"]),
     }  # fmt: skip
 
 
-def summarize(timing: dict[str, Any], memory: dict[str, Any]) -> dict[str, Any]:
-    times = timing["times"]
+def summarize(m: dict[str, Any], thp: dict[str, Any]) -> dict[str, Any]:
+    times, cpu, memory = m["times"], m["cpu_times"], m["working_memory_mb"]
     rounds = len(times["shipped"])
-    tokens = timing["tokens_per_call"]
     out: dict[str, Any] = {"variants": {}, "techniques": []}
     for v in VARIANTS:
         out["variants"][v] = {
             "seconds": median(times[v]),
-            "tokens_per_s": tokens / median(times[v]),
-            "peak_rss_mb": memory[v]["peak_rss_mb"],
-            "peak_above_start_mb": memory[v]["peak_rss_mb"] - memory[v]["rss_at_start_mb"],
-            "max_abs_logp_diff_vs_shipped": timing["max_abs_logp_diff_vs_shipped"].get(v, 0.0),
+            "cpu_seconds": median(cpu[v]),
+            "tokens_per_s": m["tokens_per_call"] / median(times[v]),
+            "working_memory_mb": memory[v],
+            "max_abs_logp_diff_vs_shipped": m["max_abs_logp_diff_vs_shipped"][v],
         }
     for name, with_, without, in_src in TECHNIQUES:
-        a, b = out["variants"][with_], out["variants"][without]
         out["techniques"].append({
             "technique": name, "with": with_, "without": without, "in_src": in_src,
             "speedup": median([times[without][r] / times[with_][r] for r in range(rounds)]),
-            "peak_rss_ratio": a["peak_rss_mb"] / b["peak_rss_mb"],
-            "peak_above_start_ratio": a["peak_above_start_mb"] / b["peak_above_start_mb"],
+            "cpu_speedup": median([cpu[without][r] / cpu[with_][r] for r in range(rounds)]),
+            "working_memory_ratio": memory[with_] / memory[without],
         })  # fmt: skip
-    adam = timing["adamw"]
+    out["thp"] = {
+        v: {
+            "seconds": median(thp["times"][v]),
+            "speedup": median(times[v]) / median(thp["times"][v]),
+            "cpu_speedup": median(cpu[v]) / median(thp["cpu_times"][v]),
+            "working_memory_ratio": thp["working_memory_mb"][v] / memory[v],
+        }
+        for v in ("shipped", "completion_head")
+    }
+    adam = m["adamw"]
     out["adamw"] = adam | {"speedup": adam["for_loop_s"] / adam["fused_s"]}
     return out
 
 
 def markdown(result: dict[str, Any]) -> str:
-    s, t = result["summary"], result["timing"]
+    s, m = result["summary"], result["measured"]
     w = Workload.from_json(result["workload"])
     lines = [
         "### What each technique buys (one change at a time)",
         "",
-        f"Unit of work: the DPO step without the optimizer (policy forward+backward, reference "
-        f"forward, `dpo` loss) on the first {t['batches']} batches of the DPO workload "
-        f"({w.batch_size} pairs each, {t['tokens_per_call']} non-pad tokens), model "
-        f"`{w.model}`, {w.threads} threads. Time: median of {result['rounds']} rotating rounds "
-        "in one process; memory: one fresh process per variant, peak RSS while running the "
-        "batches once (absolute, and above the RSS at the start of the work).",
+        f"Unit of work: one DPO step without the optimizer (policy forward+backward, reference "
+        f"forward, `dpo` loss) on batch {m['batch_index'] + 1} of the DPO workload (the median "
+        f"padded size: {m['pairs']} pairs, {m['tokens_per_call']} non-pad tokens in "
+        f"{m['padded_positions']} positions), model `{w.model}`, {w.threads} threads. Time: "
+        f"median of {result['rounds']} rotating rounds in one process (CPU s: user + kernel time "
+        "of all threads). Working memory: the peak "
+        "RSS above the RSS at the start of the work (after `malloc_trim`).",
         "",
-        "| variant | s | non-pad tokens/s | peak RSS MiB | peak above start MiB | "
-        "max abs diff of summed log-probs vs shipped |",
+        "| variant | wall s | CPU s | non-pad tokens/s | working memory MiB | max abs diff of "
+        "summed log-probs vs shipped |",
         "| --- | ---: | ---: | ---: | ---: | ---: |",
     ]
     for v, a in s["variants"].items():
         lines.append(
-            f"| {v} | {a['seconds']:.2f} | {a['tokens_per_s']:.0f} | {a['peak_rss_mb']:.0f} | "
-            f"{a['peak_above_start_mb']:.0f} | {a['max_abs_logp_diff_vs_shipped']:.1e} |"
+            f"| {v} | {a['seconds']:.2f} | {a['cpu_seconds']:.2f} | {a['tokens_per_s']:.0f} | "
+            f"{a['working_memory_mb']:.0f} | {a['max_abs_logp_diff_vs_shipped']:.1e} |"
         )
     lines += [
         "",
-        "| technique | in src | speed-up (time without / with) | peak RSS with / without | "
-        "peak above start, with / without |",
+        "| technique | in src | speed-up, wall (without / with) | speed-up, CPU time | "
+        "working memory with / without |",
         "| --- | --- | ---: | ---: | ---: |",
     ]
     for x in s["techniques"]:
         lines.append(
             f"| {x['technique']} (`{x['with']}` vs `{x['without']}`) | {x['in_src']} | "
-            f"{x['speedup']:.2f}x | {x['peak_rss_ratio']:.0%} | {x['peak_above_start_ratio']:.0%} |"
+            f"{x['speedup']:.2f}x | {x['cpu_speedup']:.2f}x | {x['working_memory_ratio']:.0%} |"
+        )
+    for v, x in s["thp"].items():
+        lines.append(
+            f"| `THP_MEM_ALLOC_ENABLE=1` on `{v}` (environment; a second process) | no | "
+            f"{x['speedup']:.2f}x | {x['cpu_speedup']:.2f}x | {x['working_memory_ratio']:.0%} |"
         )
     adam = s["adamw"]
     lines += [
         "",
-        f"- Precomputing the reference for these {t['precompute_pairs']} pairs took "
-        f"{t['precompute_s']:.2f} s once (our `precompute_reference`).",
-        f"- AdamW step over {t['parameters'] / 1e6:.1f}M parameters: for-loop (ours on CPU) "
+        f"- Precomputed reference: computing it for these {m['pairs']} pairs took "
+        f"{m['precompute_s']:.2f} s once (our `precompute_reference`), and no reference model "
+        f"is held: {m['reference_params_mb']:.0f} MiB of parameters for this model.",
+        f"- AdamW step over {m['parameters'] / 1e6:.1f}M parameters: for-loop (ours on CPU) "
         f"{adam['for_loop_s'] * 1e3:.1f} ms, fused {adam['fused_s'] * 1e3:.1f} ms "
         f"({adam['speedup']:.2f}x).",
         "",
@@ -380,20 +398,12 @@ def markdown(result: dict[str, Any]) -> str:
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="python -m benchmarks.techniques")
-    parser.add_argument("what", choices=["time", "memory"])
-    parser.add_argument("--workload", required=True)
-    parser.add_argument("--workdir", required=True, type=Path)
+    parser.add_argument("--workload", required=True, help="benchmarks.dpo.Workload as JSON")
+    parser.add_argument("--workdir", required=True, type=Path, help="prepared by benchmarks.dpo")
     parser.add_argument("--rounds", type=int, default=3)
-    parser.add_argument("--variant", choices=VARIANTS)
     parser.add_argument("--result", required=True, type=Path)
     args = parser.parse_args(argv)
-    w = Workload.from_json(args.workload)
-    if args.what == "time":
-        out = time_worker(w, args.workdir, args.rounds)
-    else:
-        if args.variant is None:
-            parser.error("memory needs --variant")
-        out = memory_worker(w, args.workdir, args.variant)
+    out = worker(Workload.from_json(args.workload), args.workdir, args.rounds)
     write_result_file(args.result, out)
 
 

@@ -21,16 +21,13 @@ counted. A malformed row raises naming its index and column.
 from __future__ import annotations
 
 import random
-import re
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
-from rlhf_core.chat import Messages, as_messages, render_prompt
+from rlhf_core.chat import Messages, as_messages, completion_text, render_prompt, split_hh_pair
 from rlhf_core.data import DataSource, load_rows, reasoning_gym_dataset
-
-HH_TURN = re.compile(r"\n\n(Human|Assistant):[ ]?")
 
 
 @dataclass
@@ -47,47 +44,6 @@ class PreferenceData:
     dropped_identical: int = 0
     truncated: int = 0
     empty_completions: int = 0  # kept: an empty reply is the eos token alone (HH has some)
-
-
-def split_hh_pair(chosen: str, rejected: str, *, where: str) -> tuple[Messages, str, str]:
-    """Split an HH pair into (prompt messages, chosen completion, rejected completion).
-
-    The prompt ends at the last '\\n\\nAssistant:' of the text the two transcripts share. On
-    well-formed rows that is each transcript's last assistant turn; it also handles the few
-    upstream rows (5 of 2,312 in harmless-base test) whose chosen transcript runs an extra turn
-    together without the '\\n\\n' separator.
-    """
-    shared = 0
-    while shared < min(len(chosen), len(rejected)) and chosen[shared] == rejected[shared]:
-        shared += 1
-    cut = chosen.rfind("\n\nAssistant:", 0, shared + len("\n\nAssistant:"))
-    if cut < 0:
-        raise ValueError(f"{where}: no shared '\\n\\nAssistant:' turn in the two transcripts")
-    head = chosen[:cut]
-    start = cut + len("\n\nAssistant:")
-    parts = HH_TURN.split(head)
-    if parts[0].strip():
-        raise ValueError(f"{where}: transcript does not start with '\\n\\nHuman:'")
-    roles = {"Human": "user", "Assistant": "assistant"}
-    messages = [
-        {"role": roles[role], "content": content}
-        for role, content in zip(parts[1::2], parts[2::2], strict=True)
-    ]
-    if not messages:
-        raise ValueError(f"{where}: transcript has no prompt turns")
-    return messages, chosen[start:].lstrip(" "), rejected[start:].lstrip(" ")
-
-
-def _completion_text(value: Any, prompt: Messages, where: str) -> str:
-    """A completion given as a string or as messages (possibly repeating the prompt)."""
-    if isinstance(value, str):
-        return value
-    messages = as_messages(value, where=where)
-    if messages[: len(prompt)] == prompt:
-        messages = messages[len(prompt) :]
-    if not messages or messages[-1]["role"] != "assistant":
-        raise ValueError(f"{where}: a message-list completion must end with an assistant turn")
-    return messages[-1]["content"]
 
 
 def row_to_triple(
@@ -109,8 +65,8 @@ def row_to_triple(
     if row.get("prompt") is None:
         raise ValueError(f"{here} is missing column 'prompt' (columns: {list(row)})")
     prompt = as_messages(row["prompt"], where=f"{here} column 'prompt'")
-    chosen = _completion_text(row["chosen"], prompt, f"{here} column 'chosen'")
-    rejected = _completion_text(row["rejected"], prompt, f"{here} column 'rejected'")
+    chosen = completion_text(row["chosen"], prompt, f"{here} column 'chosen'")
+    rejected = completion_text(row["rejected"], prompt, f"{here} column 'rejected'")
     return prompt, chosen, rejected
 
 

@@ -7,6 +7,8 @@
     python -m reward_models.build_data prm-gsm8k --input data/gsm8k/train-2000.jsonl \\
         --output outputs/data/gsm8k_prm.jsonl [--corruption arithmetic|copy]
         [--after-error drop|negative] [--no-gold] [--seed 0]
+    python -m reward_models.build_data prm-reasoning-gym --task spell_backward --size 2000 \\
+        --output outputs/data/spell_prm.jsonl [--after-error drop|negative] [--no-gold]
 
 ORM rows are `{"prompt", "completion", "label"}` (label true = the final answer is right); PRM rows
 are `{"prompt", "steps", "labels"}` with PRM800K ratings (+1 good, -1 an error). The same functions
@@ -22,6 +24,10 @@ result R. Corruptions of one calculation:
                  step states a wrong result (an arithmetic error; checking it needs arithmetic)
     copy         only the visible result becomes R': the step contradicts its own annotation
                  (a transcription error; checkable by comparing the two numbers)
+
+reasoning-gym answers: wrong ones are perturbed numbers, or reversed / swapped / replaced /
+another example's text (`wrong_answers`); a PRM spells the answer one character per step and
+one step writes a letter the answer does not contain (`reasoning_gym_prm_rows`).
 """
 
 from __future__ import annotations
@@ -231,6 +237,38 @@ def reasoning_gym_preference_rows(
             }
 
 
+def reasoning_gym_prm_rows(
+    entries: list[dict[str, Any]],
+    *,
+    after_error: AfterError = "drop",
+    gold: bool = True,
+    seed: int = 0,
+) -> Iterator[dict[str, Any]]:
+    """Step-by-step spelling of each reasoning-gym answer, one character per step (made for
+    spell_backward): the reference spelling with every step +1 (if `gold`), and a copy in which
+    one step writes a letter the answer does not contain (earlier steps +1, that step -1, later
+    steps dropped or labelled -1 as in `gsm8k_prm_rows`). Answers without a letter to replace
+    (or with every letter of the alphabet) yield only the reference."""
+    for index, entry in enumerate(entries):
+        steps = list(str(entry["answer"]))
+        if gold:
+            yield {"prompt": entry["question"], "steps": steps, "labels": [1] * len(steps)}
+        rng = _rng(seed, index)
+        absent = [c for c in "abcdefghijklmnopqrstuvwxyz" if c not in entry["answer"].lower()]
+        letters = [k for k, c in enumerate(steps) if c.isalpha()]
+        if not absent or not letters:
+            continue
+        j = rng.choice(letters)
+        bad = rng.choice(absent)
+        kept = steps[:j] + [bad.upper() if steps[j].isupper() else bad]
+        kept += steps[j + 1 :] if after_error == "negative" else []
+        yield {
+            "prompt": entry["question"],
+            "steps": kept,
+            "labels": [1] * j + [-1] * (len(kept) - j),
+        }
+
+
 # ----------------------------------------------------------------------------- command line
 
 
@@ -269,7 +307,7 @@ def main(argv: list[str] | None = None) -> int:
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     sub = parser.add_subparsers(dest="command", required=True)
-    for name in ("orm-gsm8k", "prm-gsm8k", "orm-reasoning-gym"):
+    for name in ("orm-gsm8k", "prm-gsm8k", "orm-reasoning-gym", "prm-reasoning-gym"):
         p = sub.add_parser(name)
         p.add_argument("--output", type=Path, required=True, help="JSON-lines file to write")
         p.add_argument("--seed", type=int, default=0, help="seed of the random choices")
@@ -280,27 +318,34 @@ def main(argv: list[str] | None = None) -> int:
             p.add_argument("--wrong", type=int, default=3, help="wrong answers per question")
         if name == "prm-gsm8k":
             p.add_argument("--corruption", choices=["arithmetic", "copy"], default="arithmetic")
+        if name.startswith("prm"):
             p.add_argument("--after-error", choices=["drop", "negative"], default="drop")
             p.add_argument("--no-gold", action="store_true", help="omit the all-correct copies")
-        if name == "orm-reasoning-gym":
+        if name.endswith("reasoning-gym"):
             p.add_argument(
                 "--task", required=True, help="reasoning-gym dataset, e.g. spell_backward"
             )
             p.add_argument("--size", type=int, required=True, help="examples to generate")
             p.add_argument("--task-seed", type=int, default=1, help="reasoning-gym seed")
             p.add_argument("--task-config", type=json.loads, default={}, help="task options, JSON")
+        if name == "orm-reasoning-gym":
             p.add_argument("--wrong-kinds", nargs="+", choices=WRONG_KINDS, default=WRONG_KINDS,
                            help="how wrong text answers are made")  # fmt: skip
     args = parser.parse_args(argv)
-    if args.command == "orm-reasoning-gym":
+    if args.command.endswith("reasoning-gym"):
         from rlhf_core.data import ReasoningGymSource, reasoning_gym_dataset
 
         source = ReasoningGymSource(task=args.task, size=args.size, seed=args.task_seed,
                                     config=args.task_config)  # fmt: skip
-        rows = reasoning_gym_orm_rows(
-            list(reasoning_gym_dataset(source)), wrong=args.wrong,
-            kinds=tuple(args.wrong_kinds), seed=args.seed,
-        )  # fmt: skip
+        entries = list(reasoning_gym_dataset(source))
+        if args.command == "orm-reasoning-gym":
+            rows = reasoning_gym_orm_rows(
+                entries, wrong=args.wrong, kinds=tuple(args.wrong_kinds), seed=args.seed
+            )
+        else:
+            rows = reasoning_gym_prm_rows(
+                entries, after_error=args.after_error, gold=not args.no_gold, seed=args.seed
+            )
     else:
         source_rows = _read_jsonl(args.input, args.limit)
         where = str(args.input)

@@ -32,7 +32,6 @@ counted. A malformed row raises naming its index and column.
 from __future__ import annotations
 
 import math
-import re
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -43,9 +42,10 @@ from reward_models.build_data import (
     gsm8k_prm_rows,
     reasoning_gym_orm_rows,
     reasoning_gym_preference_rows,
+    reasoning_gym_prm_rows,
 )
 from reward_models.losses import IGNORE_INDEX
-from rlhf_core.chat import Messages, as_messages, render_prompt
+from rlhf_core.chat import Messages, as_messages, completion_text, render_prompt, split_hh_pair
 from rlhf_core.data import DataSource, load_rows, reasoning_gym_dataset
 from rlhf_core.scalar_head import encode_completions, encode_steps, pad_sequences
 
@@ -54,7 +54,6 @@ FORMATS = {
     "orm": ("auto", "orm", "gsm8k"),
     "prm": ("auto", "prm", "prm800k", "gsm8k"),
 }
-HH_TURN = re.compile(r"\n\n(Human|Assistant):[ ]?")
 
 
 # ----------------------------------------------------------------------------- examples
@@ -97,39 +96,6 @@ class RewardData:
 
 
 # ----------------------------------------------------------------------------- row parsing
-
-
-def split_hh_pair(chosen: str, rejected: str, *, where: str) -> tuple[Messages, str, str]:
-    """(prompt messages, chosen completion, rejected completion) of an HH pair: the prompt ends
-    at the last '\\n\\nAssistant:' inside the text the two transcripts share."""
-    shared = 0
-    while shared < min(len(chosen), len(rejected)) and chosen[shared] == rejected[shared]:
-        shared += 1
-    cut = chosen.rfind("\n\nAssistant:", 0, shared + len("\n\nAssistant:"))
-    if cut < 0:
-        raise ValueError(f"{where}: no shared '\\n\\nAssistant:' turn in the two transcripts")
-    parts = HH_TURN.split(chosen[:cut])
-    if parts[0].strip():
-        raise ValueError(f"{where}: transcript does not start with '\\n\\nHuman:'")
-    roles = {"Human": "user", "Assistant": "assistant"}
-    turns = zip(parts[1::2], parts[2::2], strict=True)
-    messages = [{"role": roles[role], "content": content} for role, content in turns]
-    if not messages:
-        raise ValueError(f"{where}: transcript has no prompt turns")
-    start = cut + len("\n\nAssistant:")
-    return messages, chosen[start:].lstrip(" "), rejected[start:].lstrip(" ")
-
-
-def completion_text(value: Any, prompt: Messages, where: str) -> str:
-    """A completion given as a string or as messages (possibly repeating the prompt)."""
-    if isinstance(value, str):
-        return value
-    messages = as_messages(value, where=where)
-    if messages[: len(prompt)] == prompt:
-        messages = messages[len(prompt) :]
-    if not messages or messages[-1]["role"] != "assistant":
-        raise ValueError(f"{where}: a message-list completion must end with an assistant turn")
-    return messages[-1]["content"]
 
 
 def _column(row: dict[str, Any], column: str, here: str) -> Any:
@@ -267,7 +233,10 @@ def source_rows(source: DataSource, kind: str, fmt: str, builder: Any, where: st
                 entries, wrong=builder.wrong, kinds=kinds, seed=builder.seed
             )
             return list(rows), "orm"
-        raise ValueError(f"{where}: reasoning-gym has no step labels; use a GSM8K file for a PRM")
+        rows = reasoning_gym_prm_rows(
+            entries, after_error=builder.after_error, gold=builder.gold, seed=builder.seed
+        )
+        return list(rows), "prm"
     rows = load_rows(source, field=where)
     if fmt == "auto" and kind != "preference" and "question" in rows.column_names:
         fmt = "gsm8k" if isinstance(rows[0]["question"], str) else fmt

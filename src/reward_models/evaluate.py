@@ -12,7 +12,8 @@ the loss and its metrics), then adds figures that need the whole set:
   prm          step_accuracy over all steps, balanced_step_accuracy (mean per-class recall; chance
                1 / classes), step_majority_baseline, negative_recall / negative_precision (class 0
                = an error), first_error_accuracy (the first step predicted negative is the first
-               labelled negative, "no error" included)
+               labelled negative, "no error" included) against first_error_majority_baseline
+               (always guessing the most common first-error step: what step position alone gives)
 """
 
 from __future__ import annotations
@@ -79,6 +80,8 @@ def prm_step_metrics(predicted: list[list[int]], labels: list[list[int]]) -> dic
     flagged = flat_p == 0
     pairs = zip(predicted, labels, strict=True)
     first = [_first_negative(p) == _first_negative(y) for p, y in pairs if y]
+    true_first = [_first_negative(y) for y in labels if y]
+    mode = max(true_first.count(k) for k in set(true_first)) if true_first else 0
     return {
         "step_accuracy": float((flat_p == flat_y).float().mean()),
         "balanced_step_accuracy": sum(recalls) / len(recalls),
@@ -88,6 +91,7 @@ def prm_step_metrics(predicted: list[list[int]], labels: list[list[int]]) -> dic
         "negative_precision": float((flat_y[flagged] == 0).float().mean())
         if flagged.any() else float("nan"),
         "first_error_accuracy": sum(first) / len(first) if first else float("nan"),
+        "first_error_majority_baseline": mode / len(true_first) if true_first else float("nan"),
     }  # fmt: skip
 
 

@@ -7,10 +7,13 @@ plain "\\n\\nHuman: ...\\n\\nAssistant: ..." format of Anthropic HH, with a one-
 
 from __future__ import annotations
 
+import re
 import warnings
 from typing import Any
 
 Messages = list[dict[str, str]]
+
+HH_TURN = re.compile(r"\n\n(Human|Assistant):[ ]?")
 
 DEFAULT_CHAT_TEMPLATE = (
     "{%- for message in messages -%}"
@@ -63,3 +66,39 @@ def render_prompt(tokenizer: Any, prompt: str | Messages, *, where: str = "promp
 def completion_suffix(tokenizer: Any) -> str:
     """What ends an assistant turn in training targets: the tokenizer's eos token."""
     return tokenizer.eos_token
+
+
+# ------------------------------------------------------------------ preference rows
+
+
+def split_hh_pair(chosen: str, rejected: str, *, where: str) -> tuple[Messages, str, str]:
+    """(prompt messages, chosen completion, rejected completion) of an HH pair: the prompt ends
+    at the last '\\n\\nAssistant:' inside the text the two transcripts share."""
+    shared = 0
+    while shared < min(len(chosen), len(rejected)) and chosen[shared] == rejected[shared]:
+        shared += 1
+    cut = chosen.rfind("\n\nAssistant:", 0, shared + len("\n\nAssistant:"))
+    if cut < 0:
+        raise ValueError(f"{where}: no shared '\\n\\nAssistant:' turn in the two transcripts")
+    parts = HH_TURN.split(chosen[:cut])
+    if parts[0].strip():
+        raise ValueError(f"{where}: transcript does not start with '\\n\\nHuman:'")
+    roles = {"Human": "user", "Assistant": "assistant"}
+    turns = zip(parts[1::2], parts[2::2], strict=True)
+    messages = [{"role": roles[role], "content": content} for role, content in turns]
+    if not messages:
+        raise ValueError(f"{where}: transcript has no prompt turns")
+    start = cut + len("\n\nAssistant:")
+    return messages, chosen[start:].lstrip(" "), rejected[start:].lstrip(" ")
+
+
+def completion_text(value: Any, prompt: Messages, where: str) -> str:
+    """A completion given as a string or as messages (possibly repeating the prompt)."""
+    if isinstance(value, str):
+        return value
+    messages = as_messages(value, where=where)
+    if messages[: len(prompt)] == prompt:
+        messages = messages[len(prompt) :]
+    if not messages or messages[-1]["role"] != "assistant":
+        raise ValueError(f"{where}: a message-list completion must end with an assistant turn")
+    return messages[-1]["content"]

@@ -7,12 +7,8 @@ import json
 import pytest
 import torch
 
-from direct_alignment.data import (
-    build_preference_data,
-    collate_pairs,
-    corrupt_answer,
-    split_hh_pair,
-)
+from direct_alignment.data import build_preference_data, collate_pairs, corrupt_answer
+from rlhf_core.chat import split_hh_pair
 from rlhf_core.data import DataSource
 from rlhf_core.models import ModelConfig, load_tokenizer
 

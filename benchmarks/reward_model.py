@@ -1,0 +1,305 @@
+"""Reward model side by side: our `reward_models.train.train` against `trl.RewardTrainer`.
+
+The workload is the DPO benchmark's (`benchmarks.dpo.Workload` and `benchmarks.dpo.prepare`): the
+same model (a Qwen3 with the real GPT-2 tokenizer, `tiny` or `small`), the same HH pairs that
+neither trainer truncates, read in the same order, batch `batch_size` pairs, no accumulation,
+AdamW (cosine, no warmup, no weight decay, clip 1.0), fp32, SDPA, CPU, `threads` torch threads.
+The loss is Bradley-Terry, -log sigmoid(r_c - r_r), on a scalar head over the backbone's last
+hidden state at the last token; both trainers run chosen and rejected rows in one forward.
+
+  ours   `reward_models.train` as shipped (`BaseRewardModel`: `AutoModel` backbone + linear head)
+  ours-fused  the same with AdamW's fused kernel on the CPU (a prototype patched in here only:
+         `rlhf_core.optim.build_optimizer` asks for fused only on CUDA, so on the CPU torch runs
+         its per-tensor `_single_tensor_adam` loop)
+  TRL    `RewardTrainer` on `AutoModelForSequenceClassification` (num_labels 1) loaded from the
+         same directory, its defaults otherwise (its optimizer is `adamw_torch_fused`), with
+         gradient checkpointing off and fp32 as ours; the worker checks that its tokenized rows
+         equal ours
+
+What is timed is `benchmarks.dpo.StepClock`'s window: optimizer steps warmup_steps+1..steps in
+full; tokens are the non-pad tokens of the rows each trainer feeds its model in those steps. Peak
+RSS is the whole process's high-water mark and, separately, that of the timed steps.
+
+    uv run --group bench python -m benchmarks.reward_model [--rounds 3] [--model tiny|small]
+runs `prepare` once and then alternating fresh processes `ours` / `trl`, and writes
+`benchmarks/results/<time>-reward_model.{json,md}` (not `latest.md`, which `benchmarks.run` owns).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import shutil
+import sys
+import tempfile
+import time
+from functools import partial
+from pathlib import Path
+from typing import Any
+
+from benchmarks.dpo import StepClock, Workload, model_dir, prepare
+from benchmarks.measure import (
+    RESULTS_DIR,
+    PeakRSS,
+    machine,
+    median,
+    peak_rss_mb,
+    rss_mb,
+    run_worker,
+    spread,
+    timestamp,
+    write_result_file,
+)
+
+ARMS = ("ours", "trl", "ours-fused")
+LABELS = {
+    "ours": "ours (as shipped)",
+    "trl": "TRL RewardTrainer",
+    "ours-fused": "ours + fused CPU AdamW (prototype, not in src)",
+}
+
+
+def run_ours(w: Workload, workdir: Path, *, fused: bool = False) -> dict[str, Any]:
+    """Our trainer as shipped, or (`fused`) with AdamW's fused kernel on the CPU too
+    (`rlhf_core.optim.build_optimizer` fuses only on CUDA; TRL's default optimizer is fused)."""
+    memory = PeakRSS()
+    import torch
+
+    import reward_models.train as rm_train
+    from reward_models.config import RMConfig
+    from rlhf_core.config import RunArgs
+
+    after_imports = rss_mb()
+    clock = StepClock(w.warmup_steps, memory)
+    cfg = RMConfig.model_validate({
+        "name": "bench", "seed": w.seed,
+        "model": {"name_or_path": str(model_dir(w.model)), "dtype": "fp32", "attention": "sdpa"},
+        "data": {"train": {"path": str(workdir / "hh_subset.jsonl")}, "format": "hh",
+                 "max_length": w.max_length, "max_prompt_length": w.max_prompt_length},
+        "loss": {"name": "bradley_terry"},
+        "train": {"batch_size": w.batch_size, "max_steps": w.steps, "threads": w.threads,
+                  "device": "cpu", "eval_every": 0},
+        "optim": {"lr": w.lr, "schedule": "cosine", "warmup_steps": 0, "max_grad_norm": 1.0},
+        "checkpoint": {"save_every": 0, "save_final": False},
+        "tracking": {"log_every": w.log_every},
+    })  # fmt: skip
+    original_step, original_loss = rm_train.optimizer_step, rm_train.compute_loss
+
+    def timed_step(*args, **kwargs):
+        out = original_step(*args, **kwargs)
+        clock.step_done()
+        return out
+
+    def counted_loss(model, loss_fn, batch):
+        clock.count(batch["attention_mask"])
+        return original_loss(model, loss_fn, batch)
+
+    rm_train.optimizer_step, rm_train.compute_loss = timed_step, counted_loss
+    if fused:
+        original_build = rm_train.build_optimizer
+
+        def build_fused(model, optim_cfg):
+            groups = [  # the same groups, without the shipped optimizer's fused/foreach choice
+                {"params": g["params"], "weight_decay": g["weight_decay"]}
+                for g in original_build(model, optim_cfg).param_groups
+            ]
+            return torch.optim.AdamW(
+                groups, lr=optim_cfg.lr, betas=optim_cfg.betas, eps=optim_cfg.eps, fused=True
+            )
+
+        rm_train.build_optimizer = build_fused
+    run_dir = workdir / f"ours-run-{time.time_ns()}"
+    code = rm_train.train(cfg, RunArgs(Path("benchmarks/reward_model.py"), output_dir=run_dir))
+    if code != 0:
+        raise RuntimeError(f"our trainer exited with {code}")
+    metrics = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    shutil.rmtree(run_dir, ignore_errors=True)
+    return {
+        "impl": "ours-fused" if fused else "ours", **clock.summary(),
+        "rss_after_imports_mb": after_imports,
+        "peak_rss_mb": memory.overall(), "peak_rss_timed_mb": peak_rss_mb(),
+        "threads": torch.get_num_threads(), "final_logged_loss": metrics[-1].get("train/loss"),
+    }  # fmt: skip
+
+
+def run_trl(w: Workload, workdir: Path) -> dict[str, Any]:
+    memory = PeakRSS()
+    import torch
+
+    torch.set_num_threads(w.threads)
+    from datasets import Dataset
+    from transformers import AutoTokenizer, TrainerCallback
+    from trl import RewardConfig, RewardTrainer
+
+    after_imports = rss_mb()
+    clock = StepClock(w.warmup_steps, memory)
+    path = str(model_dir(w.model))
+    tokenizer = AutoTokenizer.from_pretrained(path)
+    rows = [json.loads(x) for x in (workdir / "trl_rows.jsonl").read_text().splitlines()]
+    out_dir = workdir / f"trl-run-{time.time_ns()}"
+    args = RewardConfig(
+        output_dir=str(out_dir), per_device_train_batch_size=w.batch_size,
+        gradient_accumulation_steps=1, max_steps=w.steps, learning_rate=w.lr,
+        lr_scheduler_type="cosine", warmup_steps=0, weight_decay=0.0, max_grad_norm=1.0,
+        max_length=w.max_length, bf16=False, fp16=False, gradient_checkpointing=False,
+        use_cpu=True, seed=w.seed, train_sampling_strategy="sequential",
+        model_init_kwargs={"dtype": "float32", "attn_implementation": "sdpa"},
+        logging_steps=w.log_every, report_to="none", save_strategy="no", eval_strategy="no",
+        disable_tqdm=True, dataloader_num_workers=0,
+    )  # fmt: skip
+
+    class Clock(TrainerCallback):
+        def on_step_end(self, args, state, control, **kwargs):
+            clock.step_done()
+
+    trainer = RewardTrainer(
+        model=path, args=args, train_dataset=Dataset.from_list(rows),
+        processing_class=tokenizer, callbacks=[Clock()],
+    )  # fmt: skip
+    expected = json.loads((workdir / "expected.json").read_text())["pairs"]
+    data = trainer.train_dataset
+    identical = len(data) == len(expected) and all(
+        data[i]["chosen_ids"] == e["prompt_ids"] + e["chosen_ids"]
+        and data[i]["rejected_ids"] == e["prompt_ids"] + e["rejected_ids"]
+        for i, e in enumerate(expected)
+    )
+    original_training_step = trainer.training_step
+
+    def counted_training_step(model, inputs, *rest, **kwargs):
+        clock.count(inputs["attention_mask"])
+        return original_training_step(model, inputs, *rest, **kwargs)
+
+    trainer.training_step = counted_training_step
+    trainer.train()
+    shutil.rmtree(out_dir, ignore_errors=True)
+    return {
+        "impl": "trl", **clock.summary(), "rss_after_imports_mb": after_imports,
+        "peak_rss_mb": memory.overall(), "peak_rss_timed_mb": peak_rss_mb(),
+        "threads": torch.get_num_threads(), "optimizer": str(args.optim),
+        "tokens_identical_to_ours": identical,
+        "final_logged_loss": next(
+            (h["loss"] for h in reversed(trainer.state.log_history) if "loss" in h), None
+        ),
+    }  # fmt: skip
+
+
+def compare(w: Workload, rounds: int, timeout: float = 900) -> dict[str, Any]:
+    """Prepare once, then `rounds` rounds of one fresh process per arm, alternating the order."""
+    host = machine()
+    with tempfile.TemporaryDirectory(prefix="rlhf-bench-rm-") as tmp:
+        common = ["--workload", w.to_json(), "--workdir", tmp]
+        module = "benchmarks.reward_model"
+        prep = run_worker(module, ["prepare", *common], threads=w.threads, timeout=timeout)
+        runs = []
+        for r in range(rounds):
+            order = ARMS[r % len(ARMS) :] + ARMS[: r % len(ARMS)]
+            for impl in order if r % 2 == 0 else order[::-1]:
+                out = run_worker(module, [impl, *common], threads=w.threads, timeout=timeout)
+                out["round"] = r
+                runs.append(out)
+                print(f"  round {r + 1}/{rounds} {impl:10s}: {out['tokens_per_s']:8.1f} tok/s, "
+                      f"peak RSS {out['peak_rss_mb']:6.0f} MiB", flush=True)  # fmt: skip
+    keys = ("tokens_per_s", "tokens_per_cpu_s", "peak_rss_mb", "peak_rss_timed_mb",
+            "step_s_median", "process_wall_s")  # fmt: skip
+    arms = {a: {k: median([r[k] for r in runs if r["impl"] == a]) for k in keys} for a in ARMS}
+    for a in ARMS:
+        arms[a]["tokens_per_s_range"] = spread([r["tokens_per_s"] for r in runs if r["impl"] == a])
+    by_round = {r["round"]: {} for r in runs}
+    for r in runs:
+        by_round[r["round"]][r["impl"]] = r
+    for a in ARMS:
+        if a != "trl":
+            arms[a]["ratio_over_trl"] = {
+                k: median([p[a][k] / p["trl"][k] for p in by_round.values()])
+                for k in ("tokens_per_s", "tokens_per_cpu_s", "peak_rss_mb")
+            }
+    ratios = arms["ours"]["ratio_over_trl"]
+    expected = sum(prep["step_tokens"][w.warmup_steps :])
+    return {
+        "machine": host, "workload": dataclasses.asdict(w), "prepare": prep, "runs": runs,
+        "summary": {
+            "arms": arms, "ratios_ours_over_trl": ratios,
+            "target_tokens_per_s_1_5x": ratios["tokens_per_s"] >= 1.5,
+            "timed_tokens_match": all(r["timed_tokens"] == expected for r in runs),
+            "tokens_identical": all(r.get("tokens_identical_to_ours", True) for r in runs),
+            "load_average_range": spread([r["load_average_before"] for r in runs]),
+        },
+    }  # fmt: skip
+
+
+def markdown(result: dict[str, Any]) -> str:
+    w, s, m = result["workload"], result["summary"], result["prepare"]["model"]
+    rounds = len({r["round"] for r in result["runs"]})
+    same = s["tokens_identical"] and s["timed_tokens_match"]
+    lines = [
+        f"### Reward model: ours vs `trl.RewardTrainer` {result['machine']['versions']['trl']}",
+        "",
+        f"Model `{w['model']}` ({m['parameters'] / 1e6:.1f}M parameters, hidden "
+        f"{m['hidden_size']}, {m['layers']} layers), {w['batch_size']} pairs per step, "
+        f"{w['steps']} steps ({w['steps'] - w['warmup_steps']} timed), {w['threads']} thread(s), "
+        f"{rounds} rounds; same tokens in both: {same}; "
+        f"load average {s['load_average_range']}.",
+        "",
+        "| arm | tokens/s (median, range) | tokens/CPU-s | peak RSS MiB (timed steps) | step s |",
+        "| --- | --- | --- | --- | --- |",
+    ]
+    for arm, label in LABELS.items():
+        a = s["arms"][arm]
+        lines.append(
+            f"| {label} | {a['tokens_per_s']:.0f} ({a['tokens_per_s_range']}) | "
+            f"{a['tokens_per_cpu_s']:.0f} | {a['peak_rss_mb']:.0f} ({a['peak_rss_timed_mb']:.0f}) "
+            f"| {a['step_s_median']:.3f} |"
+        )
+    lines.append("")
+    for arm in ("ours", "ours-fused"):
+        r = s["arms"][arm]["ratio_over_trl"]
+        lines.append(
+            f"{LABELS[arm]} / TRL (median of per-round ratios): tokens/s "
+            f"{r['tokens_per_s']:.2f}x, tokens/CPU-s {r['tokens_per_cpu_s']:.2f}x, peak RSS "
+            f"{r['peak_rss_mb']:.2f}x."
+        )
+    lines += ["", f"Target >= 1.5x TRL tokens/s (as shipped): {s['target_tokens_per_s_1_5x']}.", ""]
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        prog="python -m benchmarks.reward_model",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    parser.add_argument("command", nargs="?", choices=["prepare", *ARMS], help="(worker mode)")
+    parser.add_argument("--workload", default=None, help="(worker) Workload as JSON")
+    parser.add_argument("--workdir", type=Path, default=None, help="(worker) shared directory")
+    parser.add_argument("--result", type=Path, default=None, help="(worker) where to write JSON")
+    parser.add_argument("--rounds", type=int, default=3, help="alternating rounds")
+    defaults = Workload()
+    for field in ("model", "batch_size", "steps", "max_length", "max_prompt_length", "threads"):
+        value = getattr(defaults, field)
+        parser.add_argument(f"--{field.replace('_', '-')}", type=type(value), default=value)
+    args = parser.parse_args(argv)
+    if args.command is not None:  # a measured worker process
+        w = Workload.from_json(args.workload)
+        worker = {"prepare": prepare, "ours": run_ours, "trl": run_trl,
+                  "ours-fused": partial(run_ours, fused=True)}[args.command]  # fmt: skip
+        write_result_file(args.result, worker(w, args.workdir))
+        return 0
+    w = dataclasses.replace(defaults, **{
+        f: getattr(args, f)
+        for f in ("model", "batch_size", "steps", "max_length", "max_prompt_length", "threads")
+    })  # fmt: skip
+    print(f"reward model vs TRL: {w}, {args.rounds} rounds", flush=True)
+    result = compare(w, args.rounds)
+    text = markdown(result)
+    RESULTS_DIR.mkdir(parents=True, exist_ok=True)
+    stem = RESULTS_DIR / f"{timestamp()}-reward_model"
+    payload = {"reward_model": result, "command": sys.argv}
+    stem.with_suffix(".json").write_text(json.dumps(payload, indent=1) + "\n")
+    stem.with_suffix(".md").write_text(text)
+    print("\n" + text + f"\nwrote {stem}.json and {stem}.md")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
