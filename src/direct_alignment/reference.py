@@ -21,7 +21,7 @@ from pathlib import Path
 import torch
 
 from direct_alignment.data import PreferencePair, collate_pairs
-from rlhf_core.logprobs import causal_lm_token_logprobs, masked_sum
+from rlhf_core.logprobs import causal_lm_selected_logprobs, masked_sum
 from rlhf_core.models import ReferencePolicy
 
 
@@ -29,7 +29,9 @@ def pair_logps(
     model: torch.nn.Module, batch: dict[str, torch.Tensor]
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(chosen, rejected) summed completion log-probs, each (B,), from one concatenated forward."""
-    token_logps = causal_lm_token_logprobs(model, batch["input_ids"], batch["attention_mask"])
+    token_logps = causal_lm_selected_logprobs(
+        model, batch["input_ids"], batch["attention_mask"], batch["loss_mask"]
+    )
     seq = masked_sum(token_logps, batch["loss_mask"], dim=-1)
     half = seq.shape[0] // 2
     return seq[:half], seq[half:]

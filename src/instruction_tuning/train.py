@@ -27,7 +27,7 @@ from instruction_tuning.losses import LOSSES
 from rlhf_core.checkpoint import StopSignal
 from rlhf_core.config import RunArgs, parse_run_args
 from rlhf_core.data import EpochSampler
-from rlhf_core.logprobs import causal_lm_token_logprobs
+from rlhf_core.logprobs import causal_lm_selected_logprobs
 from rlhf_core.loop import (
     announce_stop,
     optimizer_step,
@@ -135,8 +135,8 @@ def train(cfg: SFTConfig, run: RunArgs) -> int:
                 batch = {k: v.to(device) for k, v in batch.items()}
                 sync = i == len(batches) - 1
                 with nullcontext() if sync else accelerator.no_sync(model):
-                    logps = causal_lm_token_logprobs(
-                        model, batch["input_ids"], batch["attention_mask"]
+                    logps = causal_lm_selected_logprobs(
+                        model, batch["input_ids"], batch["attention_mask"], batch["loss_mask"]
                     )
                     loss, _ = loss_fn(logps, batch["loss_mask"], num_tokens)
                     # DDP averages gradients over processes; scale so they sum (loss is /global N)

@@ -105,6 +105,63 @@ def causal_lm_token_logprobs(
     )
 
 
+def _decoder_and_head(model: torch.nn.Module):
+    """(decoder, lm_head) of a plain or peft-wrapped causal LM, or None when the head cannot be
+    run separately: a DDP/FSDP wrapper (its forward hooks sync gradients) or a model that
+    rescales or soft-caps its logits after the head (Gemma 2, Cohere, Granite)."""
+    if hasattr(model, "module"):  # torch.nn.parallel / FSDP wrappers
+        return None
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    config = getattr(base, "config", None)
+    if config is None or not hasattr(base, "get_decoder"):
+        return None
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    for attr in ("final_logit_softcapping", "logit_scale", "logits_scaling"):
+        if getattr(text, attr, None) not in (None, 1, 1.0):
+            return None
+    head = base.get_output_embeddings()
+    decoder = base.get_decoder()
+    if head is None or decoder is None or decoder is base:
+        return None
+    return decoder, head
+
+
+def causal_lm_selected_logprobs(
+    model: torch.nn.Module,
+    input_ids: torch.Tensor,
+    attention_mask: torch.Tensor,
+    target_mask: torch.Tensor,
+    *,
+    temperature: float = 1.0,
+    chunk_rows: int = 1024,
+) -> torch.Tensor:
+    """`causal_lm_token_logprobs` where only `target_mask` (B, S - 1) matters: the LM head runs
+    on the selected positions only (the completion tokens), not on prompt and padding, and the
+    rest of the output is 0. On CPU this made a DPO step ~6x faster at ~1/5 of the memory
+    (docs/performance.md). Falls back to the full head where that is not safe."""
+    parts = _decoder_and_head(model)
+    if parts is None:
+        full = causal_lm_token_logprobs(
+            model, input_ids, attention_mask, temperature=temperature, chunk_rows=chunk_rows
+        )
+        return torch.where(target_mask.bool(), full, torch.zeros_like(full))
+    decoder, head = parts
+    position_ids = (attention_mask.long().cumsum(-1) - 1).clamp(min=0)
+    hidden = decoder(
+        input_ids=input_ids,
+        attention_mask=attention_mask,
+        position_ids=position_ids,
+        use_cache=False,
+    ).last_hidden_state
+    select = target_mask.bool()
+    logits = head(hidden[:, :-1][select])  # (N, V): N selected positions only
+    picked = token_logprobs(
+        logits, input_ids[:, 1:][select], temperature=temperature, chunk_rows=chunk_rows
+    )
+    out = torch.zeros(select.shape, dtype=picked.dtype, device=picked.device)
+    return out.masked_scatter(select, picked)
+
+
 def masked_sum(values: torch.Tensor, mask: torch.Tensor, dim: int | None = None) -> torch.Tensor:
     """Sum of `values` where `mask` is true (mask may be bool or 0/1 float)."""
     if values.shape != mask.shape:

@@ -372,3 +372,26 @@ def test_aggregate_unknown_mode_raises():
 def test_aggregate_shape_checks(loss_shape, mask_shape):
     with pytest.raises(ValueError, match="aggregate"):
         aggregate(torch.zeros(loss_shape), torch.ones(mask_shape), "token-mean")
+
+
+@pytest.mark.parametrize("lora", [False, True])
+def test_selected_logprobs_equal_the_full_head_on_selected_positions(lora):
+    from rlhf_core.logprobs import causal_lm_selected_logprobs, causal_lm_token_logprobs
+    from rlhf_core.models import ModelConfig, load_causal_lm
+
+    cfg = ModelConfig(name_or_path="tiny-qwen3", lora={"r": 4, "alpha": 8} if lora else None)
+    torch.manual_seed(0)
+    model = load_causal_lm(cfg)
+    ids = torch.randint(6, 100, (3, 12))
+    mask = torch.ones(3, 12, dtype=torch.long)
+    mask[1, 9:] = 0  # right padding
+    target = torch.zeros(3, 11, dtype=torch.bool)
+    target[0, 4:] = True
+    target[1, 2:8] = True
+    target[2, 10] = True
+    full = causal_lm_token_logprobs(model, ids, mask)
+    sel = causal_lm_selected_logprobs(model, ids, mask, target)
+    torch.testing.assert_close(sel[target], full[target], rtol=1e-5, atol=1e-5)
+    assert (sel[~target] == 0).all()
+    sel.sum().backward()  # gradients flow through the selected positions only
+    assert any(p.grad is not None and p.grad.abs().sum() > 0 for p in model.parameters())
