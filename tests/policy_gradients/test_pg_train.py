@@ -125,7 +125,7 @@ def test_dry_run_and_config_errors(sft_checkpoint, tmp_path, capsys):
     data = tiny_pg_dict(sft_checkpoint, **algorithm_of("ppo"))
     path = write_yaml(tmp_path / "c.yaml", data)
     assert main(["--config", str(path), "--dry-run"]) == 0
-    assert "GAEAdvantage + ClippedLoss" in capsys.readouterr().out
+    assert "ppo: GAEAdvantage + ClippedSurrogateLoss" in capsys.readouterr().out
     data["algorithm"]["value_loss"] = None
     path = write_yaml(tmp_path / "bad.yaml", data)
     from rlhf_core.config import ConfigError
