@@ -1,0 +1,371 @@
+"""GRPO side by side: our `policy_gradients.train.train` against `trl.GRPOTrainer` (no vLLM).
+
+The workload (the same for both):
+  model       the preset `tiny-qwen3-gpt2` (a Qwen3 built from config, hidden 64, 2 layers, with
+              the real GPT-2 tokenizer), fp32, CPU, `threads` torch threads (default 1)
+  prompts     reasoning-gym spell_backward (size 512, seed 1) questions as one user message each,
+              rendered with the chat template; TRL gets the same messages in a `prompt` column, in
+              the order of our sampler's first epoch, with `shuffle_dataset=False`, so both arms
+              see the same `prompts_per_step` prompts at every step
+  rollout     `group_size` completions per prompt, `max_new_tokens` new tokens at most,
+              temperature 1.0 (top-p 1, top-k off), HF `generate` with the KV cache in both
+  reward      reasoning-gym's own `score_answer` on the whole stripped completion (ours:
+              `rewards: [{name: reasoning_gym, extract: full}]`; TRL: a reward function calling
+              the same dataset's `score_answer` on the same entry)
+  algorithm   GRPO advantages (group mean / std), clipped ratio loss eps 0.2, no KL (beta 0),
+              one optimizer step per rollout batch, the whole batch in one micro-batch (ours
+              `ppo_epochs: 1, micro_batch_size: 64`; TRL `num_iterations=1,
+              per_device_train_batch_size=64, generation_batch_size=64,
+              gradient_accumulation_steps=1`), aggregation seq-mean-token-mean (TRL
+              `loss_type="grpo"`), AdamW lr 1e-6 constant, no warmup, clip 1.0, no eval, no
+              checkpoints, logging every step
+
+What is timed: seconds per optimizer step (generation, rewards, forward/backward, optimizer,
+logging), the median over steps warmup_steps+1..steps, measured between the ends of consecutive
+optimizer steps (ours: `rlhf_core.loop.optimizer_step` wrapped in `policy_gradients.train`; TRL: a
+`TrainerCallback.on_step_end`). Tokens: non-pad prompt + completion tokens fed to the training
+forward. Sampling differs between the arms (different RNG streams), so completion lengths differ;
+the mean completion length of the timed steps is reported for each arm.
+
+    uv run --group bench python -m benchmarks.grpo [--rounds 2] [--steps 6]
+runs alternating fresh processes `ours` / `trl` and writes
+`benchmarks/results/<time>-grpo.{json,md}`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shutil
+import sys
+import tempfile
+import time
+from dataclasses import asdict, dataclass, replace
+from pathlib import Path
+from typing import Any
+
+from benchmarks.dpo import StepClock
+from benchmarks.measure import (
+    RESULTS_DIR,
+    PeakRSS,
+    machine,
+    median,
+    peak_rss_mb,
+    rss_mb,
+    run_worker,
+    spread,
+    timestamp,
+    write_result_file,
+)
+
+ARMS = ("ours", "trl")
+LABELS = {"ours": "ours (policy_gradients, GRPO)", "trl": "TRL GRPOTrainer"}
+PRESET = "tiny-qwen3-gpt2"
+
+
+@dataclass(frozen=True)
+class Workload:
+    prompts_per_step: int = 8
+    group_size: int = 8
+    max_new_tokens: int = 32
+    steps: int = 6
+    warmup_steps: int = 1
+    threads: int = 1
+    lr: float = 1e-6
+    temperature: float = 1.0
+    dataset_size: int = 512
+    dataset_seed: int = 1
+    seed: int = 0
+
+    @property
+    def batch(self) -> int:
+        return self.prompts_per_step * self.group_size
+
+    def to_json(self) -> str:
+        return json.dumps(asdict(self))
+
+    @classmethod
+    def from_json(cls, text: str) -> Workload:
+        return cls(**json.loads(text))
+
+
+def _rg_source(w: Workload) -> dict[str, Any]:
+    return {"task": "spell_backward", "size": w.dataset_size, "seed": w.dataset_seed}
+
+
+def prepare(w: Workload, workdir: Path) -> dict[str, Any]:
+    """Build (or find) the preset model; describe it and the prompt set."""
+    from transformers import AutoConfig
+
+    from rlhf_core.tiny import preset_dir
+
+    path = preset_dir(PRESET)
+    config = AutoConfig.from_pretrained(path)
+    from benchmarks.dpo import _count_params
+
+    return {
+        "model_dir": str(path),
+        "model": {"name": PRESET, "parameters": _count_params(config),
+                  "vocab_size": config.vocab_size, "hidden_size": config.hidden_size,
+                  "layers": config.num_hidden_layers},
+    }  # fmt: skip
+
+
+def run_ours(w: Workload, workdir: Path) -> dict[str, Any]:
+    memory = PeakRSS()
+    import torch
+
+    import policy_gradients.train as pg_train
+    from policy_gradients.config import PGConfig
+    from rlhf_core.config import RunArgs
+    from rlhf_core.tiny import preset_dir
+
+    after_imports = rss_mb()
+    clock = StepClock(w.warmup_steps, memory)
+    cfg = PGConfig.model_validate({
+        "name": "bench_grpo", "seed": w.seed,
+        "model": {"name_or_path": str(preset_dir(PRESET)), "dtype": "fp32"},
+        "data": {"train": {"reasoning_gym": _rg_source(w)}},
+        "rewards": [{"name": "reasoning_gym", "extract": "full"}],
+        "algorithm": {
+            "name": "grpo",
+            "advantage": {"name": "grpo", "eps": 1e-6, "scale_rewards": True},
+            "loss": {"name": "clipped", "eps_low": 0.2, "eps_high": 0.2,
+                     "aggregation": "seq-mean-token-mean", "kl_beta": 0.0},
+            "kl_in_reward": {"beta": 0.0}, "value_loss": None, "ppo_epochs": 1,
+            "dynamic_sampling": False,
+        },
+        "rollout": {"prompts_per_step": w.prompts_per_step, "group_size": w.group_size,
+                    "max_new_tokens": w.max_new_tokens, "temperature": w.temperature},
+        "train": {"max_steps": w.steps, "micro_batch_size": w.batch, "threads": w.threads,
+                  "device": "cpu", "eval_every": 0},
+        "optim": {"lr": w.lr, "schedule": "constant", "warmup_steps": 0, "weight_decay": 0.0,
+                  "max_grad_norm": 1.0},
+        "checkpoint": {"save_every": 0, "save_final": False},
+        "tracking": {"log_every": 1, "plot_every": 10_000},
+    })  # fmt: skip
+    original_step, original_logprobs = pg_train.optimizer_step, pg_train.completion_logprobs
+
+    def timed_step(*args, **kwargs):
+        out = original_step(*args, **kwargs)
+        clock.step_done()
+        return out
+
+    def counted_logprobs(model, ids, attention_mask, *args, **kwargs):  # the training forward
+        clock.count(attention_mask)
+        return original_logprobs(model, ids, attention_mask, *args, **kwargs)
+
+    pg_train.optimizer_step, pg_train.completion_logprobs = timed_step, counted_logprobs
+    run_dir = workdir / f"ours-run-{time.time_ns()}"
+    code = pg_train.train(cfg, RunArgs(Path("benchmarks/grpo.py"), output_dir=run_dir))
+    if code != 0:
+        raise RuntimeError(f"our trainer exited with {code}")
+    metrics = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    shutil.rmtree(run_dir, ignore_errors=True)
+    per_step = [m for m in metrics if "train/length/mean" in m]
+    timed = per_step[w.warmup_steps :]
+    return {
+        "impl": "ours", **clock.summary(), "rss_after_imports_mb": after_imports,
+        "peak_rss_mb": memory.overall(), "peak_rss_timed_mb": peak_rss_mb(),
+        "threads": torch.get_num_threads(),
+        "completion_length_per_step": [m["train/length/mean"] for m in per_step],
+        "completion_length_mean": sum(m["train/length/mean"] for m in timed) / len(timed),
+        "reward_per_step": [m.get("train/reward/total") for m in per_step],
+    }  # fmt: skip
+
+
+def run_trl(w: Workload, workdir: Path) -> dict[str, Any]:
+    memory = PeakRSS()
+    import torch
+
+    torch.set_num_threads(w.threads)
+    from datasets import Dataset
+    from transformers import TrainerCallback
+    from trl import GRPOConfig, GRPOTrainer
+
+    from rlhf_core.data import EpochSampler, ReasoningGymSource, reasoning_gym_dataset
+    from rlhf_core.models import ModelConfig, load_tokenizer
+    from rlhf_core.tiny import preset_dir
+
+    after_imports = rss_mb()
+    clock = StepClock(w.warmup_steps, memory)
+    path = str(preset_dir(PRESET))
+    # our loader: the same tokenizer and chat template as our arm (the preset has none of its own)
+    tokenizer = load_tokenizer(ModelConfig(name_or_path=path), padding_side="left")
+    scorer = reasoning_gym_dataset(ReasoningGymSource(**_rg_source(w)))
+    entries = list(scorer)
+    # our sampler's first-epoch order, so both arms see the same prompts at every step
+    order = EpochSampler(len(entries), w.seed).next_batch(w.prompts_per_step * w.steps)
+    rows = [
+        {"prompt": [{"role": "user", "content": entries[i]["question"]}], "entry_index": i}
+        for i in order
+    ]
+
+    def spell_backward_reward(prompts, completions, entry_index, **kwargs):
+        out = []
+        for completion, i in zip(completions, entry_index, strict=True):
+            text = completion[-1]["content"] if isinstance(completion, list) else completion
+            out.append(float(scorer.score_answer(text.strip(), entries[i])))
+        return out
+
+    out_dir = workdir / f"trl-run-{time.time_ns()}"
+    args = GRPOConfig(
+        output_dir=str(out_dir), per_device_train_batch_size=w.batch,
+        generation_batch_size=w.batch, gradient_accumulation_steps=1,
+        num_generations=w.group_size, num_iterations=1, max_completion_length=w.max_new_tokens,
+        temperature=w.temperature, top_p=1.0, top_k=0, beta=0.0, loss_type="grpo",
+        scale_rewards="group", epsilon=0.2, max_steps=w.steps, learning_rate=w.lr,
+        lr_scheduler_type="constant", warmup_steps=0, weight_decay=0.0, max_grad_norm=1.0,
+        bf16=False, fp16=False, gradient_checkpointing=False, use_cpu=True, use_vllm=False,
+        shuffle_dataset=False, seed=w.seed, model_init_kwargs={"dtype": "float32"},
+        logging_steps=1, report_to="none", save_strategy="no", eval_strategy="no",
+        disable_tqdm=True, dataloader_num_workers=0,
+    )  # fmt: skip
+
+    class Clock(TrainerCallback):
+        def on_step_end(self, args, state, control, **kwargs):
+            clock.step_done()
+
+    trainer = GRPOTrainer(
+        model=path, reward_funcs=spell_backward_reward, args=args,
+        train_dataset=Dataset.from_list(rows), processing_class=tokenizer, callbacks=[Clock()],
+    )  # fmt: skip
+    original_compute_loss = trainer.compute_loss
+
+    def counted_loss(model, inputs, *rest, **kwargs):
+        clock.tokens.append(int(inputs["prompt_mask"].sum() + inputs["completion_mask"].sum()))
+        return original_compute_loss(model, inputs, *rest, **kwargs)
+
+    trainer.compute_loss = counted_loss
+    trainer.train()
+    shutil.rmtree(out_dir, ignore_errors=True)
+    logs = [h for h in trainer.state.log_history if "completions/mean_length" in h]
+    timed = logs[w.warmup_steps :]
+    return {
+        "impl": "trl", **clock.summary(), "rss_after_imports_mb": after_imports,
+        "peak_rss_mb": memory.overall(), "peak_rss_timed_mb": peak_rss_mb(),
+        "threads": torch.get_num_threads(), "optimizer": str(args.optim),
+        "completion_length_per_step": [h["completions/mean_length"] for h in logs],
+        "completion_length_mean": sum(h["completions/mean_length"] for h in timed) / len(timed),
+        "reward_per_step": [h.get("reward") for h in logs],
+    }  # fmt: skip
+
+
+def compare(w: Workload, rounds: int, timeout: float = 600) -> dict[str, Any]:
+    """Prepare once, then `rounds` rounds of one fresh process per arm, alternating the order."""
+    host = machine()
+    with tempfile.TemporaryDirectory(prefix="rlhf-bench-grpo-") as tmp:
+        common = ["--workload", w.to_json(), "--workdir", tmp]
+        module = "benchmarks.grpo"
+        prep = run_worker(module, ["prepare", *common], threads=w.threads, timeout=timeout)
+        runs = []
+        for r in range(rounds):
+            for impl in ARMS if r % 2 == 0 else ARMS[::-1]:
+                out = run_worker(module, [impl, *common], threads=w.threads, timeout=timeout)
+                out["round"] = r
+                runs.append(out)
+                print(f"  round {r + 1}/{rounds} {impl:5s}: {out['step_s_median']:.3f} s/step, "
+                      f"completion length {out['completion_length_mean']:.1f}, "
+                      f"peak RSS {out['peak_rss_mb']:.0f} MiB", flush=True)  # fmt: skip
+    keys = ("step_s_median", "tokens_per_s", "tokens_per_cpu_s", "completion_length_mean",
+            "peak_rss_mb", "peak_rss_timed_mb", "process_wall_s")  # fmt: skip
+    arms = {a: {k: median([r[k] for r in runs if r["impl"] == a]) for k in keys} for a in ARMS}
+    for a in ARMS:
+        arms[a]["step_s_range"] = spread([r["step_s_median"] for r in runs if r["impl"] == a])
+    by_round: dict[int, dict[str, Any]] = {r["round"]: {} for r in runs}
+    for r in runs:
+        by_round[r["round"]][r["impl"]] = r
+    speedup = median([p["trl"]["step_s_median"] / p["ours"]["step_s_median"]
+                      for p in by_round.values()])  # fmt: skip
+    return {
+        "machine": host, "workload": asdict(w), "prepare": prep, "runs": runs,
+        "summary": {
+            "arms": arms,
+            "step_rate_ratio_ours_over_trl": speedup,
+            "tokens_per_s_ratio_ours_over_trl": median(
+                [p["ours"]["tokens_per_s"] / p["trl"]["tokens_per_s"] for p in by_round.values()]
+            ),
+            "peak_rss_ratio_ours_over_trl": median(
+                [p["ours"]["peak_rss_mb"] / p["trl"]["peak_rss_mb"] for p in by_round.values()]
+            ),
+            "target_step_rate_2x": speedup >= 2.0,
+            "load_average_range": spread([r["load_average_before"] for r in runs]),
+        },
+    }  # fmt: skip
+
+
+def markdown(result: dict[str, Any]) -> str:
+    w, s, m = result["workload"], result["summary"], result["prepare"]["model"]
+    rounds = len({r["round"] for r in result["runs"]})
+    lines = [
+        f"### GRPO: ours vs `trl.GRPOTrainer` {result['machine']['versions']['trl']} (no vLLM)",
+        "",
+        f"Model `{m['name']}` ({m['parameters'] / 1e6:.1f}M parameters), reasoning-gym "
+        f"spell_backward, {w['prompts_per_step']} prompts x {w['group_size']} completions per "
+        f"step, {w['max_new_tokens']} max new tokens, temperature {w['temperature']}, no KL, one "
+        f"update per batch, fp32, CPU, {w['threads']} thread(s); {w['steps']} steps "
+        f"({w['steps'] - w['warmup_steps']} timed), {rounds} rounds; "
+        f"load average {s['load_average_range']}.",
+        "",
+        "| arm | s/step (median, range) | steps/s | tokens/s | tokens/CPU-s "
+        "| mean completion length | peak RSS MiB (timed steps) |",
+        "| --- | --- | --- | --- | --- | --- | --- |",
+    ]
+    for arm, label in LABELS.items():
+        a = s["arms"][arm]
+        lines.append(
+            f"| {label} | {a['step_s_median']:.3f} ({a['step_s_range']}) | "
+            f"{1 / a['step_s_median']:.2f} | {a['tokens_per_s']:.0f} | "
+            f"{a['tokens_per_cpu_s']:.0f} | {a['completion_length_mean']:.1f} | "
+            f"{a['peak_rss_mb']:.0f} ({a['peak_rss_timed_mb']:.0f}) |"
+        )
+    lines += [
+        "",
+        f"ours / TRL (median of per-round ratios): step rate "
+        f"{s['step_rate_ratio_ours_over_trl']:.2f}x, tokens/s "
+        f"{s['tokens_per_s_ratio_ours_over_trl']:.2f}x, peak RSS "
+        f"{s['peak_rss_ratio_ours_over_trl']:.2f}x.",
+        "",
+        f"Target >= 2x TRL step rate: {s['target_step_rate_2x']}.",
+        "",
+    ]
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        prog="python -m benchmarks.grpo",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    parser.add_argument("command", nargs="?", choices=["prepare", *ARMS], help="(worker mode)")
+    parser.add_argument("--workload", default=None, help="(worker) Workload as JSON")
+    parser.add_argument("--workdir", type=Path, default=None, help="(worker) shared directory")
+    parser.add_argument("--result", type=Path, default=None, help="(worker) where to write JSON")
+    parser.add_argument("--rounds", type=int, default=2, help="alternating rounds")
+    fields = ("prompts_per_step", "group_size", "max_new_tokens", "steps", "threads")
+    defaults = Workload()
+    for field in fields:
+        value = getattr(defaults, field)
+        parser.add_argument(f"--{field.replace('_', '-')}", type=type(value), default=value)
+    args = parser.parse_args(argv)
+    if args.command is not None:  # a measured worker process
+        w = Workload.from_json(args.workload)
+        worker = {"prepare": prepare, "ours": run_ours, "trl": run_trl}[args.command]
+        write_result_file(args.result, worker(w, args.workdir))
+        return 0
+    w = replace(defaults, **{f: getattr(args, f) for f in fields})
+    print(f"GRPO vs TRL: {w}, {args.rounds} rounds", flush=True)
+    result = compare(w, args.rounds)
+    text = markdown(result)
+    RESULTS_DIR.mkdir(parents=True, exist_ok=True)
+    stem = RESULTS_DIR / f"{timestamp()}-grpo"
+    payload = {"grpo": result, "command": sys.argv}
+    stem.with_suffix(".json").write_text(json.dumps(payload, indent=1) + "\n")
+    stem.with_suffix(".md").write_text(text)
+    print("\n" + text + f"\nwrote {stem}.json and {stem}.md")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
