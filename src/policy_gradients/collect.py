@@ -98,12 +98,19 @@ def collect_experience(
             continue
         mask = ro.action_mask[rows].to(device)
         ids, attn = ro.sequence_ids[rows], ro.attention_mask[rows]
-        old = completion_logprobs(policy, ids, attn, ro.prompt_length, temperature=r.temperature)
+        lp_args = (ids, attn, ro.prompt_length)
+        lp_kwargs = {"temperature": r.temperature, "action_mask": mask}
+        # On-policy (one pass over the buffer, so one optimizer step per rollout batch): the
+        # policy being updated *is* the sampling policy, so the loss uses its own log-probs
+        # detached as the old ones and this extra forward is skipped (as TRL does). The KL in
+        # the reward needs pi_old before the update, so it keeps the forward.
+        old = None
+        if alg.ppo_epochs > 1 or alg.kl_in_reward.beta > 0:
+            old = completion_logprobs(policy, *lp_args, **lp_kwargs)
         ref = None
         if reference is not None:
             with reference.model() as ref_model:
-                ref = completion_logprobs(ref_model, ids, attn, ro.prompt_length,
-                                          temperature=r.temperature)  # fmt: skip
+                ref = completion_logprobs(ref_model, *lp_args, **lp_kwargs)
         values = None
         if value_model is not None:  # V(s_t) for completion token t: the state before it
             values = completion_values(value_model, ids, attn, ro.prompt_length)
@@ -140,7 +147,7 @@ def collect_experience(
         sums["length/truncated"] = sums.get("length/truncated", 0.0) + float(
             ro.truncated[rows].sum()
         )
-        if ref is not None:
+        if ref is not None and old is not None:
             sums["kl/k3"] = sums.get("kl/k3", 0.0) + float(
                 masked_mean(kl_estimate(old, ref, "k3"), mask, dim=-1).sum()
             )

@@ -22,7 +22,10 @@ class Experience:
     sequence_ids: torch.Tensor  # (B, S) prompt + completion token ids
     attention_mask: torch.Tensor  # (B, S)
     action_mask: torch.Tensor  # (B, T) 1 on completion tokens through the first eos
-    log_probs_old: torch.Tensor  # (B, T) log pi_old(a_t | s_t) of the sampling distribution
+    # (B, T) log pi_old(a_t | s_t) of the sampling distribution; None when the update is
+    # on-policy (one optimizer step per batch): the loop then fills in the current log-probs,
+    # detached, which are the same numbers without a second forward
+    log_probs_old: torch.Tensor | None
     advantages: torch.Tensor  # (B, T)
     log_probs_ref: torch.Tensor | None = None  # (B, T) under pi_ref, when a KL is used
     values_old: torch.Tensor | None = None  # (B, T) value model at rollout time (PPO)

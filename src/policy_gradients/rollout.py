@@ -5,10 +5,10 @@ prompt, kept for the task's scorer) or file rows with a prompt and an answer col
 `question` / `answer`). An optional `prompt_template` wraps the question (e.g. to ask for
 <answer> tags) and an optional system prompt is prepended.
 
-`generate_rollouts` samples `group_size` completions for each prompt with transformers
-`generate` (KV cache, left padding) and returns token-level tensors: the completion is everything
-after the (left-padded) prompt; `action_mask` is 1 through the first eos and 0 after it; a
-completion without eos is `truncated`.
+`generate_rollouts` samples `group_size` completions for each prompt with
+`rlhf_core.generation.decode` (KV cache, left padding) and returns token-level tensors: the
+completion is everything after the (left-padded) prompt; `action_mask` is 1 through the first eos
+and 0 after it; a completion without eos is `truncated`.
 
 `RolloutLog` appends every rollout to `rollouts.sqlite` from a background thread, so writing
 never blocks training.
@@ -27,6 +27,7 @@ import torch
 
 from rlhf_core.chat import render_prompt
 from rlhf_core.data import DataSource, load_rows, reasoning_gym_dataset
+from rlhf_core.generation import decode
 
 
 @dataclass
@@ -105,18 +106,13 @@ def generate_rollouts(
     enc = tokenizer(prompts, return_tensors="pt", padding=True, add_special_tokens=False).to(device)
     ids = enc["input_ids"].repeat_interleave(group_size, dim=0)
     mask = enc["attention_mask"].repeat_interleave(group_size, dim=0)
-    sampling: dict[str, Any] = {"do_sample": temperature > 0}
-    if temperature > 0:
-        sampling.update(temperature=temperature, top_p=top_p, top_k=top_k)
-        if min_p > 0:
-            sampling["min_p"] = min_p
     was_training = model.training
     model.eval()
     try:
-        out = model.generate(
-            input_ids=ids, attention_mask=mask, max_new_tokens=max_new_tokens,
-            eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id,
-            use_cache=True, **sampling,
+        out = decode(
+            model, ids, mask, max_new_tokens=max_new_tokens, eos_token_id=tokenizer.eos_token_id,
+            pad_token_id=tokenizer.pad_token_id, temperature=temperature, top_p=top_p,
+            top_k=top_k, min_p=min_p,
         )  # fmt: skip
     finally:
         model.train(was_training)
@@ -139,14 +135,26 @@ def generate_rollouts(
 def completion_logprobs(
     model: torch.nn.Module, rollouts_ids: torch.Tensor, attention_mask: torch.Tensor,
     prompt_length: int, *, temperature: float, with_entropy: bool = False,
+    action_mask: torch.Tensor | None = None,
 ) -> Any:  # fmt: skip
     """Log-probs (B, T) of the completion tokens under logits / temperature (the sampling
-    distribution); with `with_entropy`, also the per-token entropies (B, T)."""
-    from rlhf_core.logprobs import causal_lm_token_logprobs
+    distribution); with `with_entropy`, also the per-token entropies (B, T).
 
-    out = causal_lm_token_logprobs(
-        model, rollouts_ids, attention_mask, temperature=temperature, with_entropy=with_entropy
-    )
+    Only the completion positions (`action_mask` (B, T); by default every completion position)
+    go through the LM head, fused with the log-softmax so no (B, T, V) logits are kept
+    (`rlhf_core.logprobs.causal_lm_selected_logprobs`); positions outside the mask are 0."""
+    from rlhf_core.logprobs import causal_lm_selected_logprobs
+
+    batch, total = rollouts_ids.shape
+    target = torch.zeros(batch, total - 1, dtype=torch.bool, device=rollouts_ids.device)
+    if action_mask is None:
+        target[:, prompt_length - 1 :] = True
+    else:
+        target[:, prompt_length - 1 :] = action_mask.bool()
+    out = causal_lm_selected_logprobs(
+        model, rollouts_ids, attention_mask, target, temperature=temperature,
+        with_entropy=with_entropy,
+    )  # fmt: skip
     if with_entropy:
         logps, entropy = out
         return logps[:, prompt_length - 1 :], entropy[:, prompt_length - 1 :]

@@ -200,8 +200,11 @@ def train(cfg: PGConfig, run: RunArgs) -> int:
                             policy, mb.sequence_ids, mb.attention_mask,
                             mb.sequence_ids.shape[1] - mb.action_mask.shape[1],
                             temperature=ro.temperature, with_entropy=True,
+                            action_mask=mb.action_mask,
                         )  # fmt: skip
                         logps, entropy = out
+                        if mb.log_probs_old is None:  # on-policy: pi_old = pi_theta, detached
+                            mb.log_probs_old = logps.detach()
                         norm = {"total_tokens": total_tokens.clamp(min=1),
                                 "total_sequences": total_sequences.clamp(min=1)}  # fmt: skip
                         loss, metrics = loss_fn(logps, mb, entropy=entropy, **norm)

@@ -108,7 +108,8 @@ def causal_lm_token_logprobs(
 def _decoder_and_head(model: torch.nn.Module):
     """(decoder, lm_head) of a plain or peft-wrapped causal LM, or None when the head cannot be
     run separately: a DDP/FSDP wrapper (its forward hooks sync gradients) or a model that
-    rescales or soft-caps its logits after the head (Gemma 2, Cohere, Granite)."""
+    rescales or soft-caps its logits after the head (Gemma 2, Cohere, Granite), or whose head is
+    not a plain `nn.Linear` (a LoRA-adapted or quantised head)."""
     if hasattr(model, "module"):  # torch.nn.parallel / FSDP wrappers
         return None
     base = model.get_base_model() if hasattr(model, "get_base_model") else model
@@ -121,9 +122,117 @@ def _decoder_and_head(model: torch.nn.Module):
             return None
     head = base.get_output_embeddings()
     decoder = base.get_decoder()
-    if head is None or decoder is None or decoder is base:
+    if type(head) is not torch.nn.Linear or decoder is None or decoder is base:
         return None
     return decoder, head
+
+
+class _LinearLabelLogProbs(torch.autograd.Function):
+    """log softmax((h W^T + b) / temperature)[y] (and the entropy) for rows h (N, H), without
+    ever holding the (N, V) logits: forward and backward both walk `chunk_rows` rows at a time
+    and the backward recomputes each chunk's logits from h and W. This is the "fused linear
+    cross-entropy" of Liger-Kernel / Apple's cut-cross-entropy in plain PyTorch; it trades one
+    extra head matmul for never allocating N x V floats (on CPU, big allocations page-fault on
+    every step: half the time of a GRPO step went to the kernel before this).
+
+    With z = logits / temperature, p = softmax(z), l = log p[y], H = -sum p log p:
+        dl/dz = onehot(y) - p            dH/dz = -p (log p + H)
+    and dz/dlogits = 1 / temperature; grad_h = g_z W / temperature, grad_W = g_z^T h / temperature.
+    """
+
+    @staticmethod
+    def forward(ctx, hidden, weight, bias, labels, temperature, chunk_rows, with_entropy):
+        out_dtype = torch.float64 if hidden.dtype == torch.float64 else torch.float32
+        n = hidden.shape[0]
+        logps = hidden.new_empty(n, dtype=out_dtype)
+        lses = hidden.new_empty(n, dtype=out_dtype)
+        entropy = hidden.new_zeros(n, dtype=out_dtype)
+        for start in range(0, n, chunk_rows):
+            end = min(n, start + chunk_rows)
+            z = torch.nn.functional.linear(hidden[start:end], weight, bias).to(out_dtype)
+            if temperature != 1.0:
+                z = z / temperature
+            lse = torch.logsumexp(z, dim=-1)
+            lses[start:end] = lse
+            logps[start:end] = z.gather(-1, labels[start:end, None]).squeeze(-1) - lse
+            if with_entropy:
+                z.sub_(lse[:, None])  # log p, in place
+                entropy[start:end] = -(z.exp() * z).sum(-1)
+        ctx.save_for_backward(hidden, weight, bias, labels, lses, entropy)
+        ctx.temperature, ctx.chunk_rows, ctx.with_entropy = temperature, chunk_rows, with_entropy
+        ctx.mark_non_differentiable(lses)
+        ctx.set_materialize_grads(False)  # an unused entropy output arrives as None, not zeros
+        return logps, entropy, lses
+
+    @staticmethod
+    def backward(ctx, grad_logps, grad_entropy, _grad_lse):
+        hidden, weight, bias, labels, lses, entropy = ctx.saved_tensors
+        temperature, chunk_rows = ctx.temperature, ctx.chunk_rows
+        use_entropy = ctx.with_entropy and grad_entropy is not None
+        n = hidden.shape[0]
+        grad_hidden = torch.empty_like(hidden) if ctx.needs_input_grad[0] else None
+        need_weight = ctx.needs_input_grad[1]
+        grad_weight = torch.zeros_like(weight, dtype=lses.dtype) if need_weight else None
+        need_bias = bias is not None and ctx.needs_input_grad[2]
+        grad_bias = torch.zeros_like(bias, dtype=lses.dtype) if need_bias else None
+        if grad_logps is None:
+            grad_logps = torch.zeros_like(lses)
+        for start in range(0, n, chunk_rows):
+            end = min(n, start + chunk_rows)
+            h = hidden[start:end]
+            z = torch.nn.functional.linear(h, weight, bias).to(lses.dtype)
+            if temperature != 1.0:
+                z = z / temperature
+            logp = z.sub_(lses[start:end, None])  # log p, in place
+            p = logp.exp()
+            g = grad_logps[start:end, None]
+            if use_entropy:  # -p (log p + H) * g_H, then - p * g_l
+                logp.add_(entropy[start:end, None]).mul_(-grad_entropy[start:end, None])
+                grad_z = p.mul_(logp.sub_(g))
+            else:
+                grad_z = p.mul_(-g)
+            grad_z.scatter_add_(-1, labels[start:end, None], g)
+            if temperature != 1.0:
+                grad_z.div_(temperature)
+            if grad_hidden is not None:
+                grad_hidden[start:end] = (grad_z.to(weight.dtype) @ weight).to(hidden.dtype)
+            if grad_weight is not None:
+                grad_weight.addmm_(grad_z.t(), h.to(grad_z.dtype))
+            if grad_bias is not None:
+                grad_bias += grad_z.sum(0)
+        if grad_weight is not None:
+            grad_weight = grad_weight.to(weight.dtype)
+        if grad_bias is not None:
+            grad_bias = grad_bias.to(bias.dtype)
+        return grad_hidden, grad_weight, grad_bias, None, None, None, None
+
+
+def linear_token_logprobs(
+    hidden: torch.Tensor,
+    head: torch.nn.Linear,
+    labels: torch.Tensor,
+    *,
+    temperature: float = 1.0,
+    chunk_rows: int | None = None,
+    with_entropy: bool = False,
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    """`token_logprobs(head(hidden), labels, ...)` for hidden (N, H) and labels (N,), computed
+    without materialising the (N, V) logits (see `_LinearLabelLogProbs`); differentiable in
+    `hidden`, `head.weight` and `head.bias`, including through the entropy. `chunk_rows` defaults
+    to about 4M logits per chunk (16 MB in float32)."""
+    if hidden.dim() != 2 or labels.shape != hidden.shape[:1]:
+        raise ValueError(
+            f"linear_token_logprobs: expected hidden (N, H) and labels (N,), got "
+            f"{tuple(hidden.shape)} and {tuple(labels.shape)}"
+        )
+    if temperature <= 0:
+        raise ValueError(f"linear_token_logprobs: temperature must be > 0, got {temperature}")
+    if chunk_rows is None:
+        chunk_rows = max(1, (1 << 22) // head.weight.shape[0])
+    logps, entropy, _ = _LinearLabelLogProbs.apply(
+        hidden, head.weight, head.bias, labels, float(temperature), int(chunk_rows), with_entropy
+    )
+    return (logps, entropy) if with_entropy else logps
 
 
 def causal_lm_selected_logprobs(
@@ -133,17 +242,23 @@ def causal_lm_selected_logprobs(
     target_mask: torch.Tensor,
     *,
     temperature: float = 1.0,
-    chunk_rows: int = 1024,
-) -> torch.Tensor:
+    chunk_rows: int | None = None,
+    with_entropy: bool = False,
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """`causal_lm_token_logprobs` where only `target_mask` (B, S - 1) matters: the LM head runs
-    on the selected positions only (the completion tokens), not on prompt and padding, and the
-    rest of the output is 0. On CPU this made a DPO step ~6x faster at ~1/5 of the memory
-    (docs/performance.md). Falls back to the full head where that is not safe."""
+    on the selected positions only (the completion tokens), not on prompt and padding, fused with
+    the log-softmax so no (N, V) logits are kept (`linear_token_logprobs`); the rest of the output
+    is 0. On CPU this made a DPO step ~6x faster at ~1/5 of the memory (docs/performance.md).
+    Falls back to the full head where that is not safe (DDP/FSDP wrappers, soft-capped logits, a
+    head that is not a plain `nn.Linear`, e.g. a LoRA-adapted one)."""
     parts = _decoder_and_head(model)
     if parts is None:
         full = causal_lm_token_logprobs(
-            model, input_ids, attention_mask, temperature=temperature, chunk_rows=chunk_rows
+            model, input_ids, attention_mask, temperature=temperature, with_entropy=with_entropy
         )
+        if with_entropy:
+            keep = target_mask.bool()
+            return tuple(torch.where(keep, x, torch.zeros_like(x)) for x in full)
         return torch.where(target_mask.bool(), full, torch.zeros_like(full))
     decoder, head = parts
     position_ids = (attention_mask.long().cumsum(-1) - 1).clamp(min=0)
@@ -154,12 +269,17 @@ def causal_lm_selected_logprobs(
         use_cache=False,
     ).last_hidden_state
     select = target_mask.bool()
-    logits = head(hidden[:, :-1][select])  # (N, V): N selected positions only
-    picked = token_logprobs(
-        logits, input_ids[:, 1:][select], temperature=temperature, chunk_rows=chunk_rows
-    )
-    out = torch.zeros(select.shape, dtype=picked.dtype, device=picked.device)
-    return out.masked_scatter(select, picked)
+    picked = linear_token_logprobs(
+        hidden[:, :-1][select], head, input_ids[:, 1:][select], temperature=temperature,
+        chunk_rows=chunk_rows, with_entropy=with_entropy,
+    )  # fmt: skip
+    if not with_entropy:
+        picked = (picked,)
+    outs = []
+    for values in picked:
+        out = torch.zeros(select.shape, dtype=values.dtype, device=values.device)
+        outs.append(out.masked_scatter(select, values))
+    return tuple(outs) if with_entropy else outs[0]
 
 
 def masked_sum(values: torch.Tensor, mask: torch.Tensor, dim: int | None = None) -> torch.Tensor:

@@ -1,0 +1,87 @@
+"""rlhf_core.generation: the decode loop against transformers `generate`, and its sampler."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from rlhf_core.generation import decode, sample_from_logits, warp_logits
+from rlhf_core.models import ModelConfig, load_causal_lm, load_tokenizer
+
+TINY = ModelConfig(name_or_path="tiny-qwen3")
+
+
+@pytest.fixture(scope="module")
+def model_and_tokenizer():
+    torch.manual_seed(0)
+    return load_causal_lm(TINY).eval(), load_tokenizer(TINY, padding_side="left")
+
+
+def test_greedy_decode_equals_transformers_generate_under_left_padding(model_and_tokenizer):
+    model, tok = model_and_tokenizer
+    prompts = ["<|user|>ab<|end|><|assistant|>", "<|user|>a much longer prompt<|end|><|assistant|>"]
+    enc = tok(prompts, return_tensors="pt", padding=True, add_special_tokens=False)
+    assert enc["attention_mask"][0, 0] == 0  # the short prompt really is left-padded
+    ours = decode(model, enc["input_ids"], enc["attention_mask"], max_new_tokens=20,
+                  eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id)  # fmt: skip
+    theirs = model.generate(
+        **enc, max_new_tokens=20, do_sample=False, eos_token_id=tok.eos_token_id,
+        pad_token_id=tok.pad_token_id,
+    )  # fmt: skip
+    n = min(ours.shape[1], theirs.shape[1])  # generate may stop at the same eos or run on pads
+    assert torch.equal(ours[:, :n], theirs[:, :n])
+    assert (theirs[:, n:] == tok.pad_token_id).all()
+
+
+def test_decode_stops_after_eos_and_pads(model_and_tokenizer):
+    model, tok = model_and_tokenizer
+    PAD = 7  # any id that is not eos, to see where padding went  # noqa: N806
+    enc = tok(["<|user|>x<|end|><|assistant|>"] * 6, return_tensors="pt", add_special_tokens=False)
+    torch.manual_seed(4)
+    out = decode(model, enc["input_ids"], enc["attention_mask"], max_new_tokens=40,
+                 temperature=1.5, eos_token_id=tok.eos_token_id, pad_token_id=PAD)  # fmt: skip
+    new = out[:, enc["input_ids"].shape[1] :]
+    for row in new.tolist():
+        if tok.eos_token_id in row:
+            after = row[row.index(tok.eos_token_id) + 1 :]
+            assert all(t == PAD for t in after)
+        else:
+            assert len(row) == 40
+    assert any(tok.eos_token_id in row for row in new.tolist())
+
+
+def test_inverse_cdf_sampler_draws_the_categorical_distribution():
+    probs = torch.tensor([0.5, 0.0, 0.2, 0.25, 0.05, 0.0])
+    logits = probs.log().expand(200_000, -1)
+    g = torch.Generator().manual_seed(0)
+    draws = sample_from_logits(logits, g)
+    freq = torch.bincount(draws, minlength=6).double() / len(draws)
+    assert freq[1] == 0 and freq[5] == 0  # zero-probability tokens never come out
+    # 5 standard errors of a proportion at n = 200k
+    se = (probs.double() * (1 - probs.double()) / len(draws)).sqrt()
+    assert ((freq - probs.double()).abs() <= 5 * se + 1e-12).all(), freq
+
+
+def test_warp_logits_follows_transformers_warpers():
+    from transformers.generation.logits_process import (
+        MinPLogitsWarper,
+        TemperatureLogitsWarper,
+        TopKLogitsWarper,
+        TopPLogitsWarper,
+    )
+
+    g = torch.Generator().manual_seed(1)
+    logits = torch.randn(4, 50, generator=g) * 3
+    ids = torch.zeros(4, 1, dtype=torch.long)
+    for kwargs in ({"top_k": 7}, {"top_p": 0.8}, {"min_p": 0.1}, {"top_k": 20, "top_p": 0.9}):
+        want = TemperatureLogitsWarper(0.7)(ids, logits.clone())
+        if "top_k" in kwargs:
+            want = TopKLogitsWarper(kwargs["top_k"])(ids, want)
+        if "top_p" in kwargs:
+            want = TopPLogitsWarper(kwargs["top_p"])(ids, want)
+        if "min_p" in kwargs:
+            want = MinPLogitsWarper(kwargs["min_p"])(ids, want)
+        got = warp_logits(logits, temperature=0.7, **kwargs)
+        assert torch.equal(torch.isinf(got), torch.isinf(want)), kwargs
+        keep = ~torch.isinf(want)
+        torch.testing.assert_close(got[keep], want[keep])
