@@ -8,9 +8,10 @@ The loss is Bradley-Terry, -log sigmoid(r_c - r_r), on a scalar head over the ba
 hidden state at the last token; both trainers run chosen and rejected rows in one forward.
 
   ours   `reward_models.train` as shipped (`BaseRewardModel`: `AutoModel` backbone + linear head)
-  ours-fused  the same with AdamW's fused kernel on the CPU (a prototype patched in here only:
-         `rlhf_core.optim.build_optimizer` asks for fused only on CUDA, so on the CPU torch runs
-         its per-tensor `_single_tensor_adam` loop)
+         (`BaseRewardModel`: `AutoModel` backbone + linear head; each pair's prompt encoded once
+         and read by both completions through the KV cache, `train.share_prompt: true`)
+  ours-unshared  the same with `train.share_prompt: false`: chosen and rejected as two full
+         rows, prompt encoded twice (what the shared prompt buys, measured alone)
   TRL    `RewardTrainer` on `AutoModelForSequenceClassification` (num_labels 1) loaded from the
          same directory, its defaults otherwise (its optimizer is `adamw_torch_fused`), with
          gradient checkpointing off and fp32 as ours; the worker checks that its tokenized rows
@@ -52,22 +53,22 @@ from benchmarks.measure import (
     write_result_file,
 )
 
-ARMS = ("ours", "trl", "ours-fused")
+ARMS = ("ours", "trl", "ours-unshared")
 LABELS = {
     "ours": "ours (as shipped)",
     "trl": "TRL RewardTrainer",
-    "ours-fused": "ours + fused CPU AdamW (prototype, not in src)",
+    "ours-unshared": "ours without the shared prompt (share_prompt: false)",
 }
 
 
-def run_ours(w: Workload, workdir: Path, *, fused: bool = False) -> dict[str, Any]:
-    """Our trainer as shipped, or (`fused`) with AdamW's fused kernel on the CPU too
-    (`rlhf_core.optim.build_optimizer` fuses only on CUDA; TRL's default optimizer is fused)."""
+def run_ours(w: Workload, workdir: Path, *, share_prompt: bool = True) -> dict[str, Any]:
+    """Our trainer as shipped, or with the prompt encoded twice (`share_prompt=False`)."""
     memory = PeakRSS()
     import torch
 
     import reward_models.train as rm_train
     from reward_models.config import RMConfig
+    from reward_models.data import batch_tokens
     from rlhf_core.config import RunArgs
 
     after_imports = rss_mb()
@@ -79,7 +80,7 @@ def run_ours(w: Workload, workdir: Path, *, fused: bool = False) -> dict[str, An
                  "max_length": w.max_length, "max_prompt_length": w.max_prompt_length},
         "loss": {"name": "bradley_terry"},
         "train": {"batch_size": w.batch_size, "max_steps": w.steps, "threads": w.threads,
-                  "device": "cpu", "eval_every": 0},
+                  "device": "cpu", "eval_every": 0, "share_prompt": share_prompt},
         "optim": {"lr": w.lr, "schedule": "cosine", "warmup_steps": 0, "max_grad_norm": 1.0},
         "checkpoint": {"save_every": 0, "save_final": False},
         "tracking": {"log_every": w.log_every},
@@ -92,23 +93,11 @@ def run_ours(w: Workload, workdir: Path, *, fused: bool = False) -> dict[str, An
         return out
 
     def counted_loss(model, loss_fn, batch):
-        clock.count(batch["attention_mask"])
+        # the full rows' non-pad tokens: a shared prompt counts once per completion reading it
+        clock.tokens.append(batch_tokens(batch))
         return original_loss(model, loss_fn, batch)
 
     rm_train.optimizer_step, rm_train.compute_loss = timed_step, counted_loss
-    if fused:
-        original_build = rm_train.build_optimizer
-
-        def build_fused(model, optim_cfg):
-            groups = [  # the same groups, without the shipped optimizer's fused/foreach choice
-                {"params": g["params"], "weight_decay": g["weight_decay"]}
-                for g in original_build(model, optim_cfg).param_groups
-            ]
-            return torch.optim.AdamW(
-                groups, lr=optim_cfg.lr, betas=optim_cfg.betas, eps=optim_cfg.eps, fused=True
-            )
-
-        rm_train.build_optimizer = build_fused
     run_dir = workdir / f"ours-run-{time.time_ns()}"
     code = rm_train.train(cfg, RunArgs(Path("benchmarks/reward_model.py"), output_dir=run_dir))
     if code != 0:
@@ -116,7 +105,7 @@ def run_ours(w: Workload, workdir: Path, *, fused: bool = False) -> dict[str, An
     metrics = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
     shutil.rmtree(run_dir, ignore_errors=True)
     return {
-        "impl": "ours-fused" if fused else "ours", **clock.summary(),
+        "impl": "ours" if share_prompt else "ours-unshared", **clock.summary(),
         "rss_after_imports_mb": after_imports,
         "peak_rss_mb": memory.overall(), "peak_rss_timed_mb": peak_rss_mb(),
         "threads": torch.get_num_threads(), "final_logged_loss": metrics[-1].get("train/loss"),
@@ -252,7 +241,7 @@ def markdown(result: dict[str, Any]) -> str:
             f"| {a['step_s_median']:.3f} |"
         )
     lines.append("")
-    for arm in ("ours", "ours-fused"):
+    for arm in ("ours", "ours-unshared"):
         r = s["arms"][arm]["ratio_over_trl"]
         lines.append(
             f"{LABELS[arm]} / TRL (median of per-round ratios): tokens/s "
@@ -282,7 +271,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.command is not None:  # a measured worker process
         w = Workload.from_json(args.workload)
         worker = {"prepare": prepare, "ours": run_ours, "trl": run_trl,
-                  "ours-fused": partial(run_ours, fused=True)}[args.command]  # fmt: skip
+                  "ours-unshared": partial(run_ours, share_prompt=False)}[args.command]  # fmt: skip
         write_result_file(args.result, worker(w, args.workdir))
         return 0
     w = dataclasses.replace(defaults, **{

@@ -40,6 +40,7 @@ from rlhf_core.loop import (
     restore_checkpoint,
     save_final,
     save_training_state,
+    shared_run_dir,
     start_accelerator,
 )
 from rlhf_core.models import ReferencePolicy, load_causal_lm, load_tokenizer, resolve_model_path
@@ -75,7 +76,7 @@ def train(cfg: DAConfig, run: RunArgs) -> int:
     run_dir, ckpt = resolve_resume(
         run.resume, package=PACKAGE, name=cfg.name, output_dir=run.output_dir
     )
-    run_dir = run_dir or new_run_dir(PACKAGE, cfg.name, run.output_dir)
+    run_dir = shared_run_dir(accelerator, run_dir or new_run_dir(PACKAGE, cfg.name, run.output_dir))
     ref_mode = cfg.reference.mode if loss_fn.needs_reference else "none (reference-free loss)"
 
     if run.dry_run:

@@ -36,6 +36,7 @@ from rlhf_core.loop import (
     restore_checkpoint,
     save_final,
     save_training_state,
+    shared_run_dir,
     start_accelerator,
 )
 from rlhf_core.models import load_causal_lm, load_tokenizer, resolve_model_path
@@ -70,7 +71,7 @@ def train(cfg: SFTConfig, run: RunArgs) -> int:
     run_dir, ckpt = resolve_resume(
         run.resume, package=PACKAGE, name=cfg.name, output_dir=run.output_dir
     )
-    run_dir = run_dir or new_run_dir(PACKAGE, cfg.name, run.output_dir)
+    run_dir = shared_run_dir(accelerator, run_dir or new_run_dir(PACKAGE, cfg.name, run.output_dir))
 
     if run.dry_run:
         print_dry_run(cfg, {

@@ -63,15 +63,19 @@ def collect_experience(
     t_gen = t_score = 0.0
     rounds = alg.max_sampling_rounds if alg.dynamic_sampling else 1
     needed = prompts_per_step // world
-    for _ in range(rounds):
-        # every rank draws the same global batch and keeps its own slice of whole groups
+    for round_ in range(rounds):
+        # every rank draws the same global batch and keeps its own slice of whole groups; each
+        # prompt's samples are seeded by (seed, step, round, its place in the global batch), so
+        # the rollouts are the same whatever the number of processes
+        positions = list(range(prompts_per_step))[rank::world]
         indices = sampler.next_batch(prompts_per_step)[rank::world]
         items = [prompts.items[i] for i in indices]
+        seeds = [((cfg.seed * 1_000_003 + step) * 1_009 + round_) * 100_003 + p for p in positions]
         t0 = time.perf_counter()
         ro = generate_rollouts(
             policy, tokenizer, [it["prompt"] for it in items], group_size=r.group_size,
             max_new_tokens=r.max_new_tokens, temperature=r.temperature, top_p=r.top_p,
-            top_k=r.top_k, min_p=r.min_p,
+            top_k=r.top_k, min_p=r.min_p, seeds=seeds,
         )  # fmt: skip
         t1 = time.perf_counter()
         rep_items = [it for it in items for _ in range(r.group_size)]

@@ -27,7 +27,7 @@ import torch
 
 from rlhf_core.chat import render_prompt
 from rlhf_core.data import DataSource, load_rows, reasoning_gym_dataset
-from rlhf_core.generation import decode
+from rlhf_core.generation import decode, row_generators
 
 
 @dataclass
@@ -98,8 +98,14 @@ def generate_rollouts(
     top_p: float = 1.0,
     top_k: int = 0,
     min_p: float = 0.0,
+    seeds: list[int] | None = None,
 ) -> Rollouts:
-    """`group_size` sampled completions per prompt, grouped consecutively (rows g*G ... g*G+G-1)."""
+    """`group_size` sampled completions per prompt, grouped consecutively (rows g*G ... g*G+G-1).
+
+    `seeds` (one per prompt): completion j of prompt g is drawn with its own generator seeded
+    from (seeds[g], j), so a rollout does not depend on how prompts are split across processes
+    or batches (a 2-process run samples exactly what a 1-process run does). Without them the
+    global torch RNG is used."""
     if tokenizer.padding_side != "left":
         raise ValueError("generate_rollouts needs a left-padding tokenizer")
     device = next(model.parameters()).device
@@ -109,10 +115,14 @@ def generate_rollouts(
     was_training = model.training
     model.eval()
     try:
+        generator = None
+        if seeds is not None:
+            rows = [seed * 1_000_003 + j for seed in seeds for j in range(group_size)]
+            generator = row_generators(rows, device)
         out = decode(
             model, ids, mask, max_new_tokens=max_new_tokens, eos_token_id=tokenizer.eos_token_id,
             pad_token_id=tokenizer.pad_token_id, temperature=temperature, top_p=top_p,
-            top_k=top_k, min_p=min_p,
+            top_k=top_k, min_p=min_p, generator=generator,
         )  # fmt: skip
     finally:
         model.train(was_training)

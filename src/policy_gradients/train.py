@@ -19,6 +19,7 @@ import time
 from contextlib import nullcontext
 
 import torch
+from accelerate.utils import gather_object
 
 from policy_gradients.advantages import ADVANTAGES
 from policy_gradients.collect import collect_experience
@@ -43,6 +44,7 @@ from rlhf_core.loop import (
     restore_checkpoint,
     save_final,
     save_training_state,
+    shared_run_dir,
     start_accelerator,
 )
 from rlhf_core.models import ReferencePolicy, load_causal_lm, load_tokenizer, resolve_model_path
@@ -85,7 +87,7 @@ def train(cfg: PGConfig, run: RunArgs) -> int:
     run_dir, ckpt = resolve_resume(
         run.resume, package=PACKAGE, name=cfg.name, output_dir=run.output_dir
     )
-    run_dir = run_dir or new_run_dir(PACKAGE, cfg.name, run.output_dir)
+    run_dir = shared_run_dir(accelerator, run_dir or new_run_dir(PACKAGE, cfg.name, run.output_dir))
 
     if run.dry_run:
         print_dry_run(cfg, {
@@ -179,7 +181,9 @@ def train(cfg: PGConfig, run: RunArgs) -> int:
                 rank=rank, world=world, cfg=cfg, reward_fn=reward_fn, estimator=estimator,
                 value_model=accelerator.unwrap_model(value_model) if value_model else None,
             )  # fmt: skip
-            rollout_log.write(collected.log_rows)
+            # every rank's rollouts, written by rank 0 alone
+            rows = gather_object(collected.log_rows) if world > 1 else collected.log_rows
+            rollout_log.write(rows)
             for experience in collected.experiences:
                 buffer.add(experience)
             t_train = time.perf_counter()

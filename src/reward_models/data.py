@@ -348,17 +348,42 @@ def _process_examples(tokenizer, prompts, parsed, lengths, separator) -> RewardD
 # ----------------------------------------------------------------------------- batches
 
 
-def collate_pairs(pairs: list[PreferencePair], pad_id: int) -> dict[str, torch.Tensor]:
+def collate_pairs(
+    pairs: list[PreferencePair], pad_id: int, *, share_prompt: bool = False
+) -> dict[str, torch.Tensor]:
     """One right-padded batch of 2B rows, the B chosen sequences then the B rejected ones, and
-    `margins` (B,) when the pairs carry them."""
-    seqs = [p.prompt_ids + p.chosen_ids for p in pairs] + [
-        p.prompt_ids + p.rejected_ids for p in pairs
-    ]
-    input_ids, attention_mask = pad_sequences(seqs, pad_id)
-    batch = {"input_ids": input_ids, "attention_mask": attention_mask}
+    `margins` (B,) when the pairs carry them.
+
+    With `share_prompt`, the prompt is kept apart so the model encodes it once for both
+    completions (`ScalarHeadModel.forward`'s shared prefix): `prompt_ids` / `prompt_mask` (B, P)
+    left-padded, and `input_ids` / `attention_mask` (2B, C) the completions alone, right-padded,
+    interleaved chosen_0, rejected_0, chosen_1, ... A batch with an empty prompt or completion
+    is collated without sharing (an all-padding row would give the attention nothing to read)."""
+    completions = [ids for p in pairs for ids in (p.chosen_ids, p.rejected_ids)]
+    if share_prompt and all(completions) and all(p.prompt_ids for p in pairs):
+        prompt_ids, prompt_mask = pad_sequences([p.prompt_ids for p in pairs], pad_id, side="left")
+        input_ids, attention_mask = pad_sequences(completions, pad_id)
+        batch = {"input_ids": input_ids, "attention_mask": attention_mask,
+                 "prompt_ids": prompt_ids, "prompt_mask": prompt_mask}  # fmt: skip
+    else:
+        seqs = [p.prompt_ids + p.chosen_ids for p in pairs] + [
+            p.prompt_ids + p.rejected_ids for p in pairs
+        ]
+        input_ids, attention_mask = pad_sequences(seqs, pad_id)
+        batch = {"input_ids": input_ids, "attention_mask": attention_mask}
     if pairs and all(p.margin is not None for p in pairs):
         batch["margins"] = torch.tensor([p.margin for p in pairs], dtype=torch.float32)
     return batch
+
+
+def batch_tokens(batch: dict[str, torch.Tensor]) -> int:
+    """Non-pad tokens of the full rows a batch stands for (a shared prompt counts once per row
+    that reads it), so the figure does not depend on `share_prompt`."""
+    tokens = int(batch["attention_mask"].sum())
+    if "prompt_mask" in batch:
+        repeats = batch["input_ids"].shape[0] // batch["prompt_mask"].shape[0]
+        tokens += repeats * int(batch["prompt_mask"].sum())
+    return tokens
 
 
 def collate_outcomes(examples: list[OutcomeExample], pad_id: int) -> dict[str, torch.Tensor]:

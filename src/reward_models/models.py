@@ -70,7 +70,13 @@ class BaseRewardModel(ScalarHeadModel):
 def preference_rewards(
     model: torch.nn.Module, batch: dict[str, torch.Tensor]
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """(chosen, rejected) rewards (B,) of a `collate_pairs` batch, from one forward of 2B rows."""
+    """(chosen, rejected) rewards (B,) of a `collate_pairs` batch, from one forward of 2B rows
+    (or, with a shared prompt, one forward of the B prompts and one of the 2B completions)."""
+    if "prompt_ids" in batch:  # completions interleaved chosen_0, rejected_0, chosen_1, ...
+        prefix = {"prefix_ids": batch["prompt_ids"], "prefix_mask": batch["prompt_mask"]}
+        scores = model(batch["input_ids"], batch["attention_mask"], **prefix)[..., 0]
+        rewards = pool_last_token(scores, batch["attention_mask"])
+        return rewards[0::2], rewards[1::2]
     scores = model(batch["input_ids"], batch["attention_mask"])[..., 0]
     rewards = pool_last_token(scores, batch["attention_mask"])
     half = rewards.shape[0] // 2

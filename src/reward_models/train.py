@@ -19,11 +19,12 @@ from __future__ import annotations
 
 import sys
 from contextlib import nullcontext
+from functools import partial
 
 import torch
 
 from reward_models.config import RMConfig
-from reward_models.data import build_reward_data
+from reward_models.data import build_reward_data, collate_pairs
 from reward_models.evaluate import COLLATE, evaluate
 from reward_models.losses import LOSSES
 from reward_models.models import BaseRewardModel, compute_loss
@@ -38,6 +39,7 @@ from rlhf_core.loop import (
     restore_checkpoint,
     save_final,
     save_training_state,
+    shared_run_dir,
     start_accelerator,
 )
 from rlhf_core.models import load_tokenizer, resolve_model_path
@@ -58,6 +60,8 @@ def train(cfg: RMConfig, run: RunArgs) -> int:
     # --- loss, tokenizer and data
     loss_fn = build_from_spec(LOSSES, cfg.loss)
     kind, collate = loss_fn.kind, COLLATE[loss_fn.kind]
+    if kind == "preference" and cfg.train.share_prompt and not cfg.model.gradient_checkpointing:
+        collate = partial(collate_pairs, share_prompt=True)
     tokenizer = load_tokenizer(cfg.model, padding_side="right")
     d, t = cfg.data, cfg.train
     classes = loss_fn.head_dim
@@ -74,7 +78,7 @@ def train(cfg: RMConfig, run: RunArgs) -> int:
     run_dir, ckpt = resolve_resume(
         run.resume, package=PACKAGE, name=cfg.name, output_dir=run.output_dir
     )
-    run_dir = run_dir or new_run_dir(PACKAGE, cfg.name, run.output_dir)
+    run_dir = shared_run_dir(accelerator, run_dir or new_run_dir(PACKAGE, cfg.name, run.output_dir))
 
     if run.dry_run:
         print_dry_run(cfg, {

@@ -17,6 +17,7 @@ was truncated at `max_new_tokens` without an eos. temperature 0 means greedy.
 from __future__ import annotations
 
 import inspect
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -52,11 +53,30 @@ def warp_logits(
     return logits
 
 
-def sample_from_logits(logits: torch.Tensor, generator: torch.Generator | None = None):
+Generators = torch.Generator | Sequence[torch.Generator] | None
+
+
+def row_generators(seeds: Sequence[int], device: torch.device | str) -> list[torch.Generator]:
+    """One generator per row, each seeded with its own seed: rows drawn with these do not
+    depend on which other rows share the batch (or the process)."""
+    return [torch.Generator(device=device).manual_seed(int(s) % (1 << 63)) for s in seeds]
+
+
+def sample_from_logits(logits: torch.Tensor, generator: Generators = None) -> torch.Tensor:
     """One token per row of `logits` (B, V), drawn from softmax(logits) by inverting the CDF
-    with a single uniform per row (see the module docstring)."""
+    with a single uniform per row (see the module docstring). `generator` is one generator for
+    the batch, or a sequence of one per row (`row_generators`)."""
     cdf = logits.softmax(-1).to(torch.float64).cumsum_(-1)
-    u = torch.rand(cdf.shape[0], 1, dtype=torch.float64, device=cdf.device, generator=generator)
+    if isinstance(generator, Sequence):
+        if len(generator) != cdf.shape[0]:
+            raise ValueError(
+                f"sample_from_logits: {len(generator)} generators for {cdf.shape[0]} rows"
+            )
+        u = torch.stack([
+            torch.rand((), dtype=torch.float64, device=cdf.device, generator=g) for g in generator
+        ])[:, None]  # fmt: skip
+    else:
+        u = torch.rand(cdf.shape[0], 1, dtype=torch.float64, device=cdf.device, generator=generator)
     index = torch.searchsorted(cdf, u * cdf[:, -1:], right=True)
     return index.clamp_(max=cdf.shape[-1] - 1).squeeze(-1)
 
@@ -79,11 +99,12 @@ def decode(
     top_p: float = 1.0,
     top_k: int = 0,
     min_p: float = 0.0,
-    generator: torch.Generator | None = None,
+    generator: Generators = None,
 ) -> torch.Tensor:
     """Complete left-padded prompts `input_ids` (B, P): returns (B, P + T) with T <=
     `max_new_tokens`; after a row's eos it holds `pad_token_id`. Stops early once every row has
-    produced an eos. The model is used as is (call `model.eval()` first)."""
+    produced an eos. The model is used as is (call `model.eval()` first). `generator`: see
+    `sample_from_logits` (None: the global torch RNG)."""
     if max_new_tokens < 1:
         raise ValueError(f"decode: max_new_tokens must be >= 1, got {max_new_tokens}")
     batch = input_ids.shape[0]

@@ -48,6 +48,16 @@ def start_accelerator(loop: Any) -> tuple[Accelerator, int]:
     return Accelerator(cpu=use_cpu), threads
 
 
+def shared_run_dir(accelerator: Accelerator, run_dir: Path) -> Path:
+    """The main process's run dir on every process (a timestamped default could otherwise
+    differ by a second between processes)."""
+    if accelerator.num_processes == 1:
+        return run_dir
+    from accelerate.utils import broadcast_object_list
+
+    return Path(broadcast_object_list([str(run_dir)], from_process=0)[0])
+
+
 def plan_steps(loop: LoopConfig, num_rows: int, world: int) -> tuple[int, int]:
     """(micro_batch_size, total optimizer steps); checks the batch splits evenly."""
     micro = loop.micro_batch_size or loop.batch_size

@@ -423,16 +423,58 @@ class ScalarHeadModel(nn.Module):
     def backbone_frozen(self) -> bool:
         return not any(p.requires_grad for p in self.backbone.parameters())
 
-    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
-        """Scores of every position, (B, T, head_dim), float32. Padding positions hold garbage."""
-        position_ids = (attention_mask.long().cumsum(-1) - 1).clamp(min=0)
-        with torch.no_grad() if self.backbone_frozen else nullcontext():
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        attention_mask: torch.Tensor,
+        *,
+        prefix_ids: torch.Tensor | None = None,
+        prefix_mask: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """Scores of every position, (B, T, head_dim), float32. Padding positions hold garbage.
+
+        Shared prefix: with `prefix_ids` / `prefix_mask` (Bp, P), left-padded, the rows of
+        `input_ids` (B = Bp x r, right-padded) are continuations of those prefixes, r per prefix
+        and grouped (rows b*r ... b*r + r - 1 continue prefix b). The prefix runs once, its keys
+        and values are repeated for the r continuations, and the continuations attend to them
+        through the KV cache; gradients flow through the cache into the prefix. The scores are
+        those of the continuation tokens only, equal (up to float rounding; tested) to scoring
+        prefix + continuation as one row. A preference batch shares each prompt between its
+        chosen and rejected completions this way (Wang et al. 2024, "Accelerating Direct
+        Preference Optimization with Prefix Sharing"), so the prompt is encoded once, not twice.
+        """
+        grad = torch.no_grad() if self.backbone_frozen else nullcontext()
+        if prefix_ids is None:
+            position_ids = (attention_mask.long().cumsum(-1) - 1).clamp(min=0)
+            with grad:
+                hidden = self.backbone(
+                    input_ids=input_ids,
+                    attention_mask=attention_mask,
+                    position_ids=position_ids,
+                    use_cache=False,
+                ).last_hidden_state
+            return self.head(hidden.to(self.head.weight.dtype))
+        if prefix_mask is None or input_ids.shape[0] % prefix_ids.shape[0]:
+            raise ValueError(
+                f"shared prefix: need prefix_mask and a row count ({input_ids.shape[0]}) that is "
+                f"a multiple of the prefixes' ({prefix_ids.shape[0]})"
+            )
+        repeats = input_ids.shape[0] // prefix_ids.shape[0]
+        prefix_mask = prefix_mask.long()
+        prefix_positions = (prefix_mask.cumsum(-1) - 1).clamp(min=0)
+        starts = prefix_mask.sum(-1, keepdim=True).repeat_interleave(repeats, 0)
+        positions = starts + (attention_mask.long().cumsum(-1) - 1).clamp(min=0)
+        mask = torch.cat([prefix_mask.repeat_interleave(repeats, 0), attention_mask.long()], 1)
+        with grad:
+            cache = self.backbone(
+                input_ids=prefix_ids, attention_mask=prefix_mask, position_ids=prefix_positions,
+                use_cache=True,
+            ).past_key_values  # fmt: skip
+            cache.batch_repeat_interleave(repeats)
             hidden = self.backbone(
-                input_ids=input_ids,
-                attention_mask=attention_mask,
-                position_ids=position_ids,
-                use_cache=False,
-            ).last_hidden_state
+                input_ids=input_ids, attention_mask=mask, position_ids=positions,
+                past_key_values=cache, use_cache=True,
+            ).last_hidden_state  # fmt: skip
         return self.head(hidden.to(self.head.weight.dtype))
 
     # --- scoring text

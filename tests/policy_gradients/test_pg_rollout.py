@@ -185,3 +185,22 @@ def test_reward_model_component_loads_a_saved_scalar_head_directory(tmp_path):
     expected = model.eval().score(messages, ["cba", "hello"])
     reward = RewardModelReward(path=str(tmp_path / "rm"), mean=0.5, std=2.0, scale=3.0, bias=1.0)
     torch.testing.assert_close(reward(batch), (expected - 0.5) / 2.0 * 3.0 + 1.0)
+
+
+def test_seeded_rollouts_do_not_depend_on_how_prompts_are_split():
+    """What a 2-process run relies on: with per-prompt seeds, rank 0's prompts {0, 2} and rank 1's
+    {1, 3} get exactly the completions they get when one process samples all four."""
+    tok = load_tokenizer(TINY, padding_side="left")
+    torch.manual_seed(0)
+    model = load_causal_lm(TINY)
+    prompts = [f"<|user|>{w}<|end|><|assistant|>" for w in ("ab", "a longer one", "xyz", "q")]
+    seeds = [101, 202, 303, 404]
+    kwargs = {"group_size": 3, "max_new_tokens": 12, "temperature": 1.0}
+    whole = generate_rollouts(model, tok, prompts, seeds=seeds, **kwargs)
+    for rank in (0, 1):
+        part = generate_rollouts(model, tok, prompts[rank::2], seeds=seeds[rank::2], **kwargs)
+        rows = [g * 3 + j for g in range(rank, 4, 2) for j in range(3)]
+        assert part.completions == [whole.completions[i] for i in rows]
+    assert len(set(whole.completions)) > 4  # really sampled, not greedy
+    again = generate_rollouts(model, tok, prompts, seeds=[s + 1 for s in seeds], **kwargs)
+    assert again.completions != whole.completions
