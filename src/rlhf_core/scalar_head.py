@@ -466,14 +466,19 @@ class ScalarHeadModel(nn.Module):
         positions = starts + (attention_mask.long().cumsum(-1) - 1).clamp(min=0)
         mask = torch.cat([prefix_mask.repeat_interleave(repeats, 0), attention_mask.long()], 1)
         with grad:
+            # one embedding lookup for both passes: a second one would cost a second dense
+            # (vocab x hidden) embedding gradient in the backward
+            embed = self.backbone.get_input_embeddings()
+            both = embed(torch.cat([prefix_ids.reshape(-1), input_ids.reshape(-1)]))
+            n = prefix_ids.numel()
             cache = self.backbone(
-                input_ids=prefix_ids, attention_mask=prefix_mask, position_ids=prefix_positions,
-                use_cache=True,
+                inputs_embeds=both[:n].view(*prefix_ids.shape, -1), attention_mask=prefix_mask,
+                position_ids=prefix_positions, use_cache=True,
             ).past_key_values  # fmt: skip
             cache.batch_repeat_interleave(repeats)
             hidden = self.backbone(
-                input_ids=input_ids, attention_mask=mask, position_ids=positions,
-                past_key_values=cache, use_cache=True,
+                inputs_embeds=both[n:].view(*input_ids.shape, -1), attention_mask=mask,
+                position_ids=positions, past_key_values=cache, use_cache=True,
             ).last_hidden_state  # fmt: skip
         return self.head(hidden.to(self.head.weight.dtype))
 
