@@ -53,3 +53,20 @@ def test_cli_front_door_dispatches_to_the_trainer(capsys):
     assert main(["sft", "--config", str(cfg), "--set", "train.max_steps=1", "--dry-run"]) == 0
     assert "would run:  1 steps" in capsys.readouterr().out
     assert main(["nope"]) == 2
+
+
+ACCELERATE = sorted((REPO / "configs" / "accelerate").glob("*.yaml"))
+
+
+@pytest.mark.parametrize("path", ACCELERATE, ids=lambda p: p.name)
+def test_shipped_accelerate_config_loads(path):
+    """configs/accelerate/*.yaml parse as accelerate's own launch configs (no GPU needed)."""
+    from accelerate.commands.config.config_args import ClusterConfig
+
+    cfg = ClusterConfig.from_yaml_file(str(path))
+    assert cfg.distributed_type in {"MULTI_GPU", "FSDP", "DEEPSPEED"}
+    assert cfg.mixed_precision == "bf16" and cfg.num_processes > 1
+
+
+def test_accelerate_configs_are_shipped():
+    assert {p.stem for p in ACCELERATE} >= {"ddp", "fsdp", "deepspeed_zero2", "deepspeed_zero3"}

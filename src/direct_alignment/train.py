@@ -34,6 +34,7 @@ from rlhf_core.config import RunArgs, parse_run_args
 from rlhf_core.data import EpochSampler
 from rlhf_core.loop import (
     announce_stop,
+    check_engine_accumulation,
     optimizer_step,
     plan_steps,
     print_dry_run,
@@ -72,6 +73,7 @@ def train(cfg: DAConfig, run: RunArgs) -> int:
             d.eval, tokenizer, fmt=d.format, where="data.eval", limit=t.eval_size, **lengths
         )
     micro, total_steps = plan_steps(t, len(train_data.pairs), world)
+    check_engine_accumulation(accelerator, t.batch_size // (micro * world))
     loss_fn = build_from_spec(LOSSES, cfg.loss)
     run_dir, ckpt = resolve_resume(
         run.resume, package=PACKAGE, name=cfg.name, output_dir=run.output_dir

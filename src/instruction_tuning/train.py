@@ -30,6 +30,7 @@ from rlhf_core.data import EpochSampler
 from rlhf_core.logprobs import causal_lm_selected_logprobs
 from rlhf_core.loop import (
     announce_stop,
+    check_engine_accumulation,
     optimizer_step,
     plan_steps,
     print_dry_run,
@@ -68,6 +69,7 @@ def train(cfg: SFTConfig, run: RunArgs) -> int:
             exclude_prompts={e.prompt_text for e in train_data.examples},
         )  # fmt: skip
     micro, total_steps = plan_steps(t, len(train_data.examples), world)
+    check_engine_accumulation(accelerator, t.batch_size // (micro * world))
     run_dir, ckpt = resolve_resume(
         run.resume, package=PACKAGE, name=cfg.name, output_dir=run.output_dir
     )

@@ -39,6 +39,7 @@ from rlhf_core.config import RunArgs, parse_run_args
 from rlhf_core.data import EpochSampler
 from rlhf_core.loop import (
     announce_stop,
+    check_engine_accumulation,
     optimizer_step,
     print_dry_run,
     restore_checkpoint,
@@ -65,6 +66,8 @@ def train(cfg: PGConfig, run: RunArgs) -> int:
     alg, ro, t = cfg.algorithm, cfg.rollout, cfg.train
     if ro.prompts_per_step % world:
         raise ValueError(f"rollout.prompts_per_step ({ro.prompts_per_step}) must divide by {world}")
+    rows_per_rank = ro.prompts_per_step // world * ro.group_size
+    check_engine_accumulation(accelerator, -(-rows_per_rank // t.micro_batch_size))
 
     # --- tokenizer, prompts, rewards, algorithm parts
     tokenizer = load_tokenizer(cfg.model, padding_side="left")

@@ -33,6 +33,7 @@ from rlhf_core.config import RunArgs, parse_run_args
 from rlhf_core.data import EpochSampler
 from rlhf_core.loop import (
     announce_stop,
+    check_engine_accumulation,
     optimizer_step,
     plan_steps,
     print_dry_run,
@@ -75,6 +76,7 @@ def train(cfg: RMConfig, run: RunArgs) -> int:
             limit=t.eval_size,
         )  # fmt: skip
     micro, total_steps = plan_steps(t, len(train_data.examples), world)
+    check_engine_accumulation(accelerator, t.batch_size // (micro * world))
     run_dir, ckpt = resolve_resume(
         run.resume, package=PACKAGE, name=cfg.name, output_dir=run.output_dir
     )

@@ -58,6 +58,20 @@ def shared_run_dir(accelerator: Accelerator, run_dir: Path) -> Path:
     return Path(broadcast_object_list([str(run_dir)], from_process=0)[0])
 
 
+def check_engine_accumulation(accelerator: Accelerator, micro_batches_per_step: int) -> None:
+    """Our loops accumulate micro-batches themselves (DDP's `no_sync` between them). DeepSpeed's
+    engine instead steps inside every `accelerator.backward`, so under DeepSpeed one optimizer
+    step must be one micro-batch per process; refuse a config that would silently step more."""
+    engine = str(getattr(accelerator, "distributed_type", ""))
+    if "DEEPSPEED" in engine.upper() and micro_batches_per_step > 1:
+        raise ValueError(
+            f"DeepSpeed steps the optimizer at every backward, but this config accumulates "
+            f"{micro_batches_per_step} micro-batches per step and process: set "
+            "train.micro_batch_size to the per-process batch (batch_size / processes) and use "
+            "gradient checkpointing for memory, or launch with DDP/FSDP"
+        )
+
+
 def plan_steps(loop: LoopConfig, num_rows: int, world: int) -> tuple[int, int]:
     """(micro_batch_size, total optimizer steps); checks the batch splits evenly."""
     micro = loop.micro_batch_size or loop.batch_size
