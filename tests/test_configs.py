@@ -23,6 +23,7 @@ QUICKSTART = {
     "grpo": "policy_gradients.config:PGConfig",
     "rloo_rm": "policy_gradients.config:PGConfig",
     "dpo": "direct_alignment.config:DAConfig",
+    "compare": "rlhf_lab.compare:CompareConfig",
 }
 
 SHIPPED = sorted(p for p in (REPO / "configs").rglob("*.yaml") if p.parent.name != "accelerate")

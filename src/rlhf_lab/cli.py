@@ -2,6 +2,8 @@
 `python -m <package>.train --config ...`).
 
     rlhf-lab quickstart [--fast]   SFT -> pairs -> RM -> GRPO, RLOO+RM -> DPO -> report (offline)
+    rlhf-lab compare [--config configs/quickstart/compare.yaml] [--fast]
+                                   every RL algorithm (and DPO losses) from one SFT model
     rlhf-lab sft|rm|dpo|rl --config FILE [--set k=v ...]   the package trainers
     rlhf-lab tiny [--build]        list (and build) the offline tiny-world presets
 """
@@ -18,6 +20,7 @@ TRAINERS = {
     "dpo": "direct_alignment.train",
     "rl": "policy_gradients.train",
     "quickstart": "rlhf_lab.quickstart",
+    "compare": "rlhf_lab.compare",
 }
 
 

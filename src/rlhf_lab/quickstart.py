@@ -136,8 +136,13 @@ def run_quickstart(
     return figures
 
 
-def evaluate_checkpoints(out: Path, *, size: int) -> dict[str, dict[str, float]]:
-    """Greedy/sampled exact match, partial credit, length and KL to SFT for each stage's model."""
+def evaluate_checkpoints(
+    out: Path, *, size: int, stages: dict[str, Path] | None = None
+) -> dict[str, dict[str, float]]:
+    """Greedy/sampled exact match, partial credit, length and KL to SFT for each stage's model.
+
+    `stages` maps a name to a model dir (default: the quickstart's stages under `out`); the one
+    named `sft` is the KL reference and supplies the tokenizer."""
     import torch
 
     from policy_gradients.evaluate import evaluate_policy
@@ -146,7 +151,9 @@ def evaluate_checkpoints(out: Path, *, size: int) -> dict[str, dict[str, float]]
     from rlhf_core.data import DataSource
     from rlhf_core.models import ModelConfig, ReferencePolicy, load_causal_lm, load_tokenizer
 
-    sft_cfg = ModelConfig(name_or_path=str(out / "sft" / "final"))
+    if stages is None:
+        stages = {name: out / name / "final" for name in EVAL_STAGES}
+    sft_cfg = ModelConfig(name_or_path=str(stages["sft"]))
     tokenizer = load_tokenizer(sft_cfg, padding_side="left")
     prompts = load_prompts(
         DataSource.model_validate({"reasoning_gym": {**HELDOUT, "size": size}}), tokenizer,
@@ -156,8 +163,8 @@ def evaluate_checkpoints(out: Path, *, size: int) -> dict[str, dict[str, float]]
     reference = ReferencePolicy(load_causal_lm(sft_cfg), "frozen")
     reward = CombinedReward([{"name": "reasoning_gym", "extract": "full", "label": "task"}])
     results = {}
-    for name in EVAL_STAGES:
-        policy = load_causal_lm(ModelConfig(name_or_path=str(out / name / "final"))).eval()
+    for name, path in stages.items():
+        policy = load_causal_lm(ModelConfig(name_or_path=str(path))).eval()
         with torch.no_grad():
             results[name] = evaluate_policy(
                 policy, reference, tokenizer, prompts, reward, max_new_tokens=16,
