@@ -27,7 +27,7 @@ from typing import Any
 import torch
 
 from rlhf_core.chat import Messages, as_messages, completion_text, render_prompt, split_hh_pair
-from rlhf_core.data import DataSource, load_rows, reasoning_gym_dataset
+from rlhf_core.data import DataSource, load_rows, reasoning_gym_dataset, warn_truncated_prompts
 
 
 @dataclass
@@ -43,6 +43,7 @@ class PreferenceData:
     pairs: list[PreferencePair]
     dropped_identical: int = 0
     truncated: int = 0
+    truncated_prompts: int = 0  # prompts that lost their start to max_prompt_length
     empty_completions: int = 0  # kept: an empty reply is the eos token alone (HH has some)
 
 
@@ -128,6 +129,7 @@ def build_preference_data(
             for k in range(3)
         ]
         for (prompt_text, _, _), p_ids, c_ids, r_ids in zip(chunk, *enc, strict=True):
+            data.truncated_prompts += len(p_ids) > keep_prompt
             p_ids = p_ids[-keep_prompt:]
             room = max(1, max_length - len(p_ids))
             c_full, r_full = c_ids + [eos], r_ids + [eos]
@@ -139,6 +141,8 @@ def build_preference_data(
             data.pairs.append(PreferencePair(p_ids, c_ids, r_ids, prompt_text))
     if not data.pairs:
         raise ValueError(f"{where}: no usable preference pairs in {source.describe()}")
+    if data.truncated_prompts:
+        warn_truncated_prompts(where, data.truncated_prompts, len(triples), keep_prompt)
     return data
 
 

@@ -12,6 +12,7 @@ losses, a frozen reference model, plus completion token counts (B,) where a loss
 
     name      per-pair loss                                              reference  lengths
     dpo       -logsig(beta h)                                            yes        no
+    rpo       -logsig(beta h) + alpha (-pc / length_c)                   yes        yes (NLL)
     cdpo      -(1 - eps) logsig(beta h) - eps logsig(-beta h)            yes        no
     robust    [(1 - eps)(-logsig(beta h)) - eps(-logsig(-beta h))]
               / (1 - 2 eps)                                              yes        no
@@ -32,11 +33,11 @@ beta (pc - rc) for reference-based losses (per-token averages for `ipo` with len
 beta avg for the reference-free `simpo` and `orpo`. Everything is computed in the input dtype;
 all log-prob tensors must share one floating dtype, and lengths are cast to it.
 
-Not here: computing the log-probs (`rlhf_core.logprobs`), an SFT/NLL term added to DPO (RPO),
-SLiC-HF's regulariser, sorted (AOT) or running-mean (BCO) variants, f-divergence DPO, and a
-cross-process estimate of KTO's reference point (it is the local batch mean). Lengths are not
-checked for being >= 1 (that would need a device sync): a zero length gives a non-finite loss,
-which the train loop counts and skips.
+Not here: computing the log-probs (`rlhf_core.logprobs`), SLiC-HF's regulariser, sorted (AOT)
+or running-mean (BCO) variants, f-divergence DPO, and a cross-process estimate of KTO's
+reference point (it is the local batch mean). Lengths are not checked for being >= 1 (that
+would need a device sync): a zero length gives a non-finite loss, which the train loop counts
+and skips.
 """
 
 from __future__ import annotations
@@ -246,6 +247,54 @@ class DPOLoss(DirectAlignmentLoss):
 
     def _losses(self, chosen: torch.Tensor, rejected: torch.Tensor) -> torch.Tensor:
         return -F.logsigmoid(self.beta * (chosen - rejected))
+
+
+@_register("rpo")
+class RPOLoss(DPOLoss):
+    """DPO plus an NLL term on the chosen completion: Iterative Reasoning Preference Optimization
+    (Pang et al. 2024, arXiv:2404.19733; TRL calls the weight `rpo_alpha`).
+
+        loss = -log sigmoid(beta * h) + alpha * NLL_c,    NLL_c = -pc / |y_c|
+
+    Differs from DPO by the length-normalised negative log-likelihood of the chosen completion,
+    weighted by alpha. Plain DPO only moves the *margin* h, and can do so by lowering both
+    completions' likelihoods ("likelihood displacement"); on reasoning tasks with on-policy pairs
+    (chosen = a correct sample, rejected = a wrong one) that lowers accuracy, and the paper adds
+    this term to keep the correct answers likely. alpha = 0 is DPO. Defaults: beta 0.1,
+    alpha 1.0 (the paper's). The NLL is the per-pair mean, like the DPO term.
+    """
+
+    needs_reference = True
+    needs_lengths = False  # the scores are DPO's; the lengths feed the NLL term only
+
+    def __init__(self, *, beta: float = 0.1, alpha: float = 1.0) -> None:
+        super().__init__(beta=beta)
+        self._require(0 <= alpha < math.inf, "alpha", alpha, "a finite number >= 0")
+        self.alpha = float(alpha)
+
+    def forward(
+        self,
+        policy_chosen_logps: torch.Tensor,
+        policy_rejected_logps: torch.Tensor,
+        ref_chosen_logps: torch.Tensor | None = None,
+        ref_rejected_logps: torch.Tensor | None = None,
+        *,
+        chosen_lengths: torch.Tensor | None = None,
+        rejected_lengths: torch.Tensor | None = None,
+    ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        loss, metrics = super().forward(
+            policy_chosen_logps, policy_rejected_logps, ref_chosen_logps, ref_rejected_logps,
+            chosen_lengths=chosen_lengths, rejected_lengths=rejected_lengths,
+        )  # fmt: skip
+        what = "completion token counts, for the NLL term"
+        lengths = self._needed("chosen_lengths", chosen_lengths, what)
+        if lengths.shape != policy_chosen_logps.shape:
+            raise ValueError(
+                f"rpo loss: chosen_lengths {tuple(lengths.shape)} must match "
+                f"policy_chosen_logps {tuple(policy_chosen_logps.shape)}"
+            )
+        nll = -policy_chosen_logps / lengths.to(policy_chosen_logps.dtype)
+        return loss + self.alpha * nll.mean(), {**metrics, "rpo/nll": nll.detach().mean()}
 
 
 @_register("cdpo")

@@ -46,7 +46,7 @@ from reward_models.build_data import (
 )
 from reward_models.losses import IGNORE_INDEX
 from rlhf_core.chat import Messages, as_messages, completion_text, render_prompt, split_hh_pair
-from rlhf_core.data import DataSource, load_rows, reasoning_gym_dataset
+from rlhf_core.data import DataSource, load_rows, reasoning_gym_dataset, warn_truncated_prompts
 from rlhf_core.scalar_head import encode_completions, encode_steps, pad_sequences
 
 FORMATS = {
@@ -298,16 +298,21 @@ def build_reward_data(
         data = _process_examples(tokenizer, prompts, parsed, lengths, data_cfg.step_separator)
     if not data.examples:
         raise ValueError(f"{where}: no usable {kind} examples in {source.describe()}")
+    if data.counts.get("truncated_prompts"):
+        kept = data_cfg.max_prompt_length or data_cfg.max_length // 2
+        warn_truncated_prompts(where, data.counts["truncated_prompts"], len(parsed), kept)
     return data
 
 
 def _preference_examples(tokenizer, prompts, parsed, lengths) -> RewardData:
     chosen = encode_completions(tokenizer, prompts, [p[1] for p in parsed], **lengths)
     rejected = encode_completions(tokenizer, prompts, [p[2] for p in parsed], **lengths)
-    data = RewardData([], {"dropped_identical": 0, "truncated": 0, "empty_completions": 0})
+    data = RewardData([], {"dropped_identical": 0, "truncated": 0, "truncated_prompts": 0,
+                           "empty_completions": 0})  # fmt: skip
     for item, c, r in zip(parsed, chosen, rejected, strict=True):
         data.counts["empty_completions"] += (not item[1].strip()) + (not item[2].strip())
         data.counts["truncated"] += c.truncated or r.truncated
+        data.counts["truncated_prompts"] += c.prompt_truncated
         if c.completion_ids == r.completion_ids:
             data.counts["dropped_identical"] += 1
             continue
@@ -321,11 +326,12 @@ def _preference_examples(tokenizer, prompts, parsed, lengths) -> RewardData:
 def _outcome_examples(tokenizer, prompts, parsed, lengths) -> RewardData:
     encoded = encode_completions(tokenizer, prompts, [p[1] for p in parsed], **lengths)
     groups: dict[str, int] = {}
-    data = RewardData([], {"truncated": 0, "groups": 0, "correct": 0})
+    data = RewardData([], {"truncated": 0, "truncated_prompts": 0, "groups": 0, "correct": 0})
     for text, item, e in zip(prompts, parsed, encoded, strict=True):
         group = groups.setdefault(text, len(groups))
         data.examples.append(OutcomeExample(e.prompt_ids, e.completion_ids, item[2], group))
         data.counts["truncated"] += e.truncated
+        data.counts["truncated_prompts"] += e.prompt_truncated
         data.counts["correct"] += item[2] > 0.5
     data.counts["groups"] = len(groups)
     return data

@@ -184,3 +184,15 @@ class EpochSampler:
     @property
     def epoch_float(self) -> float:
         return self.epoch + self.offset / self.num_items
+
+
+def warn_truncated_prompts(where: str, cut: int, total: int, kept: int) -> None:
+    """Say when prompts lost their start: a cut prompt is a different question at training time
+    than at generation time, and the default budget (max_length // 2) cuts silently otherwise."""
+    import warnings
+
+    warnings.warn(
+        f"{where}: {cut} of {total} prompts were cut to their last {kept} tokens "
+        "(data.max_prompt_length; null = max_length // 2): raise it if the start matters",
+        stacklevel=2,
+    )

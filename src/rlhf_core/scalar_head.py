@@ -108,6 +108,7 @@ class EncodedCompletion:
     prompt_ids: list[int]
     completion_ids: list[int]
     truncated: bool  # the completion lost tokens to max_length
+    prompt_truncated: bool = False  # the prompt lost its start to max_prompt_length
 
 
 @dataclass
@@ -143,7 +144,7 @@ def encode_completions(
     """Tokenize rendered prompts and completions (+ eos) and truncate.
 
     The prompt keeps its last `max_prompt_length` tokens (default max_length // 2); the completion
-    is then cut to the room left (at least one token).
+    is then cut to the room left (at least one token). Both cuts are flagged per example.
     """
     if len(prompt_texts) != len(completions):
         raise ValueError(f"{len(prompt_texts)} prompts but {len(completions)} completions")
@@ -153,10 +154,11 @@ def encode_completions(
     for p_ids, c_ids in zip(
         tokenize_texts(tokenizer, prompt_texts), tokenize_texts(tokenizer, completions), strict=True
     ):
+        cut = len(p_ids) > keep
         p_ids = p_ids[-keep:]
         room = max(1, max_length - len(p_ids))
         full = c_ids + [eos]
-        out.append(EncodedCompletion(p_ids, full[:room], len(full) > room))
+        out.append(EncodedCompletion(p_ids, full[:room], len(full) > room, cut))
     return out
 
 

@@ -209,7 +209,8 @@ def write_report(out: Path, figures: dict[str, Any]) -> None:
         f"{_fmt(grpo.get('last_train_reward'))}",
         "rloo_rm": f"learned reward {_fmt(rloo.get('first_train_reward'))} -> "
         f"{_fmt(rloo.get('last_train_reward'))}",
-        "dpo": f"reward accuracy: train {_fmt(dpo.get('final_train/rewards/accuracy'))}, "
+        "dpo": f"loss {(dpo.get('loss') or {}).get('name', 'dpo')}; reward accuracy: train "
+        f"{_fmt(dpo.get('final_train/rewards/accuracy'))}, "
         f"held-out {_fmt(dpo.get('eval/rewards/accuracy'))}",
         "eval": f"{len(EVAL_STAGES)} checkpoints",
     }

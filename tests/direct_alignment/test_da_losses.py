@@ -32,6 +32,8 @@ LARGE_ROWS = [(-1.0, -1001.0, -1.0, -1.0, 1, 1), (-1001.0, -1.0, -1.0, -1.0, 1, 
 # (name, non-beta keyword arguments): every loss, some with non-default settings.
 CASES = [
     ("dpo", {}),
+    ("rpo", {"alpha": 1.0}),
+    ("rpo", {"alpha": 0.3}),
     ("cdpo", {"label_smoothing": 0.1}),
     ("cdpo", {"label_smoothing": 0.35}),
     ("robust", {"label_smoothing": 0.1}),
@@ -49,8 +51,9 @@ CASES = [
 ]
 CASE_IDS = [f"{name}-{'-'.join(f'{k}={v}' for k, v in kw.items())}" for name, kw in CASES]
 ALL_NAMES = sorted(
-    ["dpo", "cdpo", "robust", "ipo", "hinge", "simpo", "orpo", "kto", "apo_zero", "apo_down"]
-)
+    ["dpo", "rpo", "cdpo", "robust", "ipo", "hinge", "simpo", "orpo", "kto", "apo_zero",
+     "apo_down"]
+)  # fmt: skip
 
 
 # ---------------------------------------------------------------- scalar float64 references
@@ -77,6 +80,11 @@ def margin(row, normalize: bool = False) -> float:
 
 def ref_dpo(row, *, beta):
     return neg_log_sigmoid(beta * margin(row))
+
+
+def ref_rpo(row, *, beta, alpha):
+    pc, _, _, _, lc, _ = row
+    return neg_log_sigmoid(beta * margin(row)) + alpha * (-pc / lc)
 
 
 def ref_cdpo(row, *, beta, label_smoothing):
@@ -134,6 +142,7 @@ def ref_kto(rows, *, beta, desirable_weight, undesirable_weight):
 
 PAIR_REFERENCES = {
     "dpo": ref_dpo,
+    "rpo": ref_rpo,
     "cdpo": ref_cdpo,
     "robust": ref_robust,
     "ipo": ref_ipo,
@@ -407,6 +416,7 @@ def test_reference_free_rewards_are_beta_times_average_logps():
 
 NEEDS = {  # name: (needs_reference, needs_lengths)
     "dpo": (True, False),
+    "rpo": (True, False),  # the lengths feed its NLL term, not the scores
     "cdpo": (True, False),
     "robust": (True, False),
     "ipo": (True, False),
@@ -419,6 +429,7 @@ NEEDS = {  # name: (needs_reference, needs_lengths)
 }
 DEFAULTS = {
     "dpo": {"beta": 0.1},
+    "rpo": {"beta": 0.1, "alpha": 1.0},
     "cdpo": {"beta": 0.1, "label_smoothing": 0.1},
     "robust": {"beta": 0.1, "label_smoothing": 0.1},
     "ipo": {"beta": 0.1, "length_normalize": False},
@@ -538,3 +549,16 @@ def test_mixed_or_integer_dtypes_and_non_tensors_raise():
         call(dpo, {k: v.long() for k, v in t.items()})
     with pytest.raises(TypeError, match=r"dpo loss: policy_rejected_logps must be a torch.Tensor"):
         dpo(t["pc"], [-1.0, -2.0, -3.0, -4.0], t["rc"], t["rr"])
+
+
+def test_rpo_with_alpha_zero_is_dpo_and_needs_the_chosen_lengths():
+    t = as_tensors(ROWS)
+    rpo, rpo_metrics = call(LOSSES.get("rpo")(beta=0.3, alpha=0.0), t)
+    dpo, _ = call(LOSSES.get("dpo")(beta=0.3), t)
+    torch.testing.assert_close(rpo, dpo, rtol=0, atol=0)
+    nll = -(t["pc"] / t["chosen_lengths"]).mean()
+    torch.testing.assert_close(rpo_metrics["rpo/nll"], nll)
+    with pytest.raises(ValueError, match="rpo loss needs chosen_lengths"):
+        LOSSES.get("rpo")()(t["pc"], t["pr"], t["rc"], t["rr"])
+    with pytest.raises(ValueError, match="alpha must be a finite number >= 0"):
+        LOSSES.get("rpo")(alpha=-1.0)
