@@ -1,8 +1,13 @@
 """Run the side-by-side benchmarks and write `benchmarks/results/<time>.{json,md}` + `latest.md`.
 
-    uv run --group bench python -m benchmarks.run                # DPO vs TRL, then techniques
+    uv run --group bench python -m benchmarks.run                # everything below, in order
     uv run --group bench python -m benchmarks.run --only dpo --rounds 3
     uv run --group bench python -m benchmarks.run --only techniques
+    uv run --group bench python -m benchmarks.run --only reward_model --only grpo
+    uv run --group bench python -m benchmarks.run --only generation
+
+Sections: dpo (vs trl.DPOTrainer), techniques (what each DPO technique buys), reward_model (vs
+trl.RewardTrainer), grpo (vs trl.GRPOTrainer), generation (our decode loop vs `generate`).
 
 This process stays small (it never imports torch): every measurement runs in a fresh child
 process (`benchmarks.dpo`, `benchmarks.techniques`), so each child's peak RSS is its own. See
@@ -16,10 +21,10 @@ import dataclasses
 import sys
 import time
 
-from benchmarks import dpo, techniques
-from benchmarks.measure import machine, timestamp, write_results
+from benchmarks import dpo, grpo, reward_model, techniques
+from benchmarks.measure import RESULTS_DIR, machine, timestamp, write_results
 
-SECTIONS = ("dpo", "techniques")
+SECTIONS = ("dpo", "techniques", "reward_model", "grpo", "generation")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -63,6 +68,27 @@ def main(argv: list[str] | None = None) -> int:
         print(f"techniques: {workload.model}, {args.rounds} alternating rounds", flush=True)
         payload["techniques"] = techniques.compare(workload, args.rounds)
         tables.append(techniques.markdown(payload["techniques"]))
+
+    if "reward_model" in sections:
+        print(f"reward model vs TRL: {workload.model}, {args.rounds} rounds", flush=True)
+        payload["reward_model"] = reward_model.compare(workload, args.rounds)
+        tables.append(reward_model.markdown(payload["reward_model"]))
+    if "grpo" in sections:
+        g = dataclasses.replace(grpo.Workload(), threads=args.threads)
+        print(f"GRPO vs TRL: {g}, {min(args.rounds, 2)} rounds", flush=True)
+        payload["grpo"] = grpo.compare(g, min(args.rounds, 2))
+        tables.append(grpo.markdown(payload["grpo"]))
+    if "generation" in sections:  # a child process, so this one never imports torch
+        import json
+        import subprocess
+
+        print("generation: decode vs generate", flush=True)
+        before = set(RESULTS_DIR.glob("*-generation.json"))
+        subprocess.run([sys.executable, "-m", "benchmarks.generation", "--threads",
+                        str(args.threads)], check=True)  # fmt: skip
+        (new,) = set(RESULTS_DIR.glob("*-generation.json")) - before
+        payload["generation"] = json.loads(new.read_text())
+        tables.append(new.with_suffix(".md").read_text())
 
     payload["total_wall_s"] = time.perf_counter() - start
     tables.append(f"Total benchmark wall time: {payload['total_wall_s']:.0f} s.\n")

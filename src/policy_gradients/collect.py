@@ -104,12 +104,12 @@ def collect_experience(
         ids, attn = ro.sequence_ids[rows], ro.attention_mask[rows]
         lp_args = (ids, attn, ro.prompt_length)
         lp_kwargs = {"temperature": r.temperature, "action_mask": mask}
-        # On-policy (one pass over the buffer, so one optimizer step per rollout batch): the
-        # policy being updated *is* the sampling policy, so the loss uses its own log-probs
-        # detached as the old ones and this extra forward is skipped (as TRL does). The KL in
-        # the reward needs pi_old before the update, so it keeps the forward.
+        # On-policy (one optimizer step per rollout batch): the policy being updated *is* the
+        # sampling policy, so the loss uses its own log-probs detached as the old ones and this
+        # extra forward is skipped (as TRL does). The KL in the reward needs pi_old before the
+        # update, so it keeps the forward.
         old = None
-        if alg.ppo_epochs > 1 or alg.kl_in_reward.beta > 0:
+        if alg.ppo_epochs * alg.mini_batches > 1 or alg.kl_in_reward.beta > 0:
             old = completion_logprobs(policy, *lp_args, **lp_kwargs)
         ref = None
         if reference is not None:

@@ -42,7 +42,12 @@ class AlgorithmConfig(StrictModel):
     )
     value_loss: dict[str, Any] | None = Field(None, description="value loss (PPO), name + keywords")
     value_coef: float = Field(0.5, ge=0, description="weight of the value loss")
-    ppo_epochs: int = Field(1, ge=1, description="optimizer steps (passes) per rollout batch")
+    ppo_epochs: int = Field(1, ge=1, description="passes over each rollout batch")
+    mini_batches: int = Field(
+        1, ge=1, description="optimizer steps per pass: the pass's micro-batches are split into "
+        "this many consecutive groups, one step each (PPO/DAPO mini-batches); with more than one "
+        "step per rollout batch the update is off-policy and the clip acts",
+    )  # fmt: skip
     dynamic_sampling: bool = Field(
         False, description="DAPO: drop groups whose rewards are all equal, resample to fill"
     )

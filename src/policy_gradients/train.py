@@ -7,9 +7,10 @@ and KL placement.
 One step, top to bottom: sample prompts -> generate `group_size` completions each (KV cache,
 left padding) -> score with the reward components -> old and reference log-probs of the
 sampling distribution -> advantages (`collect.py`) -> `ppo_epochs` passes over the replay buffer
-in shuffled micro-batches, each pass one clipped optimizer step (the loss is normalised over the
-whole step's tokens/sequences, so accumulation equals one big batch) -> log (rewards, KL,
-entropy, clip fraction, lengths, time split) -> held-out eval every k steps -> checkpoint.
+in shuffled micro-batches, each pass `mini_batches` clipped optimizer steps (each step's loss is
+normalised over that step's tokens/sequences, so accumulation equals one big batch) -> log
+(rewards, KL, entropy, clip fraction, lengths, time split) -> held-out eval every k steps ->
+checkpoint.
 """
 
 from __future__ import annotations
@@ -58,6 +59,18 @@ from rlhf_core.tracking import Tracker, new_run_dir, resolve_resume
 PACKAGE = "policy_gradients"
 
 
+def split_into(batches: list, parts: int) -> list[list]:
+    """`batches` cut into `parts` consecutive groups of (nearly) equal size, none empty."""
+    parts = max(1, min(parts, len(batches)))
+    size, extra = divmod(len(batches), parts)
+    out, start = [], 0
+    for k in range(parts):
+        end = start + size + (k < extra)
+        out.append(batches[start:end])
+        start = end
+    return out
+
+
 def train(cfg: PGConfig, run: RunArgs) -> int:
     """Run RL as configured; returns the exit code (0, or 130/143 after a signal)."""
     accelerator, threads = start_accelerator(cfg.train)
@@ -67,7 +80,14 @@ def train(cfg: PGConfig, run: RunArgs) -> int:
     if ro.prompts_per_step % world:
         raise ValueError(f"rollout.prompts_per_step ({ro.prompts_per_step}) must divide by {world}")
     rows_per_rank = ro.prompts_per_step // world * ro.group_size
-    check_engine_accumulation(accelerator, -(-rows_per_rank // t.micro_batch_size))
+    micro_per_pass = -(-rows_per_rank // t.micro_batch_size)
+    if alg.mini_batches > micro_per_pass and not alg.dynamic_sampling:  # (its rows vary)
+        raise ValueError(
+            f"algorithm.mini_batches ({alg.mini_batches}) exceeds the micro-batches per pass and "
+            f"process ({micro_per_pass} = {rows_per_rank} rows / train.micro_batch_size "
+            f"{t.micro_batch_size}): lower it or train.micro_batch_size"
+        )
+    check_engine_accumulation(accelerator, -(-micro_per_pass // alg.mini_batches))
 
     # --- tokenizer, prompts, rewards, algorithm parts
     tokenizer = load_tokenizer(cfg.model, padding_side="left")
@@ -124,7 +144,8 @@ def train(cfg: PGConfig, run: RunArgs) -> int:
             weights_from=ckpt / "value" if ckpt is not None else None,
         ).train()  # fmt: skip
     policy.train()
-    total_updates = t.max_steps * alg.ppo_epochs
+    updates_per_step = alg.ppo_epochs * alg.mini_batches
+    total_updates = t.max_steps * updates_per_step
     optimizer = build_optimizer(policy, cfg.optim)
     scheduler = build_scheduler(optimizer, cfg.optim, total_updates)
     policy, optimizer = accelerator.prepare(policy, optimizer)
@@ -175,6 +196,52 @@ def train(cfg: PGConfig, run: RunArgs) -> int:
             extra_models=extra,
         )  # fmt: skip
 
+    def update(group: list, sums: dict[str, float]) -> tuple[torch.Tensor, float, bool]:
+        """One optimizer step on `group` (micro-batches of the replay buffer) with gradient
+        accumulation; the loss is normalised by the group's global token/sequence counts, so
+        the micro-batch losses sum to the one-big-batch loss. Metrics go into `sums` as this
+        update's share of the step's average."""
+        local = torch.tensor([float(sum(mb.action_mask.sum() for mb in group)),
+                              float(sum(len(mb) for mb in group))])  # fmt: skip
+        total_tokens, total_sequences = accelerator.reduce(local.to(device), reduction="sum")
+        norm = {"total_tokens": total_tokens.clamp(min=1),
+                "total_sequences": total_sequences.clamp(min=1)}  # fmt: skip
+        step_loss = torch.zeros((), device=device)
+        for i, mb in enumerate(group):
+            with nullcontext() if i == len(group) - 1 else accelerator.no_sync(policy):
+                logps, entropy = completion_logprobs(
+                    policy, mb.sequence_ids, mb.attention_mask,
+                    mb.sequence_ids.shape[1] - mb.action_mask.shape[1],
+                    temperature=ro.temperature, with_entropy=True, action_mask=mb.action_mask,
+                )  # fmt: skip
+                if mb.log_probs_old is None:  # on-policy: pi_old = pi_theta, detached
+                    mb.log_probs_old = logps.detach()
+                loss, metrics = loss_fn(logps, mb, entropy=entropy, **norm)
+                if value_model is not None:
+                    prompt_len = mb.sequence_ids.shape[1] - mb.action_mask.shape[1]
+                    values = completion_values(
+                        value_model, mb.sequence_ids, mb.attention_mask, prompt_len
+                    )
+                    v_loss, v_metrics = value_loss_fn(None, mb, values=values, **norm)
+                    metrics = {**metrics, **{f"value/{k}": v for k, v in v_metrics.items()}}
+                    loss = loss + alg.value_coef * v_loss
+                accelerator.backward(loss * world)
+            step_loss += loss.detach()
+            share = len(mb) / float(total_sequences) / updates_per_step
+            for key, value in metrics.items():
+                sums[key] = sums.get(key, 0.0) + float(value) * share
+        step_loss = accelerator.reduce(step_loss, reduction="sum")
+        grad_norm, was_skipped = optimizer_step(
+            accelerator, policy, optimizer, scheduler,
+            max_grad_norm=cfg.optim.max_grad_norm, loss=step_loss,
+        )  # fmt: skip
+        if value_model is not None:
+            optimizer_step(
+                accelerator, value_model, value_opt, value_sched,
+                max_grad_norm=cfg.optim.max_grad_norm, loss=step_loss,
+            )  # fmt: skip
+        return step_loss, grad_norm, was_skipped
+
     # --- the loop
     with StopSignal() as stop:
         while step < t.max_steps:
@@ -190,55 +257,14 @@ def train(cfg: PGConfig, run: RunArgs) -> int:
             for experience in collected.experiences:
                 buffer.add(experience)
             t_train = time.perf_counter()
-            local = torch.tensor(
-                [float(sum(e.action_mask.sum() for e in buffer.items)), len(buffer)]
-            )
-            total_tokens, total_sequences = accelerator.reduce(local.to(device), reduction="sum")
             sums: dict[str, float] = {}
             for epoch in range(alg.ppo_epochs):
-                step_loss = torch.zeros((), device=device)
                 batches = buffer.micro_batches(
                     t.micro_batch_size, seed=cfg.seed * 1_000_003 + step * 101 + epoch
                 )
-                for i, mb in enumerate(batches):
-                    sync = i == len(batches) - 1
-                    with nullcontext() if sync else accelerator.no_sync(policy):
-                        out = completion_logprobs(
-                            policy, mb.sequence_ids, mb.attention_mask,
-                            mb.sequence_ids.shape[1] - mb.action_mask.shape[1],
-                            temperature=ro.temperature, with_entropy=True,
-                            action_mask=mb.action_mask,
-                        )  # fmt: skip
-                        logps, entropy = out
-                        if mb.log_probs_old is None:  # on-policy: pi_old = pi_theta, detached
-                            mb.log_probs_old = logps.detach()
-                        norm = {"total_tokens": total_tokens.clamp(min=1),
-                                "total_sequences": total_sequences.clamp(min=1)}  # fmt: skip
-                        loss, metrics = loss_fn(logps, mb, entropy=entropy, **norm)
-                        if value_model is not None:
-                            prompt_len = mb.sequence_ids.shape[1] - mb.action_mask.shape[1]
-                            values = completion_values(
-                                value_model, mb.sequence_ids, mb.attention_mask, prompt_len
-                            )
-                            v_loss, v_metrics = value_loss_fn(None, mb, values=values, **norm)
-                            metrics = {**metrics, **{f"value/{k}": v for k, v in v_metrics.items()}}
-                            loss = loss + alg.value_coef * v_loss
-                        accelerator.backward(loss * world)
-                    step_loss += loss.detach()
-                    share = len(mb) / float(total_sequences)
-                    for key, value in metrics.items():
-                        sums[key] = sums.get(key, 0.0) + float(value) * share / alg.ppo_epochs
-                step_loss = accelerator.reduce(step_loss, reduction="sum")
-                grad_norm, was_skipped = optimizer_step(
-                    accelerator, policy, optimizer, scheduler,
-                    max_grad_norm=cfg.optim.max_grad_norm, loss=step_loss,
-                )  # fmt: skip
-                if value_model is not None:
-                    optimizer_step(
-                        accelerator, value_model, value_opt, value_sched,
-                        max_grad_norm=cfg.optim.max_grad_norm, loss=step_loss,
-                    )  # fmt: skip
-                skipped += was_skipped
+                for group in split_into(batches, alg.mini_batches):  # one optimizer step each
+                    step_loss, grad_norm, was_skipped = update(group, sums)
+                    skipped += was_skipped
             buffer.clear()
             step += 1
 

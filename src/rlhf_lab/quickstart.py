@@ -220,9 +220,21 @@ def write_report(out: Path, figures: dict[str, Any]) -> None:
     lines += [f"| **total** | {total:.1f} | |", "", "## Against the targets", ""]
     key = "eval/sampled_task_exact"
     base = ev["sft"][key]
+    partial = "eval/sampled_task"
     for name in ("grpo", "rloo_rm", "dpo"):
         delta = 100 * (ev[name][key] - base)
-        verdict = "" if delta > 0 else " (no improvement on this run: see its metrics.jsonl)"
+        partial_delta = 100 * (ev[name][partial] - ev["sft"][partial])
+        verdict = ""
+        if delta <= 0 and name == "rloo_rm":
+            verdict = (
+                f". Why: the learned reward model is right on {_fmt(rm.get('eval/accuracy'))} of "
+                "held-out pairs, so RL against it buys what it rewards (sampled partial credit "
+                f"{partial_delta:+.1f} points) more than exact answers: reward over-optimisation "
+                "(Gao et al. 2022). The KL penalty keeps it near the SFT model; a better reward "
+                "model (more pairs, a bigger backbone) is the fix"
+            )
+        elif delta <= 0:
+            verdict = f" (no improvement on this run; partial credit {partial_delta:+.1f} points)"
         target = " (target +10)" if name == "grpo" else ""
         lines.append(
             f"- {name} vs SFT, sampled exact match: {_fmt(base)} -> {_fmt(ev[name][key])} "

@@ -134,3 +134,33 @@ def test_dry_run_and_config_errors(sft_checkpoint, tmp_path, capsys):
 
     with pytest.raises(ConfigError, match="'gae' advantage needs algorithm.value_loss"):
         main(["--config", str(path), "--dry-run"])
+
+
+def test_split_into_consecutive_nearly_equal_groups():
+    from policy_gradients.train import split_into
+
+    assert split_into(list(range(7)), 3) == [[0, 1, 2], [3, 4], [5, 6]]
+    assert split_into(list(range(2)), 5) == [[0], [1]]
+    assert split_into(list(range(4)), 1) == [[0, 1, 2, 3]]
+
+
+def test_mini_batches_take_several_off_policy_steps_per_rollout_batch(sft_checkpoint, tmp_path):
+    algorithm = {**algorithm_of("dapo"), "dynamic_sampling": False, "mini_batches": 2}
+    data = tiny_pg_dict(sft_checkpoint, **algorithm)
+    data["data"]["eval"] = None
+    data["rewards"] = [{"name": "reasoning_gym", "extract": "full"}]
+    data["optim"]["lr"] = 1e-3
+    # 8 prompts x 4 = 32 rows = 4 micro-batches of 8 per pass -> 2 optimizer steps of 2 each
+    data["train"].update(max_steps=2, micro_batch_size=8)
+    data["checkpoint"].update(save_every=2)
+    assert run_cfg(data, tmp_path / "run") == 0
+    state = torch.load(
+        tmp_path / "run/checkpoints/checkpoint-2/trainer_state.pt", weights_only=False
+    )
+    steps = {float(s["step"]) for s in state["optimizer"]["state"].values()}
+    assert steps == {4.0}  # 2 rollout batches x 2 mini-batch updates
+    # the second update of a batch is off-policy: the ratio moves and the clip can act
+    ratio = metric_series(tmp_path / "run", "train/loss/ratio_mean")
+    assert all(abs(r - 1.0) > 1e-7 for r in ratio.values())
+    with pytest.raises(ValueError, match=r"mini_batches \(5\) exceeds the micro-batches per pass"):
+        run_cfg({**data, "algorithm": {**algorithm, "mini_batches": 5}}, tmp_path / "bad")
