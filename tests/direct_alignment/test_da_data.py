@@ -121,3 +121,15 @@ def test_synthetic_rejected_answers_are_wrong_and_deterministic():
         "abba", 3
     )
     assert corrupt_answer("aaa", 0) == "aaaa"
+
+
+def test_prompts_cut_to_the_prompt_budget_are_counted_and_warned_about(char_tok, tmp_path):
+    rows = [{"prompt": "x" * 50 + str(i), "chosen": "good", "rejected": "bad"} for i in range(3)]
+    rows.append({"prompt": "short", "chosen": "good", "rejected": "bad"})
+    source = write_jsonl(tmp_path / "p.jsonl", rows)
+    with pytest.warns(UserWarning, match=r"data.train: 3 of 4 prompts were cut to their last 40"):
+        data = build(char_tok, source, max_length=80)  # default prompt budget 80 // 2
+    assert data.truncated_prompts == 3
+    assert all(len(p.prompt_ids) <= 40 for p in data.pairs)
+    roomy = build(char_tok, source, max_length=200, max_prompt_length=150)
+    assert roomy.truncated_prompts == 0

@@ -127,7 +127,7 @@ def test_orm_rows_groups_and_completion_mask(tok, tmp_path):
             {"prompt": "q2", "completion": "half", "label": 0.5}]  # fmt: skip
     data = build(tok, write_jsonl(tmp_path / "o.jsonl", rows), "orm")
     assert [e.group for e in data.examples] == [0, 0, 1]
-    assert data.counts == {"truncated": 0, "groups": 2, "correct": 1}
+    assert data.counts == {"truncated": 0, "truncated_prompts": 0, "groups": 2, "correct": 1}
     batch = collate_outcomes(data.examples, tok.pad_token_id)
     assert batch["labels"].tolist() == [1.0, 0.0, 0.5]
     assert tok.decode(batch["input_ids"][0][batch["completion_mask"][0]]) == "right<|end|>"
@@ -307,3 +307,19 @@ def test_reasoning_gym_prm_rows_spell_with_one_foreign_letter():
         assert b["steps"][j].isupper() == g["steps"][j].isupper()
     negative = list(reasoning_gym_prm_rows(entries, after_error="negative", gold=False, seed=0))
     assert all(len(r["steps"]) == len(e["answer"]) for r, e in zip(negative, entries, strict=True))
+
+
+def test_prompts_cut_to_the_prompt_budget_are_counted_and_warned_about(tok):
+    with pytest.warns(
+        UserWarning, match=r"data.train: \d+ of 40 prompts were cut to their last 64"
+    ):
+        data = build(tok, HH, "preference", limit=40, max_length=128)
+    assert data.counts["truncated_prompts"] > 0
+    for pair in data.examples:
+        assert len(pair.prompt_ids) <= 64  # the default budget: max_length // 2
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # a budget that fits every prompt: no warning
+        roomy = build(tok, HH, "preference", limit=5, max_length=4096, max_prompt_length=4000)
+    assert roomy.counts["truncated_prompts"] == 0
