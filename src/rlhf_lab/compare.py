@@ -134,15 +134,20 @@ def run_compare(cfg: CompareConfig, out: Path, *, fast: bool = False) -> dict[st
         if not (sft / "config.json").is_file():
             raise FileNotFoundError(f"sft_model: {sft} is not a model directory (no config.json)")
 
-    for name, spec in cfg.algorithms.items():
-        pg_cfg = _pg_config(cfg, name, spec, sft, fast)
+    def train_one(trainer, run_cfg, base: str, name: str, spec: RunSpec) -> dict[str, Any]:
+        """Run one trainer into out/<name>; its summary.json, plus the wall time."""
         t0 = banner(f"{name} ({spec.preset})")
-        code = train_pg(pg_cfg, RunArgs(config_path=Path(cfg.base), output_dir=out / name))
+        code = trainer(run_cfg, RunArgs(config_path=Path(base), output_dir=out / name))
         if code != 0:
             raise RuntimeError(f"compare: {name} exited with {code}")
         summary = json.loads((out / name / "summary.json").read_text())
+        return {**summary, "wall_s": time.perf_counter() - t0}
+
+    for name, spec in cfg.algorithms.items():
+        pg_cfg = _pg_config(cfg, name, spec, sft, fast)
+        summary = train_one(train_pg, pg_cfg, cfg.base, name, spec)
         results[name] = {
-            "family": "policy_gradients", "wall_s": time.perf_counter() - t0,
+            "family": "policy_gradients", "wall_s": summary["wall_s"],
             "first_train_reward": summary.get("first_train_reward"),
             "last_train_reward": summary.get("last_train_reward"),
             "tokens_generated": _tokens_generated(out / name),
@@ -161,13 +166,9 @@ def run_compare(cfg: CompareConfig, out: Path, *, fast: bool = False) -> dict[st
         pair_s = time.perf_counter() - t0
         for name, spec in cfg.direct_alignment.items():
             da_cfg = _da_config(cfg, name, spec, sft, pairs, fast)
-            t0 = banner(f"{name} ({spec.preset})")
-            code = train_da(da_cfg, RunArgs(config_path=Path(cfg.dpo_base), output_dir=out / name))
-            if code != 0:
-                raise RuntimeError(f"compare: {name} exited with {code}")
-            summary = json.loads((out / name / "summary.json").read_text())
+            summary = train_one(train_da, da_cfg, cfg.dpo_base, name, spec)
             results[name] = {
-                "family": "direct_alignment", "wall_s": time.perf_counter() - t0,
+                "family": "direct_alignment", "wall_s": summary["wall_s"],
                 "pairs_s": pair_s, "tokens_generated": None,
                 "heldout_reward_accuracy": summary.get("eval/rewards/accuracy"),
             }  # fmt: skip
