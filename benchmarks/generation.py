@@ -12,7 +12,7 @@ rows, left-padded), `max_new_tokens` new tokens, KV cache in both.
 
 Each arm runs `repeats` times, alternating (ours, generate, ours, ...), in one process after one
 untimed warm-up call each; we report medians and the ratio of generate's median time to ours
-(> 1: ours is faster).
+(> 1: ours is faster). Last, greedy `generate(use_cache=False)`: what the KV cache buys.
 
     uv run --group bench python -m benchmarks.generation [--repeats 5] [--max-new-tokens 32]
 writes `benchmarks/results/<time>-generation.{json,md}`.
@@ -64,6 +64,12 @@ def run(repeats: int, max_new_tokens: int, threads: int) -> dict[str, Any]:
             **(sampling if temperature > 0 else {"do_sample": False}), **special,
         )  # fmt: skip
 
+    def no_cache() -> torch.Tensor:  # what the KV cache buys: every step re-reads the prefix
+        return model.generate(
+            input_ids=ids, attention_mask=mask, max_new_tokens=max_new_tokens, use_cache=False,
+            do_sample=False, **special,
+        )  # fmt: skip
+
     out: dict[str, Any] = {"rows": ids.shape[0], "prompt_tokens": ids.shape[1]}
     with torch.no_grad():
         for label, temperature in (("greedy", 0.0), ("sampled", 1.0)):
@@ -88,6 +94,12 @@ def run(repeats: int, max_new_tokens: int, threads: int) -> dict[str, Any]:
                 "new_tokens_per_row": new_tokens,
                 "speed_ratio": median(times["generate"]) / median(times["ours"]),
             }
+        no_cache_times = []
+        for _ in range(max(1, repeats // 2)):
+            start = time.perf_counter()
+            no_cache()
+            no_cache_times.append(time.perf_counter() - start)
+        out["greedy_without_kv_cache_s"] = median(no_cache_times)
     return out
 
 
@@ -111,6 +123,11 @@ def render(result: dict[str, Any]) -> str:
             f"{s['speed_ratio']:.2f}x |"
         )
     lines += [
+        "",
+        f"What the KV cache buys: greedy `generate(use_cache=False)` takes "
+        f"{r['greedy_without_kv_cache_s']:.3f} s, "
+        f"{r['greedy_without_kv_cache_s'] / r['greedy']['seconds']['generate']:.2f}x the "
+        "cached call.",
         "",
         f"Greedy tokens identical to `generate`: {r['greedy_identical']}. Target >= 0.95x "
         f"generate's speed: {r['greedy']['speed_ratio'] >= 0.95 and r['sampled']['speed_ratio'] >= 0.95}.",  # noqa: E501
