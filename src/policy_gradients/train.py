@@ -79,6 +79,14 @@ def train(cfg: PGConfig, run: RunArgs) -> int:
     alg, ro, t = cfg.algorithm, cfg.rollout, cfg.train
     if ro.prompts_per_step % world:
         raise ValueError(f"rollout.prompts_per_step ({ro.prompts_per_step}) must divide by {world}")
+    if alg.dynamic_sampling and world > 1:
+        # each process would keep a different number of groups, so the processes would run
+        # different numbers of backward passes and DDP's gradient all-reduce would wait forever
+        raise ValueError(
+            "algorithm.dynamic_sampling is not supported with more than one process yet (the "
+            "processes would keep different numbers of groups); run DAPO in one process or set "
+            "algorithm.dynamic_sampling=false"
+        )
     rows_per_rank = ro.prompts_per_step // world * ro.group_size
     micro_per_pass = -(-rows_per_rank // t.micro_batch_size)
     if alg.mini_batches > micro_per_pass and not alg.dynamic_sampling:  # (its rows vary)
