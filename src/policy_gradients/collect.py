@@ -60,7 +60,7 @@ def collect_experience(
     experiences, log_rows = [], []
     sums: dict[str, float] = {}
     counts = {"groups": 0, "completions": 0, "dropped_groups": 0}
-    t_gen = t_score = 0.0
+    t_gen = t_score = t_logprobs = 0.0
     rounds = alg.max_sampling_rounds if alg.dynamic_sampling else 1
     needed = prompts_per_step // world
     for round_ in range(rounds):
@@ -102,6 +102,7 @@ def collect_experience(
             continue
         mask = ro.action_mask[rows].to(device)
         ids, attn = ro.sequence_ids[rows], ro.attention_mask[rows]
+        t2 = time.perf_counter()
         lp_args = (ids, attn, ro.prompt_length)
         lp_kwargs = {"temperature": r.temperature, "action_mask": mask}
         # On-policy (one optimizer step per rollout batch): the policy being updated *is* the
@@ -118,6 +119,7 @@ def collect_experience(
         values = None
         if value_model is not None:  # V(s_t) for completion token t: the state before it
             values = completion_values(value_model, ids, attn, ro.prompt_length)
+        t_logprobs += time.perf_counter() - t2
         reward = total[rows].to(device)
         if alg.kl_in_reward.beta > 0:
             kl_tok = kl_estimate(old, ref, alg.kl_in_reward.estimator) * mask
@@ -160,7 +162,8 @@ def collect_experience(
     n = max(1, counts["completions"])
     metrics = {k: v / n for k, v in sums.items()}
     metrics.update({
-        "time/generate_s": t_gen, "time/score_s": t_score, "sampling/groups": counts["groups"],
+        "time/generate_s": t_gen, "time/score_s": t_score,
+        "time/old_ref_values_s": t_logprobs, "sampling/groups": counts["groups"],
         "sampling/dropped_groups": counts["dropped_groups"],
     })  # fmt: skip
     return Collected(experiences=experiences, metrics=metrics, log_rows=log_rows)
