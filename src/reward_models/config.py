@@ -92,9 +92,10 @@ class RMTrainConfig(LoopConfig):
     )
     share_prompt: bool = Field(
         True,
-        description="preference: encode each pair's prompt once for both completions (the "
-        "completions read it through the KV cache; same scores, ~1/3 fewer tokens on HH); "
-        "ignored with model.gradient_checkpointing, which turns the cache off",
+        description="preference: encode each pair's prompt once for both completions, as one "
+        "packed row [prompt | chosen | rejected] with a 4D mask (SDPA/eager) or through the KV "
+        "cache (flash-attention 2; not with gradient checkpointing); same rewards, ~1/3 fewer "
+        "tokens on HH",
     )
 
 

@@ -382,9 +382,52 @@ def collate_pairs(
     return batch
 
 
+def pack_pairs(pairs: list[PreferencePair], pad_id: int) -> dict[str, torch.Tensor]:
+    """Each pair as one row [prompt | chosen | rejected], right-padded, for a shared-prompt
+    forward in one call (prefix sharing, Wang et al. 2024): the prompt is encoded once, both
+    completions attend to it, the rejected tokens do not see the chosen ones, and the rejected
+    positions restart where the prompt ends, so every token sees exactly what it would see in
+    its own prompt + completion row (rewards equal, tested).
+
+    Returns input_ids (B, L), attention_mask (B, 1, L, L) boolean (True = may attend; a padding
+    query attends to itself only, so no row is empty), position_ids (B, L), ends (B, 2) the last
+    chosen and last rejected positions, prompt_lengths (B,), and margins when the pairs have them.
+    """
+    longest = max(len(p.prompt_ids) + len(p.chosen_ids) + len(p.rejected_ids) for p in pairs)
+    ids = torch.full((len(pairs), longest), pad_id, dtype=torch.long)
+    positions = torch.zeros((len(pairs), longest), dtype=torch.long)
+    segment = torch.full(
+        (len(pairs), longest), 3, dtype=torch.long
+    )  # 0 prompt 1 chosen 2 rejected 3 pad
+    ends = torch.zeros((len(pairs), 2), dtype=torch.long)
+    for b, p in enumerate(pairs):
+        n_p, n_c, n_r = len(p.prompt_ids), len(p.chosen_ids), len(p.rejected_ids)
+        ids[b, : n_p + n_c + n_r] = torch.tensor(p.prompt_ids + p.chosen_ids + p.rejected_ids)
+        positions[b, : n_p + n_c] = torch.arange(n_p + n_c)
+        positions[b, n_p + n_c : n_p + n_c + n_r] = torch.arange(n_p, n_p + n_r)
+        segment[b, :n_p], segment[b, n_p : n_p + n_c] = 0, 1
+        segment[b, n_p + n_c : n_p + n_c + n_r] = 2
+        ends[b] = torch.tensor([n_p + n_c - 1, n_p + n_c + n_r - 1])
+    index = torch.arange(longest)
+    causal = index[None, :, None] >= index[None, None, :]  # (1, L, L): query >= key
+    query, key = segment[:, :, None], segment[:, None, :]
+    allowed = causal & (key != 3) & (query != 3) & ((key == 0) | (key == query))
+    allowed |= torch.eye(longest, dtype=torch.bool)[None] & (query == 3)
+    prompt_lengths = torch.tensor([len(p.prompt_ids) for p in pairs])
+    batch = {"input_ids": ids, "attention_mask": allowed[:, None], "position_ids": positions,
+             "ends": ends, "prompt_lengths": prompt_lengths}  # fmt: skip
+    if all(p.margin is not None for p in pairs):
+        batch["margins"] = torch.tensor([p.margin for p in pairs], dtype=torch.float32)
+    return batch
+
+
 def batch_tokens(batch: dict[str, torch.Tensor]) -> int:
     """Non-pad tokens of the full rows a batch stands for (a shared prompt counts once per row
     that reads it), so the figure does not depend on `share_prompt`."""
+    if "ends" in batch:  # packed rows: P + C + R per pair, and the prompt counts twice
+        return int(
+            batch["ends"][:, 1].sum() + batch["ends"].shape[0] + batch["prompt_lengths"].sum()
+        )
     tokens = int(batch["attention_mask"].sum())
     if "prompt_mask" in batch:
         repeats = batch["input_ids"].shape[0] // batch["prompt_mask"].shape[0]

@@ -24,7 +24,7 @@ from functools import partial
 import torch
 
 from reward_models.config import RMConfig
-from reward_models.data import build_reward_data, collate_pairs
+from reward_models.data import build_reward_data, collate_pairs, pack_pairs
 from reward_models.evaluate import COLLATE, evaluate
 from reward_models.losses import LOSSES
 from reward_models.models import BaseRewardModel, compute_loss
@@ -52,6 +52,18 @@ from rlhf_core.tracking import Tracker, new_run_dir, resolve_resume
 PACKAGE = "reward_models"
 
 
+def shared_prompt_collate(model: BaseRewardModel, gradient_checkpointing: bool):
+    """How a preference batch shares each prompt between its two completions: one packed row
+    per pair with a 4D mask (SDPA/eager attention), or the KV cache (flash-attention 2 takes
+    2D masks only; the cache is off under gradient checkpointing, so then no sharing: None)."""
+    attention = getattr(model.backbone.config, "_attn_implementation", "sdpa")
+    if attention in ("sdpa", "eager"):
+        return pack_pairs
+    if not gradient_checkpointing:
+        return partial(collate_pairs, share_prompt=True)
+    return None
+
+
 def train(cfg: RMConfig, run: RunArgs) -> int:
     """Train one reward model; returns the exit code (0, or 130/143 after a signal)."""
     accelerator, threads = start_accelerator(cfg.train)
@@ -61,8 +73,6 @@ def train(cfg: RMConfig, run: RunArgs) -> int:
     # --- loss, tokenizer and data
     loss_fn = build_from_spec(LOSSES, cfg.loss)
     kind, collate = loss_fn.kind, COLLATE[loss_fn.kind]
-    if kind == "preference" and cfg.train.share_prompt and not cfg.model.gradient_checkpointing:
-        collate = partial(collate_pairs, share_prompt=True)
     tokenizer = load_tokenizer(cfg.model, padding_side="right")
     d, t = cfg.data, cfg.train
     classes = loss_fn.head_dim
@@ -100,6 +110,8 @@ def train(cfg: RMConfig, run: RunArgs) -> int:
     # --- model, optimizer, schedule
     seed_everything(cfg.seed)
     model = BaseRewardModel.for_config(cfg, loss_fn, tokenizer, device, weights_from=ckpt)
+    if kind == "preference" and t.share_prompt:
+        collate = shared_prompt_collate(model, cfg.model.gradient_checkpointing) or collate
     model.train()
     optimizer = build_optimizer(model, cfg.optim)
     scheduler = build_scheduler(optimizer, cfg.optim, total_steps)

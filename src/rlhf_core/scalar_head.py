@@ -430,10 +430,17 @@ class ScalarHeadModel(nn.Module):
         input_ids: torch.Tensor,
         attention_mask: torch.Tensor,
         *,
+        position_ids: torch.Tensor | None = None,
         prefix_ids: torch.Tensor | None = None,
         prefix_mask: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """Scores of every position, (B, T, head_dim), float32. Padding positions hold garbage.
+
+        Packed rows: `attention_mask` may be a 4D boolean mask (B, 1, T, T), True where a query
+        may attend to a key, with explicit `position_ids` (B, T); several sequences then share
+        one row (SDPA and eager attention; flash-attention 2 takes 2D masks only). A preference
+        pair packs as [prompt | chosen | rejected] with the rejected tokens blind to the chosen
+        ones and positions restarting after the prompt (`reward_models.data.pack_pairs`).
 
         Shared prefix: with `prefix_ids` / `prefix_mask` (Bp, P), left-padded, the rows of
         `input_ids` (B = Bp x r, right-padded) are continuations of those prefixes, r per prefix
@@ -446,6 +453,15 @@ class ScalarHeadModel(nn.Module):
         Preference Optimization with Prefix Sharing"), so the prompt is encoded once, not twice.
         """
         grad = torch.no_grad() if self.backbone_frozen else nullcontext()
+        if attention_mask.dim() == 4:
+            if position_ids is None:
+                raise ValueError("a 4D attention mask (packed rows) needs explicit position_ids")
+            with grad:
+                hidden = self.backbone(
+                    input_ids=input_ids, attention_mask=attention_mask.bool(),
+                    position_ids=position_ids, use_cache=False,
+                ).last_hidden_state  # fmt: skip
+            return self.head(hidden.to(self.head.weight.dtype))
         if prefix_ids is None:
             position_ids = (attention_mask.long().cumsum(-1) - 1).clamp(min=0)
             with grad:

@@ -1,12 +1,13 @@
-"""The shared-prompt forward of preference batches: the same rewards and gradients as encoding
-prompt + completion as one row, with the prompt encoded once."""
+"""The shared-prompt forwards of preference batches (one packed row per pair with a 4D mask, or
+the KV cache): the same rewards and gradients as encoding prompt + completion as one row, with
+the prompt encoded once."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from reward_models.data import PreferencePair, batch_tokens, collate_pairs
+from reward_models.data import PreferencePair, batch_tokens, collate_pairs, pack_pairs
 from reward_models.models import preference_rewards
 from rlhf_core.models import ModelConfig
 from rlhf_core.scalar_head import ScalarHeadInfo, ScalarHeadModel
@@ -29,11 +30,22 @@ def model():
     )
 
 
-def test_shared_prompt_gives_the_same_rewards_and_gradients(model):
+@pytest.mark.parametrize("layout", ["cache", "packed"])
+def test_shared_prompt_gives_the_same_rewards_and_gradients(model, layout):
     # ragged prompts (left-padded as prefixes) and ragged completions (right-padded)
     pairs = random_pairs([(5, 3, 7), (9, 1, 4), (2, 6, 6), (12, 8, 2)])
-    full, shared = collate_pairs(pairs, 0), collate_pairs(pairs, 0, share_prompt=True)
-    assert shared["prompt_ids"].shape == (4, 12) and shared["input_ids"].shape == (8, 8)
+    full = collate_pairs(pairs, 0)
+    if layout == "cache":
+        shared = collate_pairs(pairs, 0, share_prompt=True)
+        assert shared["prompt_ids"].shape == (4, 12) and shared["input_ids"].shape == (8, 8)
+    else:
+        shared = pack_pairs(pairs, 0)
+        assert shared["input_ids"].shape == (4, 22) and shared["attention_mask"].shape == (
+            4,
+            1,
+            22,
+            22,
+        )
     assert batch_tokens(full) == batch_tokens(shared) == int(full["attention_mask"].sum())
     grads = []
     for batch in (full, shared):
@@ -62,3 +74,21 @@ def test_shared_prefix_needs_whole_groups(model):
     ids = torch.ones(3, 4, dtype=torch.long)
     with pytest.raises(ValueError, match="multiple of the prefixes"):
         model(ids, torch.ones_like(ids), prefix_ids=ids[:2], prefix_mask=torch.ones_like(ids[:2]))
+
+
+def test_packed_mask_hides_the_chosen_tokens_from_the_rejected_ones():
+    (pair,) = random_pairs([(3, 2, 2)])
+    batch = pack_pairs([pair, *random_pairs([(4, 3, 3)], seed=1)], 0)
+    allowed = batch["attention_mask"][0, 0].int().tolist()
+    # positions 0-2 prompt, 3-4 chosen, 5-6 rejected, 7-9 padding
+    assert allowed[4][:5] == [1, 1, 1, 1, 1] and allowed[4][5:] == [0] * 5  # chosen: causal
+    assert allowed[6][:7] == [1, 1, 1, 0, 0, 1, 1]  # rejected: the prompt and itself only
+    assert allowed[8] == [0] * 8 + [1, 0]  # a padding query sees itself only
+    assert batch["position_ids"][0].tolist()[:7] == [0, 1, 2, 3, 4, 3, 4]
+    assert batch["ends"][0].tolist() == [4, 6]
+
+
+def test_a_4d_mask_needs_position_ids(model):
+    ids = torch.ones(1, 3, dtype=torch.long)
+    with pytest.raises(ValueError, match="needs explicit position_ids"):
+        model(ids, torch.ones(1, 1, 3, 3, dtype=torch.bool))
