@@ -100,7 +100,9 @@ def build_model(s: Settings, device, dtype):
 def matmul_params(model) -> int:
     seen, total = set(), 0
     for name, p in model.named_parameters():
-        if id(p) in seen or "embed_tokens" in name and not model.config.tie_word_embeddings:
+        # an untied input embedding is a lookup (no matmul); a tied one is the LM head
+        untied_lookup = "embed_tokens" in name and not model.config.tie_word_embeddings
+        if id(p) in seen or untied_lookup:
             continue
         seen.add(id(p))
         total += p.numel()

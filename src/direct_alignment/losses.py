@@ -127,6 +127,9 @@ class DirectAlignmentLoss(nn.Module):
             rejected_lengths=rejected_lengths,
         )
         loss = self._losses(chosen, rejected).mean()
+        extra, extra_metrics = self._extra_term(policy_chosen_logps, chosen_lengths)
+        if extra is not None:
+            loss = loss + extra
         c, r = chosen.detach(), rejected.detach()
         reward_c, reward_r = self.beta * c, self.beta * r
         metrics = {
@@ -137,6 +140,7 @@ class DirectAlignmentLoss(nn.Module):
             "logps/chosen": policy_chosen_logps.detach().mean(),
             "logps/rejected": policy_rejected_logps.detach().mean(),
             **self._extra_metrics(c, r),
+            **extra_metrics,
         }
         return loss, metrics
 
@@ -223,6 +227,13 @@ class DirectAlignmentLoss(nn.Module):
         """Loss-specific metrics from the detached scores; none by default."""
         return {}
 
+    def _extra_term(
+        self, policy_chosen_logps: torch.Tensor, chosen_lengths: torch.Tensor | None
+    ) -> tuple[torch.Tensor | None, dict]:
+        """A term added to the batch loss outside the per-pair scores (RPO's NLL), with its
+        metrics; none by default."""
+        return None, {}
+
 
 def _check_label_smoothing(loss: DirectAlignmentLoss, eps: float, *, upper_inclusive: bool) -> None:
     ok = 0 <= eps <= 0.5 if upper_inclusive else 0 <= eps < 0.5
@@ -272,20 +283,9 @@ class RPOLoss(DPOLoss):
         self._require(0 <= alpha < math.inf, "alpha", alpha, "a finite number >= 0")
         self.alpha = float(alpha)
 
-    def forward(
-        self,
-        policy_chosen_logps: torch.Tensor,
-        policy_rejected_logps: torch.Tensor,
-        ref_chosen_logps: torch.Tensor | None = None,
-        ref_rejected_logps: torch.Tensor | None = None,
-        *,
-        chosen_lengths: torch.Tensor | None = None,
-        rejected_lengths: torch.Tensor | None = None,
-    ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-        loss, metrics = super().forward(
-            policy_chosen_logps, policy_rejected_logps, ref_chosen_logps, ref_rejected_logps,
-            chosen_lengths=chosen_lengths, rejected_lengths=rejected_lengths,
-        )  # fmt: skip
+    def _extra_term(
+        self, policy_chosen_logps: torch.Tensor, chosen_lengths: torch.Tensor | None
+    ) -> tuple[torch.Tensor, dict]:
         what = "completion token counts, for the NLL term"
         lengths = self._needed("chosen_lengths", chosen_lengths, what)
         if lengths.shape != policy_chosen_logps.shape:
@@ -294,7 +294,7 @@ class RPOLoss(DPOLoss):
                 f"policy_chosen_logps {tuple(policy_chosen_logps.shape)}"
             )
         nll = -policy_chosen_logps / lengths.to(policy_chosen_logps.dtype)
-        return loss + self.alpha * nll.mean(), {**metrics, "rpo/nll": nll.detach().mean()}
+        return self.alpha * nll.mean(), {"rpo/nll": nll.detach().mean()}
 
 
 @_register("cdpo")

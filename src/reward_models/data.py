@@ -393,8 +393,8 @@ def pack_pairs(pairs: list[PreferencePair], pad_id: int) -> dict[str, torch.Tens
     query attends to itself only, so no row is empty), position_ids (B, L), ends (B, 2) the last
     chosen and last rejected positions, prompt_lengths (B,), and margins when the pairs have them.
     """
-    longest = max(len(p.prompt_ids) + len(p.chosen_ids) + len(p.rejected_ids) for p in pairs)
-    ids = torch.full((len(pairs), longest), pad_id, dtype=torch.long)
+    ids, _ = pad_sequences([p.prompt_ids + p.chosen_ids + p.rejected_ids for p in pairs], pad_id)
+    longest = ids.shape[1]
     positions = torch.zeros((len(pairs), longest), dtype=torch.long)
     segment = torch.full(
         (len(pairs), longest), 3, dtype=torch.long
@@ -402,7 +402,6 @@ def pack_pairs(pairs: list[PreferencePair], pad_id: int) -> dict[str, torch.Tens
     ends = torch.zeros((len(pairs), 2), dtype=torch.long)
     for b, p in enumerate(pairs):
         n_p, n_c, n_r = len(p.prompt_ids), len(p.chosen_ids), len(p.rejected_ids)
-        ids[b, : n_p + n_c + n_r] = torch.tensor(p.prompt_ids + p.chosen_ids + p.rejected_ids)
         positions[b, : n_p + n_c] = torch.arange(n_p + n_c)
         positions[b, n_p + n_c : n_p + n_c + n_r] = torch.arange(n_p, n_p + n_r)
         segment[b, :n_p], segment[b, n_p : n_p + n_c] = 0, 1
