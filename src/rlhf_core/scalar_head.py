@@ -425,6 +425,15 @@ class ScalarHeadModel(nn.Module):
     def backbone_frozen(self) -> bool:
         return not any(p.requires_grad for p in self.backbone.parameters())
 
+    def additive_mask(self, allowed: torch.Tensor) -> torch.Tensor:
+        """A 4D boolean mask (True = may attend) as the additive mask transformers passes on
+        untouched: 0 where allowed, the dtype's minimum elsewhere, in the backbone's dtype.
+        Eager attention adds the mask to the scores (a boolean one would add 0/1: wrong), and
+        SDPA would otherwise convert a boolean mask in every layer's forward and backward."""
+        dtype = self.backbone.get_input_embeddings().weight.dtype
+        mask = torch.zeros(allowed.shape, dtype=dtype, device=allowed.device)
+        return mask.masked_fill_(~allowed.bool(), torch.finfo(dtype).min)
+
     def forward(
         self,
         input_ids: torch.Tensor,
@@ -458,7 +467,7 @@ class ScalarHeadModel(nn.Module):
                 raise ValueError("a 4D attention mask (packed rows) needs explicit position_ids")
             with grad:
                 hidden = self.backbone(
-                    input_ids=input_ids, attention_mask=attention_mask.bool(),
+                    input_ids=input_ids, attention_mask=self.additive_mask(attention_mask),
                     position_ids=position_ids, use_cache=False,
                 ).last_hidden_state  # fmt: skip
             return self.head(hidden.to(self.head.weight.dtype))

@@ -22,16 +22,26 @@ def random_pairs(lengths, seed=0):
     return [PreferencePair(ids(p), ids(c), ids(r)) for p, c, r in lengths]
 
 
-@pytest.fixture(scope="module")
-def model():
+def build_model(attention: str = "sdpa") -> ScalarHeadModel:
     torch.manual_seed(0)
     return ScalarHeadModel.from_config(
-        ModelConfig(name_or_path="tiny-qwen3"), ScalarHeadInfo(kind="preference"), "cpu"
+        ModelConfig(name_or_path="tiny-qwen3", attention=attention),
+        ScalarHeadInfo(kind="preference"),
+        "cpu",
     )
 
 
-@pytest.mark.parametrize("layout", ["cache", "packed"])
-def test_shared_prompt_gives_the_same_rewards_and_gradients(model, layout):
+@pytest.fixture(scope="module")
+def model():
+    return build_model()
+
+
+# eager attention adds the mask to the scores: a boolean 4D mask there once gave wrong rewards
+@pytest.mark.parametrize(
+    ("layout", "attention"), [("cache", "sdpa"), ("packed", "sdpa"), ("packed", "eager")]
+)
+def test_shared_prompt_gives_the_same_rewards_and_gradients(layout, attention):
+    model = build_model(attention)
     # ragged prompts (left-padded as prefixes) and ragged completions (right-padded)
     pairs = random_pairs([(5, 3, 7), (9, 1, 4), (2, 6, 6), (12, 8, 2)])
     full = collate_pairs(pairs, 0)
