@@ -71,7 +71,8 @@ def main(argv: list[str] | None = None) -> int:
 
     if "reward_model" in sections:
         print(f"reward model vs TRL: {workload.model}, {args.rounds} rounds", flush=True)
-        payload["reward_model"] = reward_model.compare(workload, args.rounds)
+        rm_workload = dataclasses.replace(workload, steps=max(workload.steps, reward_model.STEPS))
+        payload["reward_model"] = reward_model.compare(rm_workload, args.rounds)
         tables.append(reward_model.markdown(payload["reward_model"]))
     if "grpo" in sections:
         g = dataclasses.replace(grpo.Workload(), threads=args.threads)

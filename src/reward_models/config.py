@@ -97,6 +97,12 @@ class RMTrainConfig(LoopConfig):
         "cache (flash-attention 2; not with gradient checkpointing); same rewards, ~1/3 fewer "
         "tokens on HH",
     )
+    sparse_embedding_grad: bool | None = Field(
+        None,
+        description="accumulate the input embedding's gradient from sparse row updates into one "
+        "persistent dense buffer instead of a fresh dense (vocab, hidden) gradient per backward "
+        "(same gradient; rlhf_core.optim.EmbeddingGradBuffer); null = on for one CPU process",
+    )
 
 
 class RMConfig(StrictModel):

@@ -44,7 +44,7 @@ from rlhf_core.loop import (
     start_accelerator,
 )
 from rlhf_core.models import load_tokenizer, resolve_model_path
-from rlhf_core.optim import build_optimizer, build_scheduler
+from rlhf_core.optim import build_optimizer, build_scheduler, maybe_embedding_grad_buffer
 from rlhf_core.registry import build_from_spec
 from rlhf_core.runtime import seed_everything
 from rlhf_core.tracking import Tracker, new_run_dir, resolve_resume
@@ -113,6 +113,9 @@ def train(cfg: RMConfig, run: RunArgs) -> int:
     if kind == "preference" and t.share_prompt:
         collate = shared_prompt_collate(model, cfg.model.gradient_checkpointing) or collate
     model.train()
+    grad_buffer = maybe_embedding_grad_buffer(
+        model.backbone, enabled=t.sparse_embedding_grad, processes=world
+    )
     optimizer = build_optimizer(model, cfg.optim)
     scheduler = build_scheduler(optimizer, cfg.optim, total_steps)
     model, optimizer = accelerator.prepare(model, optimizer)
@@ -167,7 +170,7 @@ def train(cfg: RMConfig, run: RunArgs) -> int:
             step_loss = accelerator.reduce(step_loss, reduction="sum")
             grad_norm, was_skipped = optimizer_step(
                 accelerator, model, optimizer, scheduler,
-                max_grad_norm=cfg.optim.max_grad_norm, loss=step_loss,
+                max_grad_norm=cfg.optim.max_grad_norm, loss=step_loss, grad_buffer=grad_buffer,
             )  # fmt: skip
             skipped += was_skipped
             step += 1

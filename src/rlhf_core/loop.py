@@ -20,6 +20,7 @@ from pydantic import BaseModel, Field
 from rlhf_core.checkpoint import load_trainer_state, restore_training_state, save_checkpoint
 from rlhf_core.config import RunArgs, StrictModel, dump_config
 from rlhf_core.data import EpochSampler
+from rlhf_core.optim import EmbeddingGradBuffer
 from rlhf_core.runtime import configure_threads, quiet_libraries
 
 
@@ -111,8 +112,10 @@ def optimizer_step(
     *,
     max_grad_norm: float | None,
     loss: torch.Tensor,
+    grad_buffer: EmbeddingGradBuffer | None = None,
 ) -> tuple[float, bool]:
-    """Clip and step if `loss` is finite, else drop the gradients. Returns (grad_norm, skipped)."""
+    """Clip and step if `loss` is finite, else drop the gradients. Returns (grad_norm, skipped).
+    A `grad_buffer` (`rlhf_core.optim.EmbeddingGradBuffer`) is re-zeroed and re-attached."""
     skipped = not bool(torch.isfinite(loss))
     grad_norm = float("nan")
     if not skipped:
@@ -120,6 +123,8 @@ def optimizer_step(
             grad_norm = float(accelerator.clip_grad_norm_(model.parameters(), max_grad_norm))
         optimizer.step()
     optimizer.zero_grad(set_to_none=True)
+    if grad_buffer is not None:
+        grad_buffer.reset()
     scheduler.step()
     return grad_norm, skipped
 

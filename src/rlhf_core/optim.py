@@ -65,3 +65,77 @@ def build_scheduler(
     optimizer: torch.optim.Optimizer, cfg: OptimConfig, total_steps: int
 ) -> LambdaLR:
     return LambdaLR(optimizer, lambda step: lr_factor(step, cfg, total_steps))
+
+
+class EmbeddingGradBuffer:
+    """The input embedding's gradient accumulated in place into one persistent dense buffer.
+
+    A dense `nn.Embedding` backward allocates and zero-fills a fresh (vocab, hidden) gradient on
+    every backward (on CPU, fresh pages: page faults, for a table that is most of a small
+    model's parameters), although a batch touches only its own rows. With `sparse=True` the
+    backward emits just those rows (a sparse COO tensor), and autograd adds a sparse gradient in
+    place into an existing dense `.grad`. So this keeps one dense buffer as `weight.grad`: the
+    optimizer, clipping and checkpoints see the usual dense gradient, equal to the dense path's up
+    to float summation order (tested). After every optimizer step `reset()` (which
+    `rlhf_core.loop.optimizer_step` calls) zeroes only the rows the step's batches touched (a
+    hook records them; a dense gradient arriving, e.g. from a tied output head, means a full
+    zero) and re-attaches the buffer. Measured on the reward-model benchmark (CPU, vocab 50,257 x
+    hidden 64): the embedding's backward fell from ~5.8 ms to ~0.3 ms of a ~40 ms step.
+
+    Only for one process (a DDP/FSDP/DeepSpeed wrapper reduces gradients its own way) and a
+    trainable `nn.Embedding`; `maybe_embedding_grad_buffer` decides.
+    """
+
+    def __init__(self, embedding: torch.nn.Embedding) -> None:
+        embedding.sparse = True
+        self.weight = embedding.weight
+        self.buffer = torch.zeros_like(self.weight, memory_format=torch.contiguous_format)
+        self._rows: list[torch.Tensor] = []  # rows written since the last reset
+        self._dense = False  # a dense gradient arrived: every row may be non-zero
+        self.weight.register_hook(self._record)
+        self.weight.grad = self.buffer
+
+    def _record(self, grad: torch.Tensor) -> None:
+        if grad.is_sparse:
+            self._rows.append(grad._indices()[0])
+        else:
+            self._dense = True
+
+    def reset(self) -> None:
+        """Zero what the last step wrote and put the buffer back as the weight's gradient."""
+        if self._dense:
+            self.buffer.zero_()
+        elif self._rows:
+            self.buffer.index_fill_(0, torch.cat(self._rows), 0.0)
+        self._rows.clear()
+        self._dense = False
+        self.weight.grad = self.buffer
+
+
+def maybe_embedding_grad_buffer(
+    model: torch.nn.Module, *, enabled: bool | None, processes: int
+) -> EmbeddingGradBuffer | None:
+    """An `EmbeddingGradBuffer` for `model`'s input embedding, or None where it does not apply.
+
+    `enabled`: True/False forces it (True where it cannot apply is an error), None = on for a
+    single process on CPU, where the dense gradient's fresh allocation costs most (on a GPU the
+    caching allocator makes it cheap)."""
+    getter = getattr(model, "get_input_embeddings", None)
+    embedding = getter() if getter is not None else None
+    reasons = []
+    if not isinstance(embedding, torch.nn.Embedding):
+        reasons.append(f"the input embedding is {type(embedding).__name__}, not nn.Embedding")
+    elif not embedding.weight.requires_grad:
+        reasons.append("the input embedding is frozen")
+    elif embedding.max_norm is not None:
+        reasons.append("the embedding renormalizes rows (max_norm)")
+    if processes != 1:
+        reasons.append(f"{processes} processes (the gradient wrapper owns reduction)")
+    if enabled is None:
+        on_cpu = embedding is not None and embedding.weight.device.type == "cpu"
+        return None if reasons or not on_cpu else EmbeddingGradBuffer(embedding)
+    if not enabled:
+        return None
+    if reasons:
+        raise ValueError("sparse_embedding_grad: true cannot apply: " + "; ".join(reasons))
+    return EmbeddingGradBuffer(embedding)

@@ -127,6 +127,25 @@ def test_gradient_accumulation_equals_one_big_batch(pref_dict, tmp_path):
     torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)
 
 
+def test_the_embedding_grad_buffer_trains_as_the_dense_gradient(pref_dict, tmp_path):
+    # on one CPU process the default accumulates the embedding's sparse row gradients into a
+    # persistent buffer (rlhf_core.optim.EmbeddingGradBuffer); off, a fresh dense gradient
+    pref_dict["data"]["eval"] = None
+    pref_dict["train"].update(max_steps=3, micro_batch_size=8)
+    run_cfg(pref_dict, tmp_path / "buffer")
+    pref_dict["train"]["sparse_embedding_grad"] = False
+    run_cfg(pref_dict, tmp_path / "dense")
+    a, b = (metric_series(tmp_path / r, "train/loss") for r in ("buffer", "dense"))
+    assert a.keys() == b.keys() and all(abs(a[s] - b[s]) < 1e-6 for s in a)
+    weights = [load_file(tmp_path / r / "final" / "model.safetensors") for r in ("buffer", "dense")]
+    (key,) = (k for k in weights[0] if k.endswith("embed_tokens.weight"))
+    initial = load_file(preset_dir("tiny-qwen3") / "model.safetensors")
+    (start,) = (v for k, v in initial.items() if k.endswith("embed_tokens.weight"))
+    assert not torch.equal(weights[0][key], start)  # the embedding did train
+    for k in weights[0]:
+        torch.testing.assert_close(weights[0][k], weights[1][k], rtol=1e-5, atol=1e-6)
+
+
 def test_lora_and_frozen_backbones_train_what_they_should(pref_dict, tmp_path):
     pref_dict["data"]["eval"] = None
     pref_dict["train"]["max_steps"] = 2

@@ -8,7 +8,13 @@ import pytest
 import torch
 from torch import nn
 
-from rlhf_core.optim import OptimConfig, build_optimizer, build_scheduler, lr_factor
+from rlhf_core.optim import (
+    OptimConfig,
+    build_optimizer,
+    build_scheduler,
+    lr_factor,
+    maybe_embedding_grad_buffer,
+)
 
 # ----------------------------------------------------------------------------- lr_factor
 
@@ -137,3 +143,67 @@ def test_no_trainable_parameters_is_an_error():
     model = Block().requires_grad_(False)
     with pytest.raises(ValueError, match="no trainable parameters"):
         build_optimizer(model, OptimConfig())
+
+
+# ----------------------------------------------------------------------------- embedding grad
+
+
+def tiny_lm(tied: bool) -> nn.Module:
+    from transformers import AutoModelForCausalLM, Qwen3Config
+
+    torch.manual_seed(0)
+    config = Qwen3Config(
+        vocab_size=500, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+        num_attention_heads=2, num_key_value_heads=2, head_dim=16, tie_word_embeddings=tied,
+    )  # fmt: skip
+    return AutoModelForCausalLM.from_config(config, attn_implementation="sdpa")
+
+
+def train_steps(model: nn.Module, buffered: bool) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    """Three AdamW steps of two accumulated micro-batches each, with clipping; returns the
+    embedding gradient of every step (before clipping) and the final parameters."""
+    optimizer = build_optimizer(model, OptimConfig(lr=1e-2, weight_decay=0.1))
+    buffer = maybe_embedding_grad_buffer(model, enabled=buffered, processes=1)
+    assert (buffer is not None) == buffered
+    g = torch.Generator().manual_seed(1)
+    grads = []
+    for _ in range(3):
+        for _ in range(2):  # a batch uses a few rows of the 500, some twice
+            ids = torch.randint(0, 60, (3, 9), generator=g)
+            model(input_ids=ids, labels=ids).loss.backward()
+        grads.append(model.get_input_embeddings().weight.grad.clone())
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 0.5)
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        if buffer is not None:
+            buffer.reset()
+            # reset zeroed exactly the rows the step wrote: the whole buffer is zero again
+            assert torch.count_nonzero(buffer.buffer) == 0
+            assert model.get_input_embeddings().weight.grad is buffer.buffer
+    return grads, [p.detach().clone() for p in model.parameters()]
+
+
+@pytest.mark.parametrize("tied", [False, True])
+def test_embedding_grad_buffer_trains_as_the_dense_gradient(tied):
+    # untied: only sparse row updates arrive; tied: the output head's dense gradient too
+    dense_grads, dense_params = train_steps(tiny_lm(tied), buffered=False)
+    sparse_grads, sparse_params = train_steps(tiny_lm(tied), buffered=True)
+    for a, b in zip(dense_grads, sparse_grads, strict=True):
+        assert not b.is_sparse and (a != 0).any()
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-7)
+    for a, b in zip(dense_params, sparse_params, strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+
+
+def test_embedding_grad_buffer_applies_only_where_it_can():
+    model = tiny_lm(False)
+    assert maybe_embedding_grad_buffer(model, enabled=False, processes=1) is None
+    # two processes: the DDP wrapper owns gradient reduction
+    assert maybe_embedding_grad_buffer(model, enabled=None, processes=2) is None
+    with pytest.raises(ValueError, match="2 processes"):
+        maybe_embedding_grad_buffer(model, enabled=True, processes=2)
+    model.get_input_embeddings().weight.requires_grad_(False)
+    assert maybe_embedding_grad_buffer(model, enabled=None, processes=1) is None
+    with pytest.raises(ValueError, match="frozen"):
+        maybe_embedding_grad_buffer(model, enabled=True, processes=1)
+    assert maybe_embedding_grad_buffer(nn.Linear(2, 2), enabled=None, processes=1) is None
