@@ -304,6 +304,7 @@ class StepClock:
             "tokens_per_cpu_s": tokens / (user + system),
             "system_share_of_cpu": system / (user + system),
             "step_s_median": median(steps),
+            "step_s": steps,
             "step_tokens": self.tokens,
             "to_first_step_end_s": self.ends[0] - self.start,
         }

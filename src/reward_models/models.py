@@ -72,10 +72,10 @@ def preference_rewards(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(chosen, rejected) rewards (B,) of a `collate_pairs` batch, from one forward of 2B rows
     (or, with a shared prompt, one forward of the B prompts and one of the 2B completions)."""
-    if "ends" in batch:  # packed rows [prompt | chosen | rejected] (`pack_pairs`)
+    if "ends" in batch:  # pairs packed as [prompt | chosen | rejected] segments (`pack_pairs`)
         scores = model(batch["input_ids"], batch["attention_mask"],
                        position_ids=batch["position_ids"])[..., 0]  # fmt: skip
-        picked = scores.gather(1, batch["ends"])
+        picked = scores.reshape(-1)[batch["ends"]]  # ends: flat indices, (B, 2)
         return picked[:, 0], picked[:, 1]
     if "prompt_ids" in batch:  # completions interleaved chosen_0, rejected_0, chosen_1, ...
         prefix = {"prefix_ids": batch["prompt_ids"], "prefix_mask": batch["prompt_mask"]}

@@ -15,6 +15,7 @@ from typing import Any, Literal
 
 import torch
 from accelerate import Accelerator
+from accelerate.utils import DistributedType
 from pydantic import BaseModel, Field
 
 from rlhf_core.checkpoint import load_trainer_state, restore_training_state, save_checkpoint
@@ -104,6 +105,27 @@ def restore_checkpoint(
     return payload["step"], state
 
 
+def clip_grad_norm(accelerator: Accelerator, model: torch.nn.Module, max_norm: float) -> float:
+    """Clip the gradients to global L2 norm `max_norm`; returns the norm before clipping.
+
+    `torch.nn.utils.clip_grad_norm_` multiplies every gradient by min(1, max_norm / (norm +
+    1e-6)) even when that factor is 1: a full pass over the gradients for nothing in the usual
+    unclipped step. For plain and DDP training (gradients already reduced, no fp16 loss scaler)
+    this computes the norm, then multiplies only when the factor is below 1, the same factor as
+    torch's, so the result is identical. FSDP, DeepSpeed and loss scaling go through accelerate.
+    """
+    plain = (DistributedType.NO, DistributedType.MULTI_CPU, DistributedType.MULTI_GPU)
+    if accelerator.distributed_type not in plain or accelerator.scaler is not None:
+        return float(accelerator.clip_grad_norm_(model.parameters(), max_norm))
+    params = [p for p in model.parameters() if p.grad is not None]
+    if not params:
+        return 0.0
+    norm = torch.nn.utils.get_total_norm([p.grad for p in params])
+    if not bool(max_norm / (norm + 1e-6) >= 1.0):  # also clips (to NaN) when the norm is NaN
+        torch.nn.utils.clip_grads_with_norm_(params, max_norm, norm)
+    return float(norm)
+
+
 def optimizer_step(
     accelerator: Accelerator,
     model: torch.nn.Module,
@@ -120,7 +142,7 @@ def optimizer_step(
     grad_norm = float("nan")
     if not skipped:
         if max_grad_norm is not None:
-            grad_norm = float(accelerator.clip_grad_norm_(model.parameters(), max_grad_norm))
+            grad_norm = clip_grad_norm(accelerator, model, max_grad_norm)
         optimizer.step()
     optimizer.zero_grad(set_to_none=True)
     if grad_buffer is not None:

@@ -42,27 +42,24 @@ def model():
 )
 def test_shared_prompt_gives_the_same_rewards_and_gradients(layout, attention):
     model = build_model(attention)
-    # ragged prompts (left-padded as prefixes) and ragged completions (right-padded)
-    pairs = random_pairs([(5, 3, 7), (9, 1, 4), (2, 6, 6), (12, 8, 2)])
+    # ragged prompts (left-padded as prefixes) and ragged completions (right-padded); packed,
+    # the 6 pairs (15, 14, 14, 22, 5, 4 tokens) fill 4 rows of 22: [22] [15, 5] [14, 4] [14]
+    pairs = random_pairs([(5, 3, 7), (9, 1, 4), (2, 6, 6), (12, 8, 2), (1, 2, 2), (2, 1, 1)])
     full = collate_pairs(pairs, 0)
     if layout == "cache":
         shared = collate_pairs(pairs, 0, share_prompt=True)
-        assert shared["prompt_ids"].shape == (4, 12) and shared["input_ids"].shape == (8, 8)
+        assert shared["prompt_ids"].shape == (6, 12) and shared["input_ids"].shape == (12, 8)
     else:
         shared = pack_pairs(pairs, 0)
-        assert shared["input_ids"].shape == (4, 22) and shared["attention_mask"].shape == (
-            4,
-            1,
-            22,
-            22,
-        )
+        assert shared["input_ids"].shape == (4, 22)
+        assert shared["attention_mask"].shape == (4, 1, 22, 22)
     assert batch_tokens(full) == batch_tokens(shared) == int(full["attention_mask"].sum())
     grads = []
     for batch in (full, shared):
         model.zero_grad()
         chosen, rejected = preference_rewards(model, batch)
         # a loss that weights every pair differently, so a row mix-up would show
-        weights = torch.arange(1.0, 5.0)
+        weights = torch.arange(1.0, 7.0)
         (weights * torch.nn.functional.logsigmoid(chosen - rejected)).sum().backward()
         param_grads = [p.grad.clone() for p in model.parameters() if p.grad is not None]
         grads.append(([chosen.detach(), rejected.detach()], param_grads))
@@ -71,7 +68,7 @@ def test_shared_prompt_gives_the_same_rewards_and_gradients(layout, attention):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
     assert len(grads_full) == len(grads_shared) > 0
     for a, b in zip(grads_full, grads_shared, strict=True):
-        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-6)
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)
 
 
 def test_a_batch_with_an_empty_prompt_is_collated_without_sharing():
@@ -86,16 +83,31 @@ def test_shared_prefix_needs_whole_groups(model):
         model(ids, torch.ones_like(ids), prefix_ids=ids[:2], prefix_mask=torch.ones_like(ids[:2]))
 
 
-def test_packed_mask_hides_the_chosen_tokens_from_the_rejected_ones():
-    (pair,) = random_pairs([(3, 2, 2)])
-    batch = pack_pairs([pair, *random_pairs([(4, 3, 3)], seed=1)], 0)
-    allowed = batch["attention_mask"][0, 0].int().tolist()
-    # positions 0-2 prompt, 3-4 chosen, 5-6 rejected, 7-9 padding
-    assert allowed[4][:5] == [1, 1, 1, 1, 1] and allowed[4][5:] == [0] * 5  # chosen: causal
-    assert allowed[6][:7] == [1, 1, 1, 0, 0, 1, 1]  # rejected: the prompt and itself only
-    assert allowed[8] == [0] * 8 + [1, 0]  # a padding query sees itself only
-    assert batch["position_ids"][0].tolist()[:7] == [0, 1, 2, 3, 4, 3, 4]
-    assert batch["ends"][0].tolist() == [4, 6]
+def test_packed_mask_hides_the_chosen_tokens_from_the_rejected_ones_and_pairs_from_each_other():
+    # 7, 10 and 3 tokens: row 0 holds the 10, row 1 the 7 then the 3
+    pairs = random_pairs([(3, 2, 2), (4, 3, 3), (1, 1, 1)])
+    batch = pack_pairs(pairs, 0)
+    assert batch["input_ids"].shape == (2, 10)
+    assert batch["input_ids"][1].tolist() == [
+        *pairs[0].prompt_ids, *pairs[0].chosen_ids, *pairs[0].rejected_ids,
+        *pairs[2].prompt_ids, *pairs[2].chosen_ids, *pairs[2].rejected_ids,
+    ]  # fmt: skip
+    allowed = batch["attention_mask"][1, 0].int().tolist()
+    # row 1: positions 0-2 prompt, 3-4 chosen, 5-6 rejected of pair 0; 7, 8, 9 those of pair 2
+    assert allowed[4] == [1, 1, 1, 1, 1, 0, 0, 0, 0, 0]  # chosen: causal within its pair
+    assert allowed[6] == [1, 1, 1, 0, 0, 1, 1, 0, 0, 0]  # rejected: the prompt and itself only
+    assert allowed[9] == [0] * 7 + [1, 0, 1]  # pair 2's rejected token: its prompt and itself
+    assert batch["position_ids"][1].tolist() == [0, 1, 2, 3, 4, 3, 4, 0, 1, 1]
+    # flat indices into the 2 x 10 positions, in the pairs' order
+    assert batch["ends"].tolist() == [[14, 16], [6, 9], [18, 19]]
+    assert batch_tokens(batch) == 7 + 3 + 10 + 4 + 3 + 1
+
+
+def test_a_padding_query_attends_to_itself_only():
+    batch = pack_pairs(random_pairs([(3, 2, 2), (4, 3, 3)]), 0)  # 10 does not fit beside 7
+    assert batch["input_ids"].shape == (2, 10)
+    allowed = batch["attention_mask"][1, 0].int().tolist()
+    assert allowed[8] == [0] * 8 + [1, 0]
 
 
 def test_a_4d_mask_needs_position_ids(model):

@@ -207,3 +207,28 @@ def test_embedding_grad_buffer_applies_only_where_it_can():
     with pytest.raises(ValueError, match="frozen"):
         maybe_embedding_grad_buffer(model, enabled=True, processes=1)
     assert maybe_embedding_grad_buffer(nn.Linear(2, 2), enabled=None, processes=1) is None
+
+
+# ----------------------------------------------------------------------------- clipping
+
+
+@pytest.mark.parametrize("max_norm", [1e-3, 1e3, float("nan")])
+def test_clip_grad_norm_equals_torchs(max_norm):
+    from accelerate import Accelerator
+
+    from rlhf_core.loop import clip_grad_norm
+
+    accelerator = Accelerator(cpu=True)
+    models = [tiny_lm(False) for _ in range(2)]
+    ids = torch.arange(20).view(2, 10)
+    for model in models:
+        model(input_ids=ids, labels=ids).loss.backward()
+    if max_norm != max_norm:  # a NaN gradient: both clip everything to NaN
+        max_norm = 1.0
+        for model in models:
+            next(model.parameters()).grad[0, 0] = float("nan")
+    ours = clip_grad_norm(accelerator, models[0], max_norm)
+    theirs = torch.nn.utils.clip_grad_norm_(models[1].parameters(), max_norm)
+    assert ours == float(theirs) or (ours != ours and theirs != theirs)
+    for a, b in zip(models[0].parameters(), models[1].parameters(), strict=True):
+        assert torch.equal(a.grad, b.grad) or (a.grad.isnan().all() and b.grad.isnan().all())
