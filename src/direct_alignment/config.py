@@ -24,8 +24,10 @@ from rlhf_core.tracking import TrackingConfig
 class PreferenceDataConfig(StrictModel):
     train: DataSource = Field(description="training pairs (file, hub id, or reasoning-gym)")
     eval: DataSource | None = Field(None, description="held-out pairs")
-    format: Literal["auto", "preference", "hh", "ultrafeedback"] = Field(
-        "auto", description="row format; auto = preference if a 'prompt' column exists, else hh"
+    format: Literal["auto", "preference", "hh", "ultrafeedback", "unpaired"] = Field(
+        "auto",
+        description="row format; auto = preference if a 'prompt' column exists, else hh; "
+        "unpaired = {prompt, completion, label} rows for the kto_unpaired loss",
     )
     max_length: int = Field(512, gt=2, description="max prompt + completion tokens")
     max_prompt_length: int | None = Field(
@@ -80,6 +82,21 @@ class DAConfig(StrictModel):
         from direct_alignment.losses import LOSSES
 
         return validate_spec(LOSSES, spec, where="loss")
+
+    @model_validator(mode="after")
+    def _unpaired_loss_reads_unpaired_data(self) -> DAConfig:
+        from direct_alignment.losses import LOSSES
+
+        unpaired_loss = LOSSES.get(self.loss["name"]).unpaired
+        if unpaired_loss != (self.data.format == "unpaired"):
+            raise ValueError(
+                f"loss {self.loss['name']!r} reads "
+                f"{'unpaired rows' if unpaired_loss else 'preference pairs'} but data.format is "
+                f"{self.data.format!r}: use data.format 'unpaired' with loss 'kto_unpaired' "
+                "(rows {prompt, completion, label}), or a pair format with a pairwise loss "
+                "('kto' is KTO on pairs)"
+            )
+        return self
 
     @model_validator(mode="after")
     def _one_model_source(self) -> DAConfig:

@@ -10,6 +10,10 @@ Row formats (`data.format`, `auto` picks by columns):
   ultrafeedback   UltraFeedback-binarized: {"prompt": str, "chosen": [messages], "rejected": [...]}
   reasoning_gym   synthetic pairs from a task: chosen = the reference answer, rejected = a
                   deterministic corruption of it (`corrupt_answer`), for learnable offline tests
+  unpaired        KTO's labelled single completions (`build_unpaired_data`):
+                  {"prompt": str | messages, "completion": str | messages, "label": bool}, as in
+                  trl-lib/kto-mix-14k; from reasoning-gym, two rows per task example (the answer,
+                  label true; its corruption, label false)
 
 Prompts are rendered with the tokenizer's chat template; completions end with eos. Truncation
 keeps the end of the prompt (its last `max_prompt_length` tokens, default max_length // 2), then
@@ -32,10 +36,15 @@ from rlhf_core.data import DataSource, load_rows, reasoning_gym_dataset, warn_tr
 
 @dataclass
 class PreferencePair:
+    """A preference pair; or, for unpaired data (`label` set), one labelled completion as
+    `chosen_ids` and, as `rejected_ids`, the completion of another prompt that KTO's reference
+    point reads (`build_unpaired_data`). Either way the two halves run as one batch."""
+
     prompt_ids: list[int]
     chosen_ids: list[int]
     rejected_ids: list[int]
     prompt_text: str
+    label: bool | None = None
 
 
 @dataclass
@@ -146,11 +155,100 @@ def build_preference_data(
     return data
 
 
+def unpaired_row(row: dict[str, Any], index: int, where: str) -> tuple[Messages, str, bool]:
+    """(prompt messages, completion text, label) of one unpaired row."""
+    here = f"{where}: row {index}"
+    for column in ("prompt", "completion", "label"):
+        if row.get(column) is None:
+            raise ValueError(f"{here} is missing column {column!r} (columns: {list(row)})")
+    if not isinstance(row["label"], bool):
+        raise ValueError(
+            f"{here} column 'label': expected true/false (is the completion desirable), "
+            f"got {row['label']!r}"
+        )
+    prompt = as_messages(row["prompt"], where=f"{here} column 'prompt'")
+    return (
+        prompt,
+        completion_text(row["completion"], prompt, f"{here} column 'completion'"),
+        row["label"],
+    )
+
+
+def mismatched_partners(prompts: list[str]) -> list[int]:
+    """For each example, another example with a different prompt, whose completion KTO's KL
+    estimate reads after this prompt: i + N // 2 (mod N), stepping on while the prompt is the
+    same (rows built from pairs put a prompt's completions side by side). Fixed per example,
+    so the reference log-probs can be precomputed."""
+    n = len(prompts)
+    partners = []
+    for i in range(n):
+        j = (i + max(1, n // 2)) % n
+        for _ in range(n):
+            if prompts[j] != prompts[i]:
+                break
+            j = (j + 1) % n
+        else:
+            raise ValueError(
+                "unpaired data needs at least two distinct prompts (KTO's KL estimate)"
+            )
+        partners.append(j)
+    return partners
+
+
+def build_unpaired_data(
+    source: DataSource,
+    tokenizer,
+    *,
+    max_length: int,
+    max_prompt_length: int | None,
+    where: str,
+    limit: int | None = None,
+) -> PreferenceData:
+    """Labelled single completions for KTO, as `PreferencePair`s with `label` set: `chosen_ids`
+    the completion, `rejected_ids` the completion of `mismatched_partners` (truncated to fit
+    after this prompt). Truncation as for pairs; nothing is dropped."""
+    if source.reasoning_gym is None:
+        rows = load_rows(source, field=where)
+    else:
+        rows = []
+        for i, e in enumerate(reasoning_gym_dataset(source.reasoning_gym)):
+            wrong = corrupt_answer(e["answer"], source.reasoning_gym.seed + i)
+            rows += [{"prompt": e["question"], "completion": e["answer"], "label": True},
+                     {"prompt": e["question"], "completion": wrong, "label": False}]  # fmt: skip
+    parsed, empty = [], 0
+    for index, row in enumerate(rows):
+        prompt, completion, label = unpaired_row(row, index, where)
+        empty += not completion.strip()
+        prompt_text = render_prompt(tokenizer, prompt, where=f"{where}: row {index} prompt")
+        parsed.append((prompt_text, completion, label))
+        if limit is not None and len(parsed) >= limit:
+            break
+    if not parsed:
+        raise ValueError(f"{where}: no unpaired rows in {source.describe()}")
+    keep_prompt = max_prompt_length or max_length // 2
+    eos = tokenizer.eos_token_id
+    data = PreferenceData(pairs=[], empty_completions=empty)
+    prompts = tokenizer([p[0] for p in parsed], add_special_tokens=False)["input_ids"]
+    completions = tokenizer([p[1] for p in parsed], add_special_tokens=False)["input_ids"]
+    partners = mismatched_partners([p[0] for p in parsed])
+    for i, ((prompt_text, _, label), p_ids) in enumerate(zip(parsed, prompts, strict=True)):
+        data.truncated_prompts += len(p_ids) > keep_prompt
+        p_ids = p_ids[-keep_prompt:]
+        room = max(1, max_length - len(p_ids))
+        full = completions[i] + [eos]
+        data.truncated += len(full) > room
+        kl = (completions[partners[i]] + [eos])[:room]
+        data.pairs.append(PreferencePair(p_ids, full[:room], kl, prompt_text, label=label))
+    if data.truncated_prompts:
+        warn_truncated_prompts(where, data.truncated_prompts, len(parsed), keep_prompt)
+    return data
+
+
 def collate_pairs(pairs: list[PreferencePair], pad_id: int) -> dict[str, torch.Tensor]:
     """One right-padded batch of 2B rows: the B chosen sequences, then the B rejected ones.
 
     loss_mask (2B, S-1) marks completion targets aligned with `causal_lm_token_logprobs`;
-    lengths (2B,) are completion token counts.
+    lengths (2B,) are completion token counts; labels (B,) bool for unpaired rows.
     """
     seqs = [p.prompt_ids + p.chosen_ids for p in pairs] + [
         p.prompt_ids + p.rejected_ids for p in pairs
@@ -164,9 +262,12 @@ def collate_pairs(pairs: list[PreferencePair], pad_id: int) -> dict[str, torch.T
         input_ids[b, : len(seq)] = torch.tensor(seq)
         attention_mask[b, : len(seq)] = 1
         loss_mask[b, plen - 1 : len(seq) - 1] = True
-    return {
+    batch = {
         "input_ids": input_ids,
         "attention_mask": attention_mask,
         "loss_mask": loss_mask,
         "lengths": loss_mask.sum(-1),
     }
+    if pairs[0].label is not None:  # unpaired rows: (B,) labels, for KTO
+        batch["labels"] = torch.tensor([bool(p.label) for p in pairs])
+    return batch

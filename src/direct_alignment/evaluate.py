@@ -14,6 +14,7 @@ from pathlib import Path
 import torch
 
 from direct_alignment.data import PreferencePair, collate_pairs
+from direct_alignment.losses import loss_inputs
 from direct_alignment.reference import pair_logps
 from rlhf_core.generation import generate_completions
 from rlhf_core.models import with_padding_side
@@ -40,11 +41,7 @@ def evaluate_pairs(
         batch = {k: v.to(device) for k, v in collate_pairs(pairs[chunk], pad_id).items()}
         chosen, rejected = pair_logps(model, batch)
         refs = reference_logps(batch, chunk) if reference_logps is not None else (None, None)
-        half = batch["lengths"].shape[0] // 2
-        loss, metrics = loss_fn(
-            chosen, rejected, *refs,
-            chosen_lengths=batch["lengths"][:half], rejected_lengths=batch["lengths"][half:],
-        )  # fmt: skip
+        loss, metrics = loss_fn(chosen, rejected, *refs, **loss_inputs(batch))
         n = chunk.stop - chunk.start
         for key, value in {"loss": loss, **metrics}.items():
             totals[key] = totals.get(key, 0.0) + float(value) * n

@@ -21,6 +21,7 @@ losses, a frozen reference model, plus completion token counts (B,) where a loss
     simpo     -logsig(beta (avg_c - avg_r) - gamma)                      no         yes
     orpo      -avg_c - beta logsig(log_odds(avg_c) - log_odds(avg_r))    no         yes
     kto       batch-level reference point z, see `KTOPairLoss`           yes        no
+    kto_unpaired  unpaired rows with labels, see `KTOLoss`                 yes        no
     apo_zero  (1 - sigmoid(beta (pc - rc))) + sigmoid(beta (pr - rr))    yes        no
     apo_down  sigmoid(beta (pc - rc)) + (1 - sigmoid(beta h))            yes        no
 
@@ -70,6 +71,19 @@ def log1mexp(x: torch.Tensor) -> torch.Tensor:
     return torch.where(x > -_LN2, torch.log(-torch.expm1(x)), torch.log1p(-torch.exp(x)))
 
 
+def loss_inputs(batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """The keyword inputs of a loss from a `collate_pairs` batch: both halves' completion
+    lengths, and the labels of unpaired rows."""
+    half = batch["lengths"].shape[0] // 2
+    inputs = {
+        "chosen_lengths": batch["lengths"][:half],
+        "rejected_lengths": batch["lengths"][half:],
+    }
+    if "labels" in batch:
+        inputs["labels"] = batch["labels"]
+    return inputs
+
+
 def _register(name: str) -> Callable[[type[DirectAlignmentLoss]], type[DirectAlignmentLoss]]:
     """Register a loss class in `LOSSES` and record the name on it (used in error messages)."""
 
@@ -93,6 +107,9 @@ class DirectAlignmentLoss(nn.Module):
     # Lengths are only ever used to turn summed log-probs into per-token averages. A class
     # attribute everywhere except `ipo`, which sets it per instance from `length_normalize`.
     needs_lengths: bool
+    # Unpaired losses (KTO on labelled single completions) read the rows' labels instead of a
+    # preference: `forward(..., labels=...)`, data from `data.format: unpaired`.
+    unpaired: ClassVar[bool] = False
 
     def __init__(self, *, beta: float) -> None:
         super().__init__()
@@ -518,6 +535,92 @@ class KTOPairLoss(DirectAlignmentLoss):
     def _extra_metrics(self, chosen: torch.Tensor, rejected: torch.Tensor) -> dict:
         z_chosen, z_rejected = _kto_reference_points(chosen, rejected)
         return {"kto/kl_chosen": z_chosen, "kto/kl_rejected": z_rejected}
+
+
+@_register("kto_unpaired")
+class KTOLoss(DirectAlignmentLoss):
+    """Kahneman-Tversky Optimization (Ethayarajh et al. 2024, arXiv:2402.01306), eq. 8, on
+    unpaired data: each row is one completion y of prompt x with a binary label (desirable or
+    not), plus a completion y' of another prompt for the reference point (`data.format:
+    unpaired` builds both; the loss reads them as the "chosen" and "rejected" halves).
+
+        r_i = p_i - r_ref_i                                   log pi/pi_ref of (x_i, y_i)
+        z0  = max(0, mean_batch(p'_i - r_ref'_i))             KL estimate from mismatched
+                                                              (x_i, y'_i), no gradient
+        desirable_i   = w_d * (1 - sigmoid(beta * (r_i - z0)))
+        undesirable_i = w_u * (1 - sigmoid(beta * (z0 - r_i)))
+        loss = batch mean of the terms, each row by its label
+
+    Differs from the paired `kto` by needing no pairs at all, only thumbs-up / thumbs-down
+    feedback, and by estimating z0 as the paper does: from (prompt, completion) combinations that
+    were never generated together, here a fixed partner per example from another prompt (so
+    the precomputed reference mode can cache it). z0 is the micro-batch estimate, not averaged
+    across processes (TRL averages it across processes). The paper recommends weights with
+    w_d * n_desirable / (w_u * n_undesirable) in [1, 4/3]; the trainer warns outside that range.
+    Defaults: beta = 0.1, w_d = w_u = 1.
+
+    Call: `loss_fn(p, p_kl, r_ref, r_ref_kl, labels=...)` with `labels` (B,) bool.
+    """
+
+    needs_reference = True
+    needs_lengths = False
+    unpaired: ClassVar[bool] = True
+
+    def __init__(
+        self,
+        *,
+        beta: float = 0.1,
+        desirable_weight: float = 1.0,
+        undesirable_weight: float = 1.0,
+    ) -> None:
+        super().__init__(beta=beta)
+        for arg, value in (
+            ("desirable_weight", desirable_weight),
+            ("undesirable_weight", undesirable_weight),
+        ):
+            self._require(0 < value < math.inf, arg, value, "a positive finite number")
+        self.desirable_weight = float(desirable_weight)
+        self.undesirable_weight = float(undesirable_weight)
+
+    def forward(
+        self,
+        policy_logps: torch.Tensor,
+        policy_kl_logps: torch.Tensor,
+        ref_logps: torch.Tensor | None = None,
+        ref_kl_logps: torch.Tensor | None = None,
+        *,
+        labels: torch.Tensor | None = None,
+        chosen_lengths: torch.Tensor | None = None,
+        rejected_lengths: torch.Tensor | None = None,
+    ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        """Summed completion log-probs (B,) of the rows and of their mismatched KL rows, and
+        the rows' labels (B,) bool -> (mean loss, metrics)."""
+        ratio, kl_ratio = self.scores(policy_logps, policy_kl_logps, ref_logps, ref_kl_logps)
+        if not isinstance(labels, torch.Tensor) or labels.shape != ratio.shape:
+            got = tuple(labels.shape) if isinstance(labels, torch.Tensor) else labels
+            raise ValueError(f"{self.name} loss: labels must be a (B,) bool tensor, got {got}")
+        desirable = labels.bool()
+        z0 = kl_ratio.mean().clamp(min=0).detach()
+        # 1 - sigmoid(x) written as sigmoid(-x): exact for large x, no cancellation
+        losses = torch.where(
+            desirable,
+            self.desirable_weight * torch.sigmoid(-self.beta * (ratio - z0)),
+            self.undesirable_weight * torch.sigmoid(-self.beta * (z0 - ratio)),
+        )
+        rewards = self.beta * ratio.detach()
+        d = desirable.to(rewards.dtype)
+        n_d, n_u = d.sum(), (1 - d).sum()
+        metrics = {
+            # means over the batch's desirable / undesirable rows (0 where it has none)
+            "rewards/desirable": (rewards * d).sum() / n_d.clamp(min=1),
+            "rewards/undesirable": (rewards * (1 - d)).sum() / n_u.clamp(min=1),
+            "rewards/desirable_fraction": d.mean(),
+            # rows on the side of the reference point their label asks for
+            "rewards/accuracy": ((ratio.detach() > z0) == desirable).to(rewards.dtype).mean(),
+            "logps/policy": policy_logps.detach().mean(),
+            "kto/kl": z0,
+        }
+        return losses.mean(), metrics
 
 
 @_register("apo_zero")

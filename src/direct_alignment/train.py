@@ -14,14 +14,16 @@ from __future__ import annotations
 
 import sys
 import traceback
+import warnings
 from contextlib import nullcontext
+from functools import partial
 
 import torch
 
 from direct_alignment.config import DAConfig
-from direct_alignment.data import build_preference_data, collate_pairs
+from direct_alignment.data import build_preference_data, build_unpaired_data, collate_pairs
 from direct_alignment.evaluate import evaluate_pairs, write_samples
-from direct_alignment.losses import LOSSES
+from direct_alignment.losses import LOSSES, loss_inputs
 from direct_alignment.reference import (
     load_reference_cache,
     pair_logps,
@@ -53,6 +55,27 @@ from rlhf_core.tracking import Tracker, new_run_dir, resolve_resume
 PACKAGE = "direct_alignment"
 
 
+def warn_kto_weights(loss_fn, examples) -> None:
+    """KTO's paper recommends w_d * n_desirable / (w_u * n_undesirable) in [1, 4/3]."""
+    n_d = sum(bool(e.label) for e in examples)
+    n_u = len(examples) - n_d
+    if n_d == 0 or n_u == 0:
+        kind = "desirable" if n_u == 0 else "undesirable"
+        warnings.warn(
+            f"data.train: all {len(examples)} rows are {kind}; KTO then pushes one way only",
+            stacklevel=2,
+        )
+        return
+    ratio = loss_fn.desirable_weight * n_d / (loss_fn.undesirable_weight * n_u)
+    if not 1.0 <= ratio <= 4 / 3:
+        warnings.warn(
+            f"kto_unpaired: desirable_weight * {n_d} desirable / (undesirable_weight * {n_u} "
+            f"undesirable) = {ratio:.2f}, outside the paper's recommended [1, 4/3]; e.g. "
+            f"desirable_weight {loss_fn.undesirable_weight * n_u / n_d:.3g} gives 1",
+            stacklevel=2,
+        )
+
+
 def train(cfg: DAConfig, run: RunArgs) -> int:
     """Train one policy (cfg.model); returns the exit code (0, or 130/143 after a signal)."""
     assert cfg.model is not None
@@ -64,17 +87,19 @@ def train(cfg: DAConfig, run: RunArgs) -> int:
     tokenizer = load_tokenizer(cfg.model, padding_side="right")
     d, t = cfg.data, cfg.train
     lengths = {"max_length": d.max_length, "max_prompt_length": d.max_prompt_length}
-    train_data = build_preference_data(
-        d.train, tokenizer, fmt=d.format, where="data.train", **lengths
-    )
+    if d.format == "unpaired":  # labelled single completions (KTO), as pairs with a label
+        build = build_unpaired_data
+    else:
+        build = partial(build_preference_data, fmt=d.format)
+    train_data = build(d.train, tokenizer, where="data.train", **lengths)
     eval_data = None
     if d.eval is not None:
-        eval_data = build_preference_data(
-            d.eval, tokenizer, fmt=d.format, where="data.eval", limit=t.eval_size, **lengths
-        )
+        eval_data = build(d.eval, tokenizer, where="data.eval", limit=t.eval_size, **lengths)
     micro, total_steps = plan_steps(t, len(train_data.pairs), world)
     check_engine_accumulation(accelerator, t.batch_size // (micro * world))
     loss_fn = build_from_spec(LOSSES, cfg.loss)
+    if loss_fn.unpaired:
+        warn_kto_weights(loss_fn, train_data.pairs)
     run_dir, ckpt = resolve_resume(
         run.resume, package=PACKAGE, name=cfg.name, output_dir=run.output_dir
     )
@@ -178,12 +203,7 @@ def train(cfg: DAConfig, run: RunArgs) -> int:
                 with nullcontext() if sync else accelerator.no_sync(policy):
                     chosen, rejected = pair_logps(policy, batch)
                     ref_c, ref_r = ref_logps("train", batch, rows)
-                    half = len(rows)
-                    loss, m = loss_fn(
-                        chosen, rejected, ref_c, ref_r,
-                        chosen_lengths=batch["lengths"][:half],
-                        rejected_lengths=batch["lengths"][half:],
-                    )  # fmt: skip
+                    loss, m = loss_fn(chosen, rejected, ref_c, ref_r, **loss_inputs(batch))
                     # DDP averages gradients over processes; scale so they sum to the global mean
                     accelerator.backward(loss * weight * world)
                 step_loss += loss.detach() * weight

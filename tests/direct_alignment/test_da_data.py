@@ -7,7 +7,13 @@ import json
 import pytest
 import torch
 
-from direct_alignment.data import build_preference_data, collate_pairs, corrupt_answer
+from direct_alignment.data import (
+    build_preference_data,
+    build_unpaired_data,
+    collate_pairs,
+    corrupt_answer,
+    mismatched_partners,
+)
 from rlhf_core.chat import split_hh_pair
 from rlhf_core.data import DataSource
 from rlhf_core.models import ModelConfig, load_tokenizer
@@ -133,3 +139,73 @@ def test_prompts_cut_to_the_prompt_budget_are_counted_and_warned_about(char_tok,
     assert all(len(p.prompt_ids) <= 40 for p in data.pairs)
     roomy = build(char_tok, source, max_length=200, max_prompt_length=150)
     assert roomy.truncated_prompts == 0
+
+
+# ----------------------------------------------------------------------------- unpaired (KTO)
+
+
+def build_unpaired(tok, source, max_length=200, max_prompt_length=None):
+    return build_unpaired_data(
+        source, tok, max_length=max_length, max_prompt_length=max_prompt_length,
+        where="data.train",
+    )  # fmt: skip
+
+
+def test_unpaired_rows_give_labelled_completions_with_a_mismatched_kl_partner(char_tok, tmp_path):
+    rows = [
+        {"prompt": "say hi", "completion": "hi", "label": True},
+        {"prompt": "say hi", "completion": "go away", "label": False},
+        {"prompt": [{"role": "user", "content": "count"}],
+         "completion": [{"role": "assistant", "content": "1 2 3"}], "label": True},
+        {"prompt": "name a colour", "completion": "blue", "label": False},
+    ]  # fmt: skip
+    data = build_unpaired(char_tok, write_jsonl(tmp_path / "u.jsonl", rows))
+    eos = char_tok.eos_token_id
+    assert [e.label for e in data.pairs] == [True, False, True, False]
+    for e, row in zip(data.pairs, rows, strict=True):
+        completion = row["completion"]
+        text = completion if isinstance(completion, str) else completion[-1]["content"]
+        assert e.chosen_ids == char_tok(text, add_special_tokens=False)["input_ids"] + [eos]
+    # each KL completion comes from another prompt: i + N // 2, stepping past the same prompt
+    kl_sources = [rows[j]["completion"] for j in (2, 3, 0, 1)]
+    for e, source in zip(data.pairs, kl_sources, strict=True):
+        text = source if isinstance(source, str) else source[-1]["content"]
+        assert e.rejected_ids == char_tok(text, add_special_tokens=False)["input_ids"] + [eos]
+    batch = collate_pairs(data.pairs, char_tok.pad_token_id)
+    assert batch["labels"].tolist() == [True, False, True, False]
+    assert batch["input_ids"].shape[0] == 8  # completions, then their KL rows
+
+
+def test_mismatched_partners_skip_rows_of_the_same_prompt():
+    assert mismatched_partners(["a", "a", "b", "b"]) == [2, 3, 0, 1]
+    assert mismatched_partners(["a", "b", "a", "b"]) == [3, 0, 1, 2]  # i + 2: same prompt
+    with pytest.raises(ValueError, match="at least two distinct prompts"):
+        mismatched_partners(["a", "a"])
+
+
+@pytest.mark.parametrize(
+    ("row", "message"),
+    [
+        ({"prompt": "p", "completion": "c"}, r"row 0 is missing column 'label'"),
+        ({"prompt": "p", "label": True}, r"row 0 is missing column 'completion'"),
+        ({"prompt": "p", "completion": "c", "label": "yes"}, r"row 0 column 'label'.*true/false"),
+        ({"prompt": "p", "completion": "c", "label": 1}, r"got 1"),
+    ],
+)
+def test_bad_unpaired_rows_are_clear_errors(char_tok, tmp_path, row, message):
+    source = write_jsonl(
+        tmp_path / "u.jsonl", [row, {"prompt": "q", "completion": "d", "label": True}]
+    )
+    with pytest.raises(ValueError, match=message):
+        build_unpaired(char_tok, source)
+
+
+def test_unpaired_reasoning_gym_rows_are_the_answer_and_its_corruption(char_tok):
+    source = DataSource.model_validate(
+        {"reasoning_gym": {"task": "spell_backward", "size": 3, "seed": 5}}
+    )
+    data = build_unpaired(char_tok, source)
+    assert [e.label for e in data.pairs] == [True, False] * 3
+    for good, bad in zip(data.pairs[0::2], data.pairs[1::2], strict=True):
+        assert good.prompt_ids == bad.prompt_ids and good.chosen_ids != bad.chosen_ids
+        assert good.rejected_ids != good.chosen_ids  # the KL row reads another prompt's answer

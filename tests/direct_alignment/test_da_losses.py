@@ -51,9 +51,10 @@ CASES = [
 ]
 CASE_IDS = [f"{name}-{'-'.join(f'{k}={v}' for k, v in kw.items())}" for name, kw in CASES]
 ALL_NAMES = sorted(
-    ["dpo", "rpo", "cdpo", "robust", "ipo", "hinge", "simpo", "orpo", "kto", "apo_zero",
-     "apo_down"]
+    ["dpo", "rpo", "cdpo", "robust", "ipo", "hinge", "simpo", "orpo", "kto", "kto_unpaired",
+     "apo_zero", "apo_down"]
 )  # fmt: skip
+PAIRED_NAMES = [n for n in ALL_NAMES if n != "kto_unpaired"]  # losses that read a preference
 
 
 # ---------------------------------------------------------------- scalar float64 references
@@ -336,7 +337,7 @@ def test_ipo_length_normalize_uses_per_token_averages():
     assert (normalized - on_sums).abs() > 1e-3
 
 
-@pytest.mark.parametrize("name", [n for n in ALL_NAMES if n != "kto"])
+@pytest.mark.parametrize("name", [n for n in PAIRED_NAMES if n != "kto"])
 def test_batch_loss_is_mean_of_per_pair_losses(name):
     """Rows of different lengths in one batch give the mean of the rows' own losses."""
     loss_fn = LOSSES.get(name)()
@@ -363,7 +364,7 @@ def test_reference_free_losses_ignore_reference_logps():
 # ---------------------------------------------------------------- metrics
 
 
-@pytest.mark.parametrize("name", ALL_NAMES)
+@pytest.mark.parametrize("name", PAIRED_NAMES)
 def test_metrics_are_detached_scalars_in_input_dtype(name):
     t = {k: v.float() if v.is_floating_point() else v for k, v in as_tensors(ROWS).items()}
     for k in ("pc", "pr", "rc", "rr"):
@@ -424,6 +425,7 @@ NEEDS = {  # name: (needs_reference, needs_lengths)
     "simpo": (False, True),
     "orpo": (False, True),
     "kto": (True, False),
+    "kto_unpaired": (True, False),
     "apo_zero": (True, False),
     "apo_down": (True, False),
 }
@@ -437,6 +439,7 @@ DEFAULTS = {
     "simpo": {"beta": 2.0, "gamma": 0.5},
     "orpo": {"beta": 0.1},
     "kto": {"beta": 0.1, "desirable_weight": 1.0, "undesirable_weight": 1.0},
+    "kto_unpaired": {"beta": 0.1, "desirable_weight": 1.0, "undesirable_weight": 1.0},
     "apo_zero": {"beta": 0.1},
     "apo_down": {"beta": 0.1},
 }
@@ -562,3 +565,67 @@ def test_rpo_with_alpha_zero_is_dpo_and_needs_the_chosen_lengths():
         LOSSES.get("rpo")()(t["pc"], t["pr"], t["rc"], t["rr"])
     with pytest.raises(ValueError, match="alpha must be a finite number >= 0"):
         LOSSES.get("rpo")(alpha=-1.0)
+
+
+# ---------------------------------------------------------------- KTO on unpaired rows
+
+
+def ref_kto_unpaired(rows, labels, *, beta, desirable_weight, undesirable_weight):
+    """Ethayarajh et al. 2024 eq. 8 on one batch, scalar float64: rows are (p, p_kl, r, r_kl)."""
+    z0 = max(0.0, sum(p_kl - r_kl for _, p_kl, _, r_kl in rows) / len(rows))
+    total = 0.0
+    for (p, _, r, _), label in zip(rows, labels, strict=True):
+        ratio = p - r
+        if label:
+            total += desirable_weight * (1 - sigmoid(beta * (ratio - z0)))
+        else:
+            total += undesirable_weight * (1 - sigmoid(beta * (z0 - ratio)))
+    return total / len(rows), z0
+
+
+UNPAIRED = [(-12.5, -15.0, -13.0, -14.5), (-3.2, -2.9, -3.0, -3.1), (-40.0, -38.5, -41.0, -39.0),
+            (-0.7, -6.0, -1.2, -5.5), (-9.0, -7.0, -8.0, -7.5)]  # fmt: skip
+
+
+@pytest.mark.parametrize("beta", [1e-6, 0.1, 2.0])
+@pytest.mark.parametrize(("w_d", "w_u"), [(1.0, 1.0), (1.33, 0.7)])
+@pytest.mark.parametrize("labels", [[1, 0, 1, 0, 0], [1, 1, 1, 1, 1], [0, 0, 0, 0, 0]])
+def test_kto_unpaired_matches_float64_reference(beta, w_d, w_u, labels):
+    weights = {"desirable_weight": w_d, "undesirable_weight": w_u}
+    want, z0 = ref_kto_unpaired(UNPAIRED, labels, beta=beta, **weights)
+    p, p_kl, r, r_kl = (torch.tensor(c, dtype=F64) for c in zip(*UNPAIRED, strict=True))
+    loss_fn = LOSSES.get("kto_unpaired")(beta=beta, **weights)
+    loss, metrics = loss_fn(p, p_kl, r, r_kl, labels=torch.tensor(labels, dtype=torch.bool))
+    torch.testing.assert_close(loss, torch.tensor(want, dtype=F64), **TOL)
+    torch.testing.assert_close(metrics["kto/kl"], torch.tensor(z0, dtype=F64), **TOL)
+    ratios = [(a - b) for a, _, b, _ in UNPAIRED]
+    right = [(x > z0) == bool(y) for x, y in zip(ratios, labels, strict=True)]
+    assert float(metrics["rewards/accuracy"]) == pytest.approx(sum(right) / len(right))
+    for key, value in metrics.items():
+        assert value.dim() == 0 and not value.requires_grad, key
+
+
+def test_kto_unpaired_gradcheck_and_no_gradient_through_the_kl_rows():
+    p, p_kl, r, r_kl = (
+        torch.tensor(c, dtype=F64, requires_grad=True) for c in zip(*UNPAIRED, strict=True)
+    )
+    labels = torch.tensor([1, 0, 1, 0, 0], dtype=torch.bool)
+    loss_fn = LOSSES.get("kto_unpaired")(beta=0.3, desirable_weight=1.2, undesirable_weight=0.8)
+    # z0 is a detached batch statistic: check the gradient of the rows' own log-probs, with the
+    # KL rows held fixed (numerically z0 moves with them, by design not analytically)
+    kl = (p_kl.detach(), r_kl.detach())
+    assert torch.autograd.gradcheck(
+        lambda a, b: loss_fn(a, kl[0], b, kl[1], labels=labels)[0], (p, r)
+    )
+    loss_fn(p, p_kl, r, r_kl, labels=labels)[0].backward()
+    assert p_kl.grad is None and r_kl.grad is None  # z0 carries no gradient
+    assert torch.all(p.grad != 0)
+
+
+def test_kto_unpaired_needs_labels_of_the_batch_shape():
+    t = [torch.tensor(c, dtype=F64) for c in zip(*UNPAIRED, strict=True)]
+    loss_fn = LOSSES.get("kto_unpaired")()
+    with pytest.raises(ValueError, match=r"labels must be a \(B,\) bool tensor, got None"):
+        loss_fn(*t)
+    with pytest.raises(ValueError, match=r"got \(3,\)"):
+        loss_fn(*t, labels=torch.ones(3, dtype=torch.bool))

@@ -148,3 +148,66 @@ def test_dry_run_reports_pairs_and_trains_nothing(tiny_dpo_dict, tmp_path, capsy
     out = capsys.readouterr().out
     assert "train pairs: 32" in out and "would run:   4 steps x 8 pairs" in out
     assert not (tmp_path / "run").exists()
+
+
+# ----------------------------------------------------------------------------- KTO, unpaired
+
+
+def tiny_kto_dict() -> dict:
+    import yaml
+
+    path = Path(__file__).parents[2] / "configs" / "direct_alignment" / "tiny_kto_unpaired.yaml"
+    return yaml.safe_load(path.read_text())
+
+
+def test_kto_on_unpaired_rows_learns_which_completions_are_desirable(tmp_path):
+    # the shipped tiny config: 64 labelled rows (32 words, the reversed word true, the word as
+    # given false), 16 steps; held-out 64 words. Measured: accuracy 0.703 (chance 0.5), reward
+    # of desirable rows 0.176 against -0.084
+    cfg = tiny_kto_dict()
+    cfg["checkpoint"]["save_every"] = 0
+    assert run_cfg(cfg, tmp_path / "run") == 0
+    summary = json.loads((tmp_path / "run" / "summary.json").read_text())
+    assert summary["eval/rewards/accuracy"] >= 0.6
+    assert summary["eval/rewards/desirable"] > summary["eval/rewards/undesirable"] + 0.1
+    assert summary["eval/rewards/desirable_fraction"] == 0.5
+
+
+def test_unpaired_kto_precomputed_reference_trains_as_the_model_reference(tmp_path):
+    losses = {}
+    for mode in ("model", "precomputed"):
+        cfg = tiny_kto_dict()
+        cfg["reference"]["mode"] = mode
+        cfg["train"].update(max_steps=3, eval_every=0)
+        cfg["data"]["eval"] = None
+        cfg["checkpoint"]["save_every"] = 0
+        assert run_cfg(cfg, tmp_path / mode) == 0
+        losses[mode] = metric_series(tmp_path / mode, "train/loss")
+    assert losses["model"].keys() == losses["precomputed"].keys()
+    for step, value in losses["model"].items():
+        assert abs(value - losses["precomputed"][step]) < 1e-5
+
+
+@pytest.mark.parametrize(
+    ("loss", "fmt", "message"),
+    [
+        ("kto_unpaired", "auto", r"loss 'kto_unpaired' reads unpaired rows but data.format is"),
+        ("dpo", "unpaired", r"loss 'dpo' reads preference pairs but data.format is 'unpaired'"),
+    ],
+)
+def test_unpaired_loss_and_data_must_match(tmp_path, loss, fmt, message):
+    cfg = tiny_kto_dict()
+    cfg["loss"] = {"name": loss}
+    cfg["data"]["format"] = fmt
+    path = write_yaml(tmp_path / "c.yaml", cfg)
+    with pytest.raises(ConfigError, match=message):
+        main(["--config", str(path), "--dry-run"])
+
+
+def test_lopsided_labels_warn_with_the_weight_that_balances_them(tmp_path):
+    cfg = tiny_kto_dict()
+    cfg["loss"]["undesirable_weight"] = 3.0
+    cfg["train"]["max_steps"] = 1
+    cfg["data"]["eval"] = None
+    with pytest.warns(UserWarning, match=r"= 0.33, outside the paper's recommended \[1, 4/3\]"):
+        assert run_cfg(cfg, tmp_path / "run") == 0
