@@ -140,3 +140,7 @@ def test_grpo_two_processes_equal_one(tmp_path):
 
     assert rollouts(tmp_path / "two") == rollouts(tmp_path / "one")
     assert len(rollouts(tmp_path / "one")) == 2 * 4 * 4
+    # the logged rollout metrics cover every process's completions (they once were rank 0's)
+    for key in ("train/reward/total", "train/length/mean", "train/sampling/groups"):
+        one, two = (metric_series(tmp_path / r, key) for r in ("one", "two"))
+        assert one.keys() == two.keys() and all(abs(one[k] - two[k]) < 1e-9 for k in one), key

@@ -36,6 +36,34 @@ class Collected:
     experiences: list[Experience]
     metrics: dict[str, float]
     log_rows: list[tuple] = field(default_factory=list)
+    # this process's raw sums over its completions and its counts, for `merge_rollout_metrics`
+    sums: dict[str, float] = field(default_factory=dict)
+    counts: dict[str, int] = field(default_factory=dict)
+
+
+def rollout_metrics(
+    sums: dict[str, float], counts: dict[str, int], times: dict[str, float]
+) -> dict[str, float]:
+    """Per-completion means of the rollout sums, the group counts and the phase times."""
+    n = max(1, counts["completions"])
+    return {
+        **{k: v / n for k, v in sums.items()}, **times,
+        "sampling/groups": counts["groups"], "sampling/dropped_groups": counts["dropped_groups"],
+    }  # fmt: skip
+
+
+def merge_rollout_metrics(collected: Collected, gathered: list[tuple[dict, dict]]) -> dict:
+    """The metrics of every process's rollouts together (`gathered`: each process's
+    (sums, counts)): means over all completions, counts summed; times stay this process's."""
+    sums: dict[str, float] = {}
+    counts = dict.fromkeys(collected.counts, 0)
+    for part_sums, part_counts in gathered:
+        for k, v in part_sums.items():
+            sums[k] = sums.get(k, 0.0) + v
+        for k, v in part_counts.items():
+            counts[k] += v
+    times = {k: v for k, v in collected.metrics.items() if k.startswith("time/")}
+    return rollout_metrics(sums, counts, times)
 
 
 @torch.no_grad()
@@ -159,11 +187,8 @@ def collect_experience(
             )
         if counts["groups"] >= needed:
             break
-    n = max(1, counts["completions"])
-    metrics = {k: v / n for k, v in sums.items()}
-    metrics.update({
-        "time/generate_s": t_gen, "time/score_s": t_score,
-        "time/old_ref_values_s": t_logprobs, "sampling/groups": counts["groups"],
-        "sampling/dropped_groups": counts["dropped_groups"],
-    })  # fmt: skip
-    return Collected(experiences=experiences, metrics=metrics, log_rows=log_rows)
+    times = {"time/generate_s": t_gen, "time/score_s": t_score, "time/old_ref_values_s": t_logprobs}
+    return Collected(
+        experiences=experiences, metrics=rollout_metrics(sums, counts, times), log_rows=log_rows,
+        sums=sums, counts=counts,
+    )  # fmt: skip

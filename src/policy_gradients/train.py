@@ -23,7 +23,7 @@ import torch
 from accelerate.utils import gather_object
 
 from policy_gradients.advantages import ADVANTAGES
-from policy_gradients.collect import collect_experience
+from policy_gradients.collect import collect_experience, merge_rollout_metrics
 from policy_gradients.config import PGConfig
 from policy_gradients.evaluate import evaluate_policy
 from policy_gradients.experience import ReplayBuffer
@@ -259,9 +259,12 @@ def train(cfg: PGConfig, run: RunArgs) -> int:
                 rank=rank, world=world, cfg=cfg, reward_fn=reward_fn, estimator=estimator,
                 value_model=accelerator.unwrap_model(value_model) if value_model else None,
             )  # fmt: skip
-            # every rank's rollouts, written by rank 0 alone
+            # every rank's rollouts, written by rank 0 alone, and their metrics together
             rows = gather_object(collected.log_rows) if world > 1 else collected.log_rows
             rollout_log.write(rows)
+            if world > 1:
+                parts = gather_object([(collected.sums, collected.counts)])
+                collected.metrics = merge_rollout_metrics(collected, parts)
             for experience in collected.experiences:
                 buffer.add(experience)
             t_train = time.perf_counter()
