@@ -65,9 +65,35 @@ def test_shipped_accelerate_config_loads(path):
     from accelerate.commands.config.config_args import ClusterConfig
 
     cfg = ClusterConfig.from_yaml_file(str(path))
-    assert cfg.distributed_type in {"MULTI_GPU", "FSDP", "DEEPSPEED"}
+    assert cfg.distributed_type in {"MULTI_GPU", "DEEPSPEED"}
     assert cfg.mixed_precision == "bf16" and cfg.num_processes > 1
 
 
 def test_accelerate_configs_are_shipped():
-    assert {p.stem for p in ACCELERATE} >= {"ddp", "fsdp", "deepspeed_zero2", "deepspeed_zero3"}
+    # FSDP and ZeRO-3 shard the parameters: refused at startup (rlhf_core.loop)
+    assert {p.stem for p in ACCELERATE} == {"ddp", "deepspeed_zero2"}
+
+
+@pytest.mark.parametrize(
+    ("engine", "zero_stage", "refused"),
+    [("FSDP", None, "FSDP"), ("DEEPSPEED", 3, "DeepSpeed ZeRO-3"), ("DEEPSPEED", 2, None),
+     ("MULTI_GPU", None, None), ("NO", None, None)],
+)  # fmt: skip
+def test_engines_that_shard_parameters_are_refused_with_a_message(engine, zero_stage, refused):
+    # the guard reads only these two attributes of an accelerate.Accelerator (none of these
+    # engines can start on a CPU: accelerate turns an FSDP config into MULTI_CPU there)
+    from types import SimpleNamespace
+
+    from accelerate.utils import DistributedType
+
+    from rlhf_core.loop import refuse_sharded_parameters
+
+    accelerator = SimpleNamespace(
+        distributed_type=DistributedType[engine],
+        state=SimpleNamespace(deepspeed_plugin=SimpleNamespace(zero_stage=zero_stage)),
+    )
+    if refused is None:
+        refuse_sharded_parameters(accelerator)
+    else:
+        with pytest.raises(ValueError, match=rf"{refused} shards the parameters.*ddp.yaml"):
+            refuse_sharded_parameters(accelerator)

@@ -47,7 +47,36 @@ def start_accelerator(loop: Any) -> tuple[Accelerator, int]:
     quiet_libraries()
     threads = configure_threads(loop.threads)
     use_cpu = loop.device == "cpu" or not torch.cuda.is_available()
-    return Accelerator(cpu=use_cpu), threads
+    accelerator = Accelerator(cpu=use_cpu)
+    refuse_sharded_parameters(accelerator)
+    return accelerator, threads
+
+
+def refuse_sharded_parameters(accelerator: Any) -> None:
+    """A clear error, instead of a hang, for engines that shard the parameters themselves.
+
+    Under FSDP and DeepSpeed ZeRO-3 every forward all-gathers parameter shards, a collective
+    all processes must join. The trainers here evaluate, sample and write checkpoints on rank 0
+    alone, and each process decodes its rollouts until its own rows stop, so those forwards would
+    wait forever for the other processes (and checkpoints would hold shards). DDP and ZeRO-2 keep
+    full parameters on every process and are supported."""
+    engine = accelerator.distributed_type
+    if engine == DistributedType.FSDP:
+        name = "FSDP"
+    elif (
+        engine == DistributedType.DEEPSPEED
+        and getattr(getattr(accelerator.state, "deepspeed_plugin", None), "zero_stage", None) == 3
+    ):
+        name = "DeepSpeed ZeRO-3"
+    else:
+        return
+    raise ValueError(
+        f"{name} shards the parameters across processes, which these trainers do not support yet "
+        "(rank-0 evaluation, sampling and checkpoint writing, and per-process rollout decoding, "
+        "would wait forever on the parameter all-gathers): launch with DDP "
+        "(configs/accelerate/ddp.yaml) or DeepSpeed ZeRO-2 "
+        "(configs/accelerate/deepspeed_zero2.yaml), with LoRA and gradient checkpointing for memory"
+    )
 
 
 def shared_run_dir(accelerator: Accelerator, run_dir: Path) -> Path:
