@@ -144,3 +144,44 @@ def test_grpo_two_processes_equal_one(tmp_path):
     for key in ("train/reward/total", "train/length/mean", "train/sampling/groups"):
         one, two = (metric_series(tmp_path / r, key) for r in ("one", "two"))
         assert one.keys() == two.keys() and all(abs(one[k] - two[k]) < 1e-9 for k in one), key
+
+
+def test_dapo_dynamic_sampling_two_processes_equal_one(tmp_path):
+    # the keep decision is global (the first informative groups of the whole batch), so the
+    # processes keep uneven numbers of groups, and a process short of groups runs zero-weight
+    # stand-ins so every optimizer step meets in DDP's all-reduce
+    import yaml
+
+    algorithm = yaml.safe_load((REPO / "configs/policy_gradients/dapo.yaml").read_text())
+    # one optimizer step per batch: with several, each process shuffles its own rows into the
+    # mini-batches, so the steps' contents differ from one process's (equal only in total)
+    algorithm = {**algorithm["algorithm"], "mini_batches": 1, "max_sampling_rounds": 3}
+    data = tiny_pg_dict("tiny-qwen3", **algorithm)
+    data["data"]["eval"] = None
+    data["rollout"].update(prompts_per_step=8, group_size=4, max_new_tokens=8)
+    data["train"].update(max_steps=3, micro_batch_size=4)
+    data["optim"]["lr"] = 1e-3
+    cfg = write_yaml(tmp_path / "dapo.yaml", data)
+    launch("policy_gradients.train", cfg, tmp_path / "one", 1)
+    launch("policy_gradients.train", cfg, tmp_path / "two", 2)
+    import sqlite3
+
+    def rollouts(run: Path) -> list[tuple]:
+        with sqlite3.connect(run / "rollouts.sqlite") as conn:
+            return sorted(conn.execute("SELECT step, prompt, completion FROM rollouts"))
+
+    kept = rollouts(tmp_path / "one")
+    assert rollouts(tmp_path / "two") == kept  # the same groups kept, in the same rounds
+    for key in ("train/sampling/groups", "train/sampling/dropped_groups", "train/reward/total"):
+        one, two = (metric_series(tmp_path / r, key) for r in ("one", "two"))
+        assert one.keys() == two.keys() and all(two[k] == pytest.approx(one[k]) for k in one), key
+    groups = metric_series(tmp_path / "one", "train/sampling/groups")
+    dropped = metric_series(tmp_path / "one", "train/sampling/dropped_groups")
+    assert any(v > 0 for v in dropped.values()) and any(v > 0 for v in groups.values())
+    assert_same_run(tmp_path / "one", tmp_path / "two", "train/loss")
+    # several optimizer steps per batch (uneven micro-batches per process) run through too
+    cfg = write_yaml(
+        tmp_path / "dapo4.yaml", {**data, "algorithm": {**algorithm, "mini_batches": 4}}
+    )
+    launch("policy_gradients.train", cfg, tmp_path / "four", 2)
+    assert len(metric_series(tmp_path / "four", "train/loss")) == 3

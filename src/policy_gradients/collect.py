@@ -5,6 +5,9 @@ file reads as the loop. With DAPO's dynamic sampling it generates in rounds, kee
 whose rewards are not all equal (they carry no group-relative signal), and stops once it has
 `prompts_per_step` groups or `max_sampling_rounds` rounds. Each round becomes its own
 `Experience` (rows of different rounds differ in width; the replay buffer never mixes them).
+Under several processes the keep decision is global (`global_keep`): the first informative
+groups in the global batch's order, as one process would keep them, so processes may end a step
+with different numbers of groups (the train loop evens out the optimizer steps).
 """
 
 from __future__ import annotations
@@ -15,6 +18,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+from accelerate.utils import gather_object
 
 from policy_gradients.advantages import last_token_rewards
 from policy_gradients.experience import Experience
@@ -39,6 +43,21 @@ class Collected:
     # this process's raw sums over its completions and its counts, for `merge_rollout_metrics`
     sums: dict[str, float] = field(default_factory=dict)
     counts: dict[str, int] = field(default_factory=dict)
+    # dynamic sampling under several processes, when this process kept no group: one group it
+    # dropped, to run a zero-weight forward/backward so the gradient all-reduce still meets
+    filler: Experience | None = None
+
+
+def global_keep(
+    informative: list[bool], positions: list[int], room: int, everyone: list[tuple[int, bool]]
+) -> list[bool]:
+    """Which of this process's groups (at global `positions`, `informative` or not) to keep:
+    those among the first `room` informative groups of the whole batch in global order, where
+    `everyone` lists every process's (position, informative). One process keeps exactly these
+    groups of the same batch, so the kept set does not depend on the process count."""
+    chosen = [p for p, flag in sorted(everyone) if flag][:room]
+    kept = set(chosen)
+    return [flag and p in kept for p, flag in zip(positions, informative, strict=True)]
 
 
 def rollout_metrics(
@@ -66,6 +85,62 @@ def merge_rollout_metrics(collected: Collected, gathered: list[tuple[dict, dict]
     return rollout_metrics(sums, counts, times)
 
 
+def experience_of(
+    rows: torch.Tensor,
+    *,
+    rollouts: Any,
+    total: torch.Tensor,
+    parts: dict[str, torch.Tensor],
+    group_ids: torch.Tensor,
+    policy: torch.nn.Module,
+    reference: ReferencePolicy | None,
+    value_model: torch.nn.Module | None,
+    estimator: Any,
+    cfg: Any,
+) -> tuple[Experience, float]:
+    """The `Experience` of some rows of one round's rollouts: old/reference log-probs, values,
+    the KL-in-reward penalty and advantages; and the seconds the extra forwards took."""
+    r, alg, ro = cfg.rollout, cfg.algorithm, rollouts
+    device = next(policy.parameters()).device
+    mask = ro.action_mask[rows].to(device)
+    ids, attn = ro.sequence_ids[rows], ro.attention_mask[rows]
+    t0 = time.perf_counter()
+    lp_args = (ids, attn, ro.prompt_length)
+    lp_kwargs = {"temperature": r.temperature, "action_mask": mask}
+    # On-policy (one optimizer step per rollout batch): the policy being updated *is* the
+    # sampling policy, so the loss uses its own log-probs detached as the old ones and this
+    # extra forward is skipped (as TRL does). The KL in the reward needs pi_old before the
+    # update, so it keeps the forward.
+    old = None
+    if alg.ppo_epochs * alg.mini_batches > 1 or alg.kl_in_reward.beta > 0:
+        old = completion_logprobs(policy, *lp_args, **lp_kwargs)
+    ref = None
+    if reference is not None:
+        with reference.model() as ref_model:
+            ref = completion_logprobs(ref_model, *lp_args, **lp_kwargs)
+    values = None
+    if value_model is not None:  # V(s_t) for completion token t: the state before it
+        values = completion_values(value_model, ids, attn, ro.prompt_length)
+    seconds = time.perf_counter() - t0
+    reward = total[rows].to(device)
+    if alg.kl_in_reward.beta > 0:
+        kl_tok = kl_estimate(old, ref, alg.kl_in_reward.estimator) * mask
+        if getattr(estimator, "needs_values", False) or reward.dim() == 2:
+            dense = reward if reward.dim() == 2 else last_token_rewards(reward, mask.bool())
+            reward = dense - alg.kl_in_reward.beta * kl_tok
+        else:
+            reward = reward - alg.kl_in_reward.beta * kl_tok.sum(-1)
+    advantages, returns = estimator(
+        reward, action_mask=mask, group_ids=group_ids[rows].to(device), values=values
+    )
+    experience = Experience(
+        sequence_ids=ids, attention_mask=attn, action_mask=mask, log_probs_old=old,
+        log_probs_ref=ref, values_old=values, advantages=advantages, returns=returns,
+        rewards={k: v[rows] for k, v in parts.items()}, group_ids=group_ids[rows],
+    )  # fmt: skip
+    return experience, seconds
+
+
 @torch.no_grad()
 def collect_experience(
     *,
@@ -84,13 +159,13 @@ def collect_experience(
     value_model: torch.nn.Module | None = None,
 ) -> Collected:
     r, alg = cfg.rollout, cfg.algorithm
-    device = next(policy.parameters()).device
     experiences, log_rows = [], []
     sums: dict[str, float] = {}
     counts = {"groups": 0, "completions": 0, "dropped_groups": 0}
     t_gen = t_score = t_logprobs = 0.0
     rounds = alg.max_sampling_rounds if alg.dynamic_sampling else 1
-    needed = prompts_per_step // world
+    kept_everywhere = 0  # groups kept by all processes together
+    filler = None
     for round_ in range(rounds):
         # every rank draws the same global batch and keeps its own slice of whole groups; each
         # prompt's samples are seeded by (seed, step, round, its place in the global batch), so
@@ -121,49 +196,32 @@ def collect_experience(
         keep = torch.ones(len(items), dtype=torch.bool)
         if alg.dynamic_sampling:
             grouped = (total if total.dim() == 1 else total.sum(-1)).view(len(items), r.group_size)
-            keep = grouped.max(-1).values > grouped.min(-1).values
-            room = needed - counts["groups"]
-            keep &= keep.long().cumsum(0) <= room
+            informative = (grouped.max(-1).values > grouped.min(-1).values).tolist()
+            everyone = list(zip(positions, informative, strict=True))
+            if world > 1:
+                everyone = gather_object(everyone)
+            room = prompts_per_step - kept_everywhere
+            keep = torch.tensor(global_keep(informative, positions, room, everyone))
+            kept_everywhere += min(room, sum(flag for _, flag in everyone))
             counts["dropped_groups"] += int((~keep).sum())
+
+        round_state = {
+            "rollouts": ro, "total": total, "parts": parts, "group_ids": group_ids,
+            "policy": policy, "reference": reference, "value_model": value_model,
+            "estimator": estimator, "cfg": cfg,
+        }  # fmt: skip
         rows = keep.repeat_interleave(r.group_size).nonzero().squeeze(-1)
         if len(rows) == 0:
+            if world > 1 and not experiences and filler is None:  # see Collected.filler
+                filler, _ = experience_of(torch.arange(r.group_size), **round_state)
+            if kept_everywhere >= prompts_per_step:
+                break
             continue
-        mask = ro.action_mask[rows].to(device)
-        ids, attn = ro.sequence_ids[rows], ro.attention_mask[rows]
-        t2 = time.perf_counter()
-        lp_args = (ids, attn, ro.prompt_length)
-        lp_kwargs = {"temperature": r.temperature, "action_mask": mask}
-        # On-policy (one optimizer step per rollout batch): the policy being updated *is* the
-        # sampling policy, so the loss uses its own log-probs detached as the old ones and this
-        # extra forward is skipped (as TRL does). The KL in the reward needs pi_old before the
-        # update, so it keeps the forward.
-        old = None
-        if alg.ppo_epochs * alg.mini_batches > 1 or alg.kl_in_reward.beta > 0:
-            old = completion_logprobs(policy, *lp_args, **lp_kwargs)
-        ref = None
-        if reference is not None:
-            with reference.model() as ref_model:
-                ref = completion_logprobs(ref_model, *lp_args, **lp_kwargs)
-        values = None
-        if value_model is not None:  # V(s_t) for completion token t: the state before it
-            values = completion_values(value_model, ids, attn, ro.prompt_length)
-        t_logprobs += time.perf_counter() - t2
-        reward = total[rows].to(device)
-        if alg.kl_in_reward.beta > 0:
-            kl_tok = kl_estimate(old, ref, alg.kl_in_reward.estimator) * mask
-            if getattr(estimator, "needs_values", False) or reward.dim() == 2:
-                dense = reward if reward.dim() == 2 else last_token_rewards(reward, mask.bool())
-                reward = dense - alg.kl_in_reward.beta * kl_tok
-            else:
-                reward = reward - alg.kl_in_reward.beta * kl_tok.sum(-1)
-        advantages, returns = estimator(
-            reward, action_mask=mask, group_ids=group_ids[rows].to(device), values=values
-        )
-        experiences.append(Experience(
-            sequence_ids=ids, attention_mask=attn, action_mask=mask, log_probs_old=old,
-            log_probs_ref=ref, values_old=values, advantages=advantages, returns=returns,
-            rewards={k: v[rows] for k, v in parts.items()}, group_ids=group_ids[rows],
-        ))  # fmt: skip
+        experience, seconds = experience_of(rows, **round_state)
+        t_logprobs += seconds
+        experiences.append(experience)
+        mask, advantages = experience.action_mask, experience.advantages
+        old, ref = experience.log_probs_old, experience.log_probs_ref
 
         seq_adv = masked_mean(advantages, mask, dim=-1)
         for j, row in enumerate(rows.tolist()):
@@ -185,10 +243,11 @@ def collect_experience(
             sums["kl/k3"] = sums.get("kl/k3", 0.0) + float(
                 masked_mean(kl_estimate(old, ref, "k3"), mask, dim=-1).sum()
             )
-        if counts["groups"] >= needed:
+        done = kept_everywhere if alg.dynamic_sampling else counts["groups"] * world
+        if done >= prompts_per_step:
             break
     times = {"time/generate_s": t_gen, "time/score_s": t_score, "time/old_ref_values_s": t_logprobs}
     return Collected(
         experiences=experiences, metrics=rollout_metrics(sums, counts, times), log_rows=log_rows,
-        sums=sums, counts=counts,
+        sums=sums, counts=counts, filler=None if experiences else filler,
     )  # fmt: skip

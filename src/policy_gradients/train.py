@@ -71,6 +71,22 @@ def split_into(batches: list, parts: int) -> list[list]:
     return out
 
 
+def even_updates(
+    accelerator, groups: list[list], batches: list, filler
+) -> list[tuple[list, float]]:
+    """(group, weight) pairs, as many on every process. With dynamic sampling the processes
+    keep different numbers of groups, so one may have fewer micro-batches (or none) than the
+    others' optimizer steps. Every step needs one synchronised backward on every process (DDP's
+    all-reduce), so a process short of groups adds zero-weight stand-ins: one of its own
+    micro-batches, or the dropped group `collect_experience` kept for this (`Collected.filler`).
+    The gradients and losses are those of the real groups alone."""
+    real = [g for g in groups if g]
+    count = torch.tensor(len(real), device=accelerator.device)
+    steps = max(1, int(accelerator.reduce(count, reduction="max")))
+    stand_in = batches[:1] or [filler]
+    return [(g, 1.0) for g in real] + [(stand_in, 0.0)] * (steps - len(real))
+
+
 def train(cfg: PGConfig, run: RunArgs) -> int:
     """Run RL as configured; returns the exit code (0, or 130/143 after a signal)."""
     accelerator, threads = start_accelerator(cfg.train)
@@ -79,14 +95,6 @@ def train(cfg: PGConfig, run: RunArgs) -> int:
     alg, ro, t = cfg.algorithm, cfg.rollout, cfg.train
     if ro.prompts_per_step % world:
         raise ValueError(f"rollout.prompts_per_step ({ro.prompts_per_step}) must divide by {world}")
-    if alg.dynamic_sampling and world > 1:
-        # each process would keep a different number of groups, so the processes would run
-        # different numbers of backward passes and DDP's gradient all-reduce would wait forever
-        raise ValueError(
-            "algorithm.dynamic_sampling is not supported with more than one process yet (the "
-            "processes would keep different numbers of groups); run DAPO in one process or set "
-            "algorithm.dynamic_sampling=false"
-        )
     rows_per_rank = ro.prompts_per_step // world * ro.group_size
     micro_per_pass = -(-rows_per_rank // t.micro_batch_size)
     if alg.mini_batches > micro_per_pass and not alg.dynamic_sampling:  # (its rows vary)
@@ -204,13 +212,16 @@ def train(cfg: PGConfig, run: RunArgs) -> int:
             extra_models=extra,
         )  # fmt: skip
 
-    def update(group: list, sums: dict[str, float]) -> tuple[torch.Tensor, float, bool]:
+    def update(
+        group: list, sums: dict[str, float], weight: float = 1.0
+    ) -> tuple[torch.Tensor, float, bool]:
         """One optimizer step on `group` (micro-batches of the replay buffer) with gradient
         accumulation; the loss is normalised by the group's global token/sequence counts, so
         the micro-batch losses sum to the one-big-batch loss. Metrics go into `sums` as this
-        update's share of the step's average."""
+        update's share of the step's average. `weight` 0: a stand-in forward/backward that adds
+        nothing, for a process with no rows in this step (see `even_updates`)."""
         local = torch.tensor([float(sum(mb.action_mask.sum() for mb in group)),
-                              float(sum(len(mb) for mb in group))])  # fmt: skip
+                              float(sum(len(mb) for mb in group))]) * weight  # fmt: skip
         total_tokens, total_sequences = accelerator.reduce(local.to(device), reduction="sum")
         norm = {"total_tokens": total_tokens.clamp(min=1),
                 "total_sequences": total_sequences.clamp(min=1)}  # fmt: skip
@@ -233,9 +244,9 @@ def train(cfg: PGConfig, run: RunArgs) -> int:
                     v_loss, v_metrics = value_loss_fn(None, mb, values=values, **norm)
                     metrics = {**metrics, **{f"value/{k}": v for k, v in v_metrics.items()}}
                     loss = loss + alg.value_coef * v_loss
-                accelerator.backward(loss * world)
-            step_loss += loss.detach()
-            share = len(mb) / float(total_sequences) / updates_per_step
+                accelerator.backward(loss * world * weight)
+            step_loss += loss.detach() * weight
+            share = len(mb) / float(total_sequences) / updates_per_step * weight
             for key, value in metrics.items():
                 sums[key] = sums.get(key, 0.0) + float(value) * share
         step_loss = accelerator.reduce(step_loss, reduction="sum")
@@ -273,8 +284,13 @@ def train(cfg: PGConfig, run: RunArgs) -> int:
                 batches = buffer.micro_batches(
                     t.micro_batch_size, seed=cfg.seed * 1_000_003 + step * 101 + epoch
                 )
-                for group in split_into(batches, alg.mini_batches):  # one optimizer step each
-                    step_loss, grad_norm, was_skipped = update(group, sums)
+                groups = [(g, 1.0) for g in split_into(batches, alg.mini_batches)]
+                if world > 1 and alg.dynamic_sampling:  # one optimizer step per group
+                    groups = even_updates(
+                        accelerator, [g for g, _ in groups], batches, collected.filler
+                    )
+                for group, weight in groups:
+                    step_loss, grad_norm, was_skipped = update(group, sums, weight)
                     skipped += was_skipped
             buffer.clear()
             step += 1
