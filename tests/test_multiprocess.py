@@ -14,6 +14,7 @@ import json
 import os
 import shutil
 import socket
+import sqlite3
 import subprocess
 import sys
 from pathlib import Path
@@ -116,6 +117,12 @@ def test_reward_model_two_processes_equal_one_and_resume(tmp_path):
         torch.testing.assert_close(w_resumed[key], w_two[key], rtol=1e-5, atol=1e-6, msg=key)
 
 
+def rollouts(run: Path) -> list[tuple]:
+    """The rollout log's (step, prompt, completion) rows, sorted."""
+    with sqlite3.connect(run / "rollouts.sqlite") as conn:
+        return sorted(conn.execute("SELECT step, prompt, completion FROM rollouts"))
+
+
 def test_grpo_two_processes_equal_one(tmp_path):
     import yaml
 
@@ -132,12 +139,6 @@ def test_grpo_two_processes_equal_one(tmp_path):
     assert_same_run(tmp_path / "one", tmp_path / "two", "train/loss")
     # the same rollouts were sampled: one rollout log, written by rank 0 alone, equal to the
     # one-process run's
-    import sqlite3
-
-    def rollouts(run: Path) -> list[tuple]:
-        with sqlite3.connect(run / "rollouts.sqlite") as conn:
-            return sorted(conn.execute("SELECT step, prompt, completion FROM rollouts"))
-
     assert rollouts(tmp_path / "two") == rollouts(tmp_path / "one")
     assert len(rollouts(tmp_path / "one")) == 2 * 4 * 4
     # the logged rollout metrics cover every process's completions (they once were rank 0's)
@@ -164,12 +165,6 @@ def test_dapo_dynamic_sampling_two_processes_equal_one(tmp_path):
     cfg = write_yaml(tmp_path / "dapo.yaml", data)
     launch("policy_gradients.train", cfg, tmp_path / "one", 1)
     launch("policy_gradients.train", cfg, tmp_path / "two", 2)
-    import sqlite3
-
-    def rollouts(run: Path) -> list[tuple]:
-        with sqlite3.connect(run / "rollouts.sqlite") as conn:
-            return sorted(conn.execute("SELECT step, prompt, completion FROM rollouts"))
-
     kept = rollouts(tmp_path / "one")
     assert rollouts(tmp_path / "two") == kept  # the same groups kept, in the same rounds
     for key in ("train/sampling/groups", "train/sampling/dropped_groups", "train/reward/total"):

@@ -487,24 +487,9 @@ def _kto_reference_points(
     return chosen.mean().clamp(min=0).detach(), rejected.mean().clamp(min=0).detach()
 
 
-@_register("kto")
-class KTOPairLoss(DirectAlignmentLoss):
-    """Kahneman-Tversky Optimization (Ethayarajh et al. 2024, arXiv:2402.01306), paired form.
-
-        z_c = max(0, mean_batch(pc - rc)),  z_r = max(0, mean_batch(pr - rr))    (no gradient)
-        desirable_i   = w_d * (1 - sigmoid(beta * ((pc_i - rc_i) - z_r)))
-        undesirable_i = w_u * (1 - sigmoid(beta * (z_c - (pr_i - rr_i))))
-        loss = mean of the 2B terms [desirable_1..B, undesirable_1..B]
-
-    Differs from DPO by scoring each completion on its own against a reference point z (a KL
-    estimate) instead of comparing the two completions of a pair; the chosen completion is
-    "desirable", the rejected one "undesirable". The paper estimates z from mismatched
-    (prompt, completion) pairs; here, following TRL's paired KTO on DPO-style data, z is a batch
-    estimate: the desirable terms use the rejected half's mean log-ratio z_r and the undesirable
-    terms the chosen half's z_c. As in the paper, no gradient flows through z. Because z is a
-    batch statistic, the loss of a batch is not the mean of per-pair losses. Defaults: beta = 0.1,
-    desirable_weight = 1, undesirable_weight = 1 (the paper's lambda_D, lambda_U).
-    """
+class _KTOBase(DirectAlignmentLoss):
+    """The configuration both KTO losses share: beta and the weights of desirable and
+    undesirable completions (the paper's lambda_D, lambda_U)."""
 
     needs_reference = True
     needs_lengths = False
@@ -525,6 +510,29 @@ class KTOPairLoss(DirectAlignmentLoss):
         self.desirable_weight = float(desirable_weight)
         self.undesirable_weight = float(undesirable_weight)
 
+
+@_register("kto")
+class KTOPairLoss(_KTOBase):
+    """Kahneman-Tversky Optimization (Ethayarajh et al. 2024, arXiv:2402.01306), paired form.
+
+        z_c = max(0, mean_batch(pc - rc)),  z_r = max(0, mean_batch(pr - rr))    (no gradient)
+        desirable_i   = w_d * (1 - sigmoid(beta * ((pc_i - rc_i) - z_r)))
+        undesirable_i = w_u * (1 - sigmoid(beta * (z_c - (pr_i - rr_i))))
+        loss = mean of the 2B terms [desirable_1..B, undesirable_1..B]
+
+    Differs from DPO by scoring each completion on its own against a reference point z (a KL
+    estimate) instead of comparing the two completions of a pair; the chosen completion is
+    "desirable", the rejected one "undesirable". The paper estimates z from mismatched
+    (prompt, completion) pairs; here, following TRL's paired KTO on DPO-style data, z is a batch
+    estimate: the desirable terms use the rejected half's mean log-ratio z_r and the undesirable
+    terms the chosen half's z_c. As in the paper, no gradient flows through z. Because z is a
+    batch statistic, the loss of a batch is not the mean of per-pair losses. Defaults: beta = 0.1,
+    desirable_weight = 1, undesirable_weight = 1 (the paper's lambda_D, lambda_U).
+    """
+
+    needs_reference = True
+    needs_lengths = False
+
     def _losses(self, chosen: torch.Tensor, rejected: torch.Tensor) -> torch.Tensor:
         z_chosen, z_rejected = _kto_reference_points(chosen, rejected)
         # 1 - sigmoid(x) written as sigmoid(-x): exact for large x, no cancellation.
@@ -538,7 +546,7 @@ class KTOPairLoss(DirectAlignmentLoss):
 
 
 @_register("kto_unpaired")
-class KTOLoss(DirectAlignmentLoss):
+class KTOLoss(_KTOBase):
     """Kahneman-Tversky Optimization (Ethayarajh et al. 2024, arXiv:2402.01306), eq. 8, on
     unpaired data: each row is one completion y of prompt x with a binary label (desirable or
     not), plus a completion y' of another prompt for the reference point (`data.format:
@@ -565,22 +573,6 @@ class KTOLoss(DirectAlignmentLoss):
     needs_reference = True
     needs_lengths = False
     unpaired: ClassVar[bool] = True
-
-    def __init__(
-        self,
-        *,
-        beta: float = 0.1,
-        desirable_weight: float = 1.0,
-        undesirable_weight: float = 1.0,
-    ) -> None:
-        super().__init__(beta=beta)
-        for arg, value in (
-            ("desirable_weight", desirable_weight),
-            ("undesirable_weight", undesirable_weight),
-        ):
-            self._require(0 < value < math.inf, arg, value, "a positive finite number")
-        self.desirable_weight = float(desirable_weight)
-        self.undesirable_weight = float(undesirable_weight)
 
     def forward(
         self,
