@@ -284,12 +284,12 @@ def train(cfg: PGConfig, run: RunArgs) -> int:
                 batches = buffer.micro_batches(
                     t.micro_batch_size, seed=cfg.seed * 1_000_003 + step * 101 + epoch
                 )
-                groups = [(g, 1.0) for g in split_into(batches, alg.mini_batches)]
-                if world > 1 and alg.dynamic_sampling:  # one optimizer step per group
-                    groups = even_updates(
-                        accelerator, [g for g, _ in groups], batches, collected.filler
-                    )
-                for group, weight in groups:
+                groups = split_into(batches, alg.mini_batches)  # one optimizer step each
+                if world > 1 and alg.dynamic_sampling:  # as many steps on every process
+                    weighted = even_updates(accelerator, groups, batches, collected.filler)
+                else:
+                    weighted = [(group, 1.0) for group in groups]
+                for group, weight in weighted:
                     step_loss, grad_norm, was_skipped = update(group, sums, weight)
                     skipped += was_skipped
             buffer.clear()
