@@ -80,20 +80,14 @@ def test_accelerate_configs_are_shipped():
      ("MULTI_GPU", None, None), ("NO", None, None)],
 )  # fmt: skip
 def test_engines_that_shard_parameters_are_refused_with_a_message(engine, zero_stage, refused):
-    # the guard reads only these two attributes of an accelerate.Accelerator (none of these
-    # engines can start on a CPU: accelerate turns an FSDP config into MULTI_CPU there)
-    from types import SimpleNamespace
-
+    # none of these engines can start on a CPU (accelerate turns an FSDP config into MULTI_CPU
+    # there), so the guard is checked on the values start_accelerator reads from accelerate
     from accelerate.utils import DistributedType
 
     from rlhf_core.loop import refuse_sharded_parameters
 
-    accelerator = SimpleNamespace(
-        distributed_type=DistributedType[engine],
-        state=SimpleNamespace(deepspeed_plugin=SimpleNamespace(zero_stage=zero_stage)),
-    )
     if refused is None:
-        refuse_sharded_parameters(accelerator)
+        refuse_sharded_parameters(DistributedType[engine], zero_stage)
     else:
         with pytest.raises(ValueError, match=rf"{refused} shards the parameters.*ddp.yaml"):
-            refuse_sharded_parameters(accelerator)
+            refuse_sharded_parameters(DistributedType[engine], zero_stage)

@@ -32,6 +32,7 @@ import torch
 
 from rlhf_core.chat import Messages, as_messages, completion_text, render_prompt, split_hh_pair
 from rlhf_core.data import DataSource, load_rows, reasoning_gym_dataset, warn_truncated_prompts
+from rlhf_core.scalar_head import encode_completions
 
 
 @dataclass
@@ -225,20 +226,19 @@ def build_unpaired_data(
             break
     if not parsed:
         raise ValueError(f"{where}: no unpaired rows in {source.describe()}")
-    keep_prompt = max_prompt_length or max_length // 2
-    eos = tokenizer.eos_token_id
+    prompt_texts, completions = [p[0] for p in parsed], [p[1] for p in parsed]
+    partners = mismatched_partners(prompt_texts)
+    lengths = {"max_length": max_length, "max_prompt_length": max_prompt_length}
+    own = encode_completions(tokenizer, prompt_texts, completions, **lengths)
+    kl = encode_completions(tokenizer, prompt_texts, [completions[j] for j in partners], **lengths)
     data = PreferenceData(pairs=[], empty_completions=empty)
-    prompts = tokenizer([p[0] for p in parsed], add_special_tokens=False)["input_ids"]
-    completions = tokenizer([p[1] for p in parsed], add_special_tokens=False)["input_ids"]
-    partners = mismatched_partners([p[0] for p in parsed])
-    for i, ((prompt_text, _, label), p_ids) in enumerate(zip(parsed, prompts, strict=True)):
-        data.truncated_prompts += len(p_ids) > keep_prompt
-        p_ids = p_ids[-keep_prompt:]
-        room = max(1, max_length - len(p_ids))
-        full = completions[i] + [eos]
-        data.truncated += len(full) > room
-        kl = (completions[partners[i]] + [eos])[:room]
-        data.pairs.append(PreferencePair(p_ids, full[:room], kl, prompt_text, label=label))
+    for (prompt_text, _, label), e, k in zip(parsed, own, kl, strict=True):
+        data.truncated += e.truncated
+        data.truncated_prompts += e.prompt_truncated
+        data.pairs.append(
+            PreferencePair(e.prompt_ids, e.completion_ids, k.completion_ids, prompt_text, label)
+        )
+    keep_prompt = max_prompt_length or max_length // 2
     if data.truncated_prompts:
         warn_truncated_prompts(where, data.truncated_prompts, len(parsed), keep_prompt)
     return data

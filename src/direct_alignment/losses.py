@@ -530,9 +530,6 @@ class KTOPairLoss(_KTOBase):
     desirable_weight = 1, undesirable_weight = 1 (the paper's lambda_D, lambda_U).
     """
 
-    needs_reference = True
-    needs_lengths = False
-
     def _losses(self, chosen: torch.Tensor, rejected: torch.Tensor) -> torch.Tensor:
         z_chosen, z_rejected = _kto_reference_points(chosen, rejected)
         # 1 - sigmoid(x) written as sigmoid(-x): exact for large x, no cancellation.
@@ -570,8 +567,6 @@ class KTOLoss(_KTOBase):
     Call: `loss_fn(p, p_kl, r_ref, r_ref_kl, labels=...)` with `labels` (B,) bool.
     """
 
-    needs_reference = True
-    needs_lengths = False
     unpaired: ClassVar[bool] = True
 
     def forward(

@@ -48,25 +48,23 @@ def start_accelerator(loop: Any) -> tuple[Accelerator, int]:
     threads = configure_threads(loop.threads)
     use_cpu = loop.device == "cpu" or not torch.cuda.is_available()
     accelerator = Accelerator(cpu=use_cpu)
-    refuse_sharded_parameters(accelerator)
+    plugin = getattr(accelerator.state, "deepspeed_plugin", None)
+    refuse_sharded_parameters(accelerator.distributed_type, getattr(plugin, "zero_stage", None))
     return accelerator, threads
 
 
-def refuse_sharded_parameters(accelerator: Any) -> None:
-    """A clear error, instead of a hang, for engines that shard the parameters themselves.
+def refuse_sharded_parameters(engine: DistributedType, zero_stage: int | None) -> None:
+    """A clear error, instead of a hang, for engines that shard the parameters themselves
+    (accelerate's `distributed_type`, and DeepSpeed's ZeRO stage when it is DeepSpeed).
 
     Under FSDP and DeepSpeed ZeRO-3 every forward all-gathers parameter shards, a collective
     all processes must join. The trainers here evaluate, sample and write checkpoints on rank 0
     alone, and each process decodes its rollouts until its own rows stop, so those forwards would
     wait forever for the other processes (and checkpoints would hold shards). DDP and ZeRO-2 keep
     full parameters on every process and are supported."""
-    engine = accelerator.distributed_type
     if engine == DistributedType.FSDP:
         name = "FSDP"
-    elif (
-        engine == DistributedType.DEEPSPEED
-        and getattr(getattr(accelerator.state, "deepspeed_plugin", None), "zero_stage", None) == 3
-    ):
+    elif engine == DistributedType.DEEPSPEED and zero_stage == 3:
         name = "DeepSpeed ZeRO-3"
     else:
         return
