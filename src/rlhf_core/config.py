@@ -27,6 +27,8 @@ from typing import Any, TypeVar
 import yaml
 from pydantic import BaseModel, ConfigDict, ValidationError
 
+from rlhf_core.errors import UserError
+
 C = TypeVar("C", bound=BaseModel)
 
 
@@ -36,7 +38,7 @@ class StrictModel(BaseModel):
     model_config = ConfigDict(extra="forbid", validate_assignment=True, protected_namespaces=())
 
 
-class ConfigError(ValueError):
+class ConfigError(UserError):
     """A config that cannot be used, with a message naming the file and key path."""
 
 

@@ -1,0 +1,45 @@
+"""User errors: one clear line, no traceback, exit code 2.
+
+A *user error* is a mistake in what the user gave us (a config value, a data file, a path, a
+resume request): the message names the file, field, row or shape and says what was expected.
+Raise `UserError` (or `rlhf_core.config.ConfigError`, a subclass) for those. Anything else is a
+library error and keeps its traceback.
+
+Every command-line entry (`python -m <package>.train`, `rlhf-lab ...`) runs through
+`run_main`, which prints a user error as `error: <message>` and returns 2; `--debug` or
+`RLHF_LAB_DEBUG=1` shows the traceback too.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import traceback
+from collections.abc import Callable
+
+EXIT_USER_ERROR = 2
+
+
+class UserError(ValueError):
+    """A mistake in the user's config, data, paths or command line (exit code 2, no traceback).
+
+    Subclasses ValueError so code that already catches ValueError keeps working."""
+
+
+def debug_requested(argv: list[str] | None = None) -> bool:
+    argv = sys.argv[1:] if argv is None else argv
+    return "--debug" in argv or os.environ.get("RLHF_LAB_DEBUG", "") not in ("", "0")
+
+
+def run_main(main: Callable[[list[str] | None], int], argv: list[str] | None = None) -> int:
+    """Call `main(argv)`; a `UserError` becomes one line on stderr and exit code 2."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    debug = debug_requested(argv)
+    argv = [a for a in argv if a != "--debug"]
+    try:
+        return main(argv)
+    except UserError as exc:
+        if debug:
+            traceback.print_exc()
+        print(f"error: {exc}", file=sys.stderr)
+        return EXIT_USER_ERROR
