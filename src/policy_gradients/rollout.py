@@ -87,6 +87,12 @@ class Rollouts:
     completions: list[str]
     truncated: torch.Tensor  # (B,) bool
 
+    def completion_token_ids(self) -> list[list[int]]:
+        """Each completion's tokens through its eos (or all T if truncated)."""
+        tokens = self.sequence_ids[:, self.prompt_length :].tolist()
+        lengths = self.action_mask.sum(-1).tolist()
+        return [row[: int(n)] for row, n in zip(tokens, lengths, strict=True)]
+
 
 @torch.no_grad()
 def generate_rollouts(

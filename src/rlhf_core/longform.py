@@ -10,11 +10,18 @@ An answer is sentences of one or two clauses joined by ", and"; every clause sta
     Mira lives in Oslo, and Mira has a cat. Mira eats figs. Tom plays golf.
 
 Each clause is one of the fixed templates below, so any text (a policy's sample too) can be graded
-exactly by `grade`: a clause about the distractor, or one that is not a template sentence about
-the target, is *irrelevant* (the paper's C1, judged per sub-sentence); a sentence stating a wrong
-value of the target is a *factual error* (C2, per sentence); target facts not stated correctly are
-*missing* (C3, completeness, per answer). `sample_answer` draws answers with each error planted at
-a known rate, so segment labels, preference pairs and reference answers all come from here.
+exactly by `grade`: a clause that is not a template sentence about the target (an off-topic
+filler, or a fact about the distractor) is *irrelevant* (the paper's C1, judged per
+sub-sentence); a sentence stating a wrong value of the target is a *factual error* (C2, per
+sentence); target facts not stated correctly are *missing* (C3, completeness, per answer).
+`sample_answer` draws answers with each error planted at a known rate, so segment labels,
+preference pairs and reference answers all come from here.
+
+The planted errors are ones a ~1M-parameter reward model learns in a minute on a CPU: irrelevant
+clauses are off-topic fillers ("I hope this helps"), and wrong values come from values no note
+ever states (`ATTESTED`), i.e. unverifiable facts. (Checking a value against the notes, or a name
+against the question, is retrieval that our tiny causal reward models did not learn in 600 steps;
+`grade` still checks every fact exactly.)
 
 `write_task(out_dir, ...)` writes the JSONL files the trainers read (see its docstring); run
 `python -m rlhf_core.longform OUT_DIR` to write them. Not here: paraphrase (every fact has one
@@ -29,10 +36,10 @@ import re
 import sys
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 NAMES = ["Mira", "Tom", "Ada", "Ravi", "Lena", "Omar", "Kira", "Ivan", "Nora", "Hugo", "Sara"]
-#: attribute -> (clause template, values)
+#: attribute -> (clause template, values). Notes draw from the first `ATTESTED` values of each
+#: attribute; planted factual errors from the rest, values no note ever states ("unverifiable")
 ATTRIBUTES: dict[str, tuple[str, list[str]]] = {
     "city": ("{name} lives in {value}", ["Oslo", "Paris", "Lima", "Cairo", "Tokyo", "Rome"]),
     "pet": ("{name} has a {value}", ["cat", "dog", "fox", "owl", "frog", "goat"]),
@@ -41,6 +48,12 @@ ATTRIBUTES: dict[str, tuple[str, list[str]]] = {
     "job": ("{name} works as a {value}", ["baker", "nurse", "pilot", "judge", "tailor", "chef"]),
     "sport": ("{name} plays {value}", ["chess", "golf", "polo", "tennis", "rugby", "darts"]),
 }
+ATTESTED = 4
+#: off-topic clauses planted as irrelevant sub-sentences
+FILLERS = [
+    "I hope this helps", "this is a good question", "the sky is blue today",
+    "everyone likes a good story", "life is full of surprises", "I read that somewhere",
+]  # fmt: skip
 _CLAUSES = [
     (attr, re.compile("^" + tpl.format(name=r"(?P<name>\w+)", value=r"(?P<value>\w+)") + "$"))
     for attr, (tpl, _) in ATTRIBUTES.items()
@@ -76,25 +89,22 @@ class Question:
         return join_sentences([[clause(self.target, a, v) for a, v in pair] for pair in
                                _pairs(list(self.facts.items()))])  # fmt: skip
 
-    def to_json(self) -> dict[str, Any]:
-        return {"target": self.target, "facts": self.facts, "distractor": self.distractor,
-                "distractor_facts": self.distractor_facts}  # fmt: skip
-
 
 def _pairs(items: list) -> list[list]:
     return [items[i : i + 2] for i in range(0, len(items), 2)]
 
 
 def join_sentences(sentences: list[list[str]]) -> str:
-    return " ".join(", and ".join(clauses) + "." for clauses in sentences)
+    text = (", and ".join(clauses) + "." for clauses in sentences)
+    return " ".join(t[0].upper() + t[1:] for t in text)
 
 
 def sample_question(rng: random.Random, *, n_facts: int = 3, n_distractor: int = 2) -> Question:
     target, distractor = rng.sample(NAMES, 2)
     attributes = rng.sample(list(ATTRIBUTES), n_facts)
-    facts = {a: rng.choice(ATTRIBUTES[a][1]) for a in attributes}
+    facts = {a: rng.choice(ATTRIBUTES[a][1][:ATTESTED]) for a in attributes}
     d_attrs = rng.sample(list(ATTRIBUTES), n_distractor)
-    d_facts = {a: rng.choice(ATTRIBUTES[a][1]) for a in d_attrs}
+    d_facts = {a: rng.choice(ATTRIBUTES[a][1][:ATTESTED]) for a in d_attrs}
     notes = [clause(target, a, v) for a, v in facts.items()]
     notes += [clause(distractor, a, v) for a, v in d_facts.items()]
     rng.shuffle(notes)
@@ -102,9 +112,25 @@ def sample_question(rng: random.Random, *, n_facts: int = 3, n_distractor: int =
     return Question(target, facts, distractor, d_facts, prompt)
 
 
-def question_from_json(data: dict[str, Any]) -> Question:
-    q = Question(data["target"], data["facts"], data["distractor"], data["distractor_facts"], "")
-    return q
+_PROMPT = re.compile(r"^Tell me about (?P<target>\w+)\. Notes: (?P<notes>.*)$", re.DOTALL)
+
+
+def question_from_prompt(prompt: str) -> Question:
+    """The `Question` a prompt text (as `sample_question` writes it) was made from."""
+    found = _PROMPT.match(prompt.strip())
+    if found is None:
+        raise ValueError(f"not a long-form task prompt: {prompt[:60]!r}")
+    target, facts, other, other_facts = found["target"], {}, None, {}
+    for note in found["notes"].split(". "):
+        parsed = parse_clause(note)
+        if parsed is None:
+            raise ValueError(f"long-form prompt: unreadable note {note!r}")
+        name, attribute, value = parsed
+        if name == target:
+            facts[attribute] = value
+        else:
+            other, other_facts[attribute] = name, value
+    return Question(target, facts, other or "", other_facts, prompt.strip())
 
 
 def sample_answer(
@@ -116,18 +142,17 @@ def sample_answer(
     p_irrelevant: float = 0.35,
 ) -> str:
     """An answer with errors planted at the given rates: each target fact is left out with
-    `p_missing` (at least one stays) or stated with a wrong value with `p_wrong`; with
-    `p_irrelevant` one distractor fact is added as a clause or a sentence."""
+    `p_missing` (at least one stays) or stated with a wrong (unattested) value with `p_wrong`;
+    with `p_irrelevant` one off-topic filler is added as a clause or a sentence."""
     items = list(q.facts.items())
     kept = [it for it in items if rng.random() >= p_missing] or [rng.choice(items)]
     clauses = []
     for attribute, value in kept:
         if rng.random() < p_wrong:
-            value = rng.choice([v for v in ATTRIBUTES[attribute][1] if v != value])
+            value = rng.choice(ATTRIBUTES[attribute][1][ATTESTED:])
         clauses.append(clause(q.target, attribute, value))
     if rng.random() < p_irrelevant:
-        attribute, value = rng.choice(list(q.distractor_facts.items()))
-        clauses.insert(rng.randrange(len(clauses) + 1), clause(q.distractor, attribute, value))
+        clauses.insert(rng.randrange(len(clauses) + 1), rng.choice(FILLERS))
     sentences, i = [], 0
     while i < len(clauses):  # one or two clauses per sentence
         size = 2 if (i + 1 < len(clauses) and rng.random() < 0.5) else 1
@@ -208,7 +233,8 @@ def write_task(
 
     sft.jsonl            {"prompt", "completion"}: noisy answers (errors at the sampling rates),
                          the imperfect demonstrations an SFT policy imitates
-    prompts.jsonl        {"prompt", "answer" (the reference), "question"} for RL
+    prompts.jsonl        {"prompt", "answer" (the reference)} for RL (`question_from_prompt`
+                         recovers the facts from the prompt)
     heldout.jsonl        the same for held-out questions (different seed)
     relevance.jsonl      {"prompt", "completion", "labels"}: per sub-sentence, 1 = irrelevant
     factuality.jsonl     {"prompt", "completion", "labels"}: per sentence, 1 = factual error
@@ -224,8 +250,7 @@ def write_task(
         "sft", "prompts", "relevance", "factuality", "completeness", "preference")}  # fmt: skip
     for _ in range(train):
         q = sample_question(rng)
-        row = {"prompt": q.prompt, "answer": q.reference(), "question": q.to_json()}
-        rows["prompts"].append(row)
+        rows["prompts"].append({"prompt": q.prompt, "answer": q.reference()})
         a, b = sample_answer(rng, q), sample_answer(rng, q)
         rows["sft"].append({"prompt": q.prompt, "completion": a})
         ga, gb = grade(q, a), grade(q, b)
@@ -247,8 +272,7 @@ def write_task(
     rows["heldout"] = []
     for _ in range(heldout):
         q = sample_question(held_rng)
-        rows["heldout"].append({"prompt": q.prompt, "answer": q.reference(),
-                                "question": q.to_json()})  # fmt: skip
+        rows["heldout"].append({"prompt": q.prompt, "answer": q.reference()})
     paths = {}
     for name, items in rows.items():
         paths[name] = out / f"{name}.jsonl"

@@ -20,7 +20,7 @@ Tokenizers (all deterministic, no downloads):
 
 Presets (hidden 128, 2 layers, 4 heads, MLP 512, tied embeddings ~0.53M params, unless noted):
   tiny-qwen3 (char), tiny-qwen3-arith (arith), tiny-qwen3-gpt2 (gpt2, hidden 64, MLP 256),
-  tiny-qwen3-facts (facts, hidden 64, MLP 256: the reward models of the long-form task).
+  tiny-qwen3-facts (facts: the reward models of the long-form task).
   tiny-t5-facts: an encoder-decoder `T5ForConditionalGeneration` (facts; d_model 64, 2 encoder +
   2 decoder layers, 4 heads, d_ff 256, tied embeddings, decoder start = pad as in T5), the
   encoder-decoder policy of `rlhf_core.policy_model`.
@@ -83,7 +83,7 @@ PRESETS: dict[str, TinyPreset] = {
     "tiny-qwen3-gpt2": TinyPreset(
         tokenizer="gpt2", hidden_size=64, intermediate_size=256, max_position_embeddings=1024
     ),
-    "tiny-qwen3-facts": TinyPreset(tokenizer="facts", hidden_size=64, intermediate_size=256),
+    "tiny-qwen3-facts": TinyPreset(tokenizer="facts"),
     "tiny-t5-facts": TinyPreset(
         tokenizer="facts", hidden_size=64, intermediate_size=256, architecture="t5"
     ),

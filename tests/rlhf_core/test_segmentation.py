@@ -75,7 +75,7 @@ def test_longform_grades_planted_errors_exactly():
     rng = random.Random(3)
     q = longform.sample_question(rng)
     (a1, v1), (a2, v2) = list(q.facts.items())[:2]
-    wrong = next(v for v in longform.ATTRIBUTES[a2][1] if v != v2)
+    wrong = longform.ATTRIBUTES[a2][1][-1]
     d_attr, d_val = next(iter(q.distractor_facts.items()))
     answer = (
         f"{longform.clause(q.target, a1, v1)}, and {longform.clause(q.distractor, d_attr, d_val)}."
@@ -86,6 +86,9 @@ def test_longform_grades_planted_errors_exactly():
     assert g.sentence_factual == [0, 1, 0]
     assert (g.covered, g.total) == (1, 3)
     assert longform.grade(q, q.reference()) == longform.Grade([0, 0, 0], [0, 0], 3, 3)
+    parsed = longform.question_from_prompt(q.prompt)
+    assert (parsed.target, parsed.facts, parsed.distractor_facts) == (
+        q.target, q.facts, q.distractor_facts)  # fmt: skip
 
 
 def test_longform_files_are_consistent(tmp_path):
@@ -101,7 +104,7 @@ def test_longform_files_are_consistent(tmp_path):
     for row in fact:
         assert len(row["labels"]) == len(segment(row["completion"], "sentence"))
     rates = longform.error_rates(
-        [(longform.question_from_json(json.loads(x)["question"]), json.loads(x)["answer"])
+        [(longform.question_from_prompt(json.loads(x)["prompt"]), json.loads(x)["answer"])
          for x in paths["heldout"].read_text().splitlines()]
     )  # fmt: skip
     assert rates == {"irrelevant_rate": 0.0, "factual_error_rate": 0.0, "missing_rate": 0.0}
