@@ -207,8 +207,10 @@ class SegmentRewardModelReward:
 
         r_t = sum_j 1[t = end_j] (R(x, y, j) - mean) / std,   R(x, y, j) = sum_c p_c(j) v_c
 
-    with p(j) the model's class probabilities for segment j and v = `class_rewards` (default +1 for
-    class 0, "no error", and -1 for every error class). The paper uses one such model per error
+    with p(j) the model's class probabilities for segment j and v = `class_rewards` (default 0 for
+    class 0, "no error", and -1 for every error class: with +1 for a fine segment, a policy is
+    paid per segment and lengthens its answers; measured on the long-form task, mean length
+    19.5 -> 32.8 tokens in 4 PPO steps). The paper uses one such model per error
     type, each with its own segment level and weight w_k; `CombinedReward` sums the components,
     r_t = sum_k w_k r_t^k, and places sequence-level components (its completeness reward, or a
     holistic preference model) on the last token."""
@@ -236,7 +238,7 @@ class SegmentRewardModelReward:
                 "'segment' model (reward_models loss segment_ce)"
             )
         classes = self.model.info.head_dim
-        values = class_rewards or [1.0] + [-1.0] * (classes - 1)
+        values = class_rewards or [0.0] + [-1.0] * (classes - 1)
         if len(values) != classes:
             raise ValueError(
                 f"segment_reward_model: class_rewards has {len(values)} values, the model at "

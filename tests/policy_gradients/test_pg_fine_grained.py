@@ -77,13 +77,13 @@ def test_each_component_reward_lands_on_its_segment_end_token(segment_rms):
     fact, rel = parts["factuality"][0], parts["relevance"][0]
     assert (fact[~sentence_at] == 0).all() and (fact[sentence_at] != 0).all()
     assert (rel[~sub_at] == 0).all() and (rel[sub_at] != 0).all()
-    # the values are the models' expected class rewards (+1 no error, -1 error), normalised
+    # the values are the models' expected class rewards (0 no error, -1 error), normalised
     msgs = [batch.items[0]["messages"]]
     for label, level, mean, std in (("factuality", "sentence", 0.0, 1.0),
                                     ("relevance", "subsentence", 0.1, 2.0)):  # fmt: skip
         rm = ScalarHeadModel.from_pretrained(segment_rms[level])
         probs = rm.segment_scores(msgs, batch.completions)[0].softmax(-1)
-        want = (probs[:, 0] - probs[:, 1] - mean) / std
+        want = (-probs[:, 1] - mean) / std
         at = sentence_at if level == "sentence" else sub_at
         torch.testing.assert_close(parts[label][0][at], want)
     # ROUGE is sequence-level: on the last completion token (eos), and the total is the weighted sum
