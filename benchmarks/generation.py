@@ -37,12 +37,12 @@ def run(repeats: int, max_new_tokens: int, threads: int) -> dict[str, Any]:
     from rlhf_core.chat import render_prompt
     from rlhf_core.data import ReasoningGymSource, reasoning_gym_dataset
     from rlhf_core.generation import decode
-    from rlhf_core.models import ModelConfig, load_causal_lm, load_tokenizer
+    from rlhf_core.models import ModelConfig, load_policy, load_tokenizer
     from rlhf_core.tiny import preset_dir
 
     cfg = ModelConfig(name_or_path=str(preset_dir(PRESET)), dtype="fp32")
     tokenizer = load_tokenizer(cfg, padding_side="left")
-    model = load_causal_lm(cfg).eval()
+    model = load_policy(cfg).eval()
     entries = reasoning_gym_dataset(ReasoningGymSource(task="spell_backward", size=8, seed=1))
     prompts = [
         render_prompt(tokenizer, [{"role": "user", "content": e["question"]}], where="bench")

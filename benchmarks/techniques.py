@@ -90,7 +90,7 @@ class Bench:
         from direct_alignment.losses import LOSSES
         from direct_alignment.reference import precompute_reference
         from rlhf_core.data import DataSource, EpochSampler
-        from rlhf_core.models import ModelConfig, ReferencePolicy, load_causal_lm, load_tokenizer
+        from rlhf_core.models import ModelConfig, ReferencePolicy, load_policy, load_tokenizer
         from rlhf_core.registry import build_from_spec
 
         torch.set_num_threads(w.threads)
@@ -115,8 +115,8 @@ class Bench:
         self.batches = [collate_pairs(p, self.pad_id) for p in self.pairs]
         self.tokens = sum(int(b["attention_mask"].sum()) for b in self.batches)
         self.loss_fn = build_from_spec(LOSSES, {"name": "dpo", "beta": w.beta})
-        self.policy = load_causal_lm(cfg).train()
-        self.reference = ReferencePolicy(load_causal_lm(cfg), "frozen")
+        self.policy = load_policy(cfg).train()
+        self.reference = ReferencePolicy(load_policy(cfg), "frozen")
         self.reference_mb = sum(p.numel() * p.element_size() for p in self.policy.parameters())
         self.reference_mb /= 2**20
         # Our `precompute_reference` over the batch's pairs (timed: a one-off cost per pair).

@@ -325,9 +325,9 @@ def test_unreadable_inputs_name_the_file_and_line(tiny_sft_dict, tmp_path):
 def test_disk_full_during_a_checkpoint_names_the_last_good_one(tmp_path, monkeypatch):
     from rlhf_core import checkpoint
     from rlhf_core.checkpoint import CheckpointWriteError, newest_valid_checkpoint, save_checkpoint
-    from rlhf_core.models import ModelConfig, load_causal_lm, load_tokenizer
+    from rlhf_core.models import ModelConfig, load_policy, load_tokenizer
 
-    model = load_causal_lm(ModelConfig(name_or_path="tiny-qwen3"))
+    model = load_policy(ModelConfig(name_or_path="tiny-qwen3"))
     tokenizer = load_tokenizer(ModelConfig(name_or_path="tiny-qwen3"), padding_side="right")
     optimizer = torch.optim.AdamW(model.parameters())
     args = {"model": model, "tokenizer": tokenizer, "optimizer": optimizer, "scheduler": None,
@@ -350,9 +350,9 @@ def test_disk_full_during_a_checkpoint_names_the_last_good_one(tmp_path, monkeyp
 
 def test_a_model_with_nan_weights_is_never_saved(tmp_path):
     from rlhf_core.checkpoint import NonFiniteModelError, save_checkpoint
-    from rlhf_core.models import ModelConfig, load_causal_lm
+    from rlhf_core.models import ModelConfig, load_policy
 
-    model = load_causal_lm(ModelConfig(name_or_path="tiny-qwen3"))
+    model = load_policy(ModelConfig(name_or_path="tiny-qwen3"))
     with torch.no_grad():
         next(model.parameters())[0, 0] = float("nan")
     with pytest.raises(NonFiniteModelError, match="NaN/inf"):

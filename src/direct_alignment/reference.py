@@ -21,15 +21,16 @@ from pathlib import Path
 import torch
 
 from direct_alignment.data import PreferencePair, collate_pairs
-from rlhf_core.logprobs import causal_lm_selected_logprobs, masked_sum
+from rlhf_core.logprobs import masked_sum
 from rlhf_core.models import ReferencePolicy
+from rlhf_core.policy_model import policy_logprobs
 
 
 def pair_logps(
     model: torch.nn.Module, batch: dict[str, torch.Tensor]
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(chosen, rejected) summed completion log-probs, each (B,), from one concatenated forward."""
-    token_logps = causal_lm_selected_logprobs(
+    token_logps = policy_logprobs(
         model, batch["input_ids"], batch["attention_mask"], batch["loss_mask"]
     )
     seq = masked_sum(token_logps, batch["loss_mask"], dim=-1)

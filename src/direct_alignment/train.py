@@ -47,7 +47,7 @@ from rlhf_core.loop import (
     save_training_state,
     start_accelerator,
 )
-from rlhf_core.models import ReferencePolicy, load_causal_lm, load_tokenizer, resolve_model_path
+from rlhf_core.models import ReferencePolicy, load_policy, load_tokenizer, resolve_model_path
 from rlhf_core.optim import build_optimizer, build_scheduler
 from rlhf_core.registry import build_from_spec
 from rlhf_core.rundir import managed_run, open_run_dir
@@ -121,14 +121,14 @@ def train(cfg: DAConfig, run: RunArgs) -> int:
 
     # --- policy and reference
     seed_everything(cfg.seed)
-    policy = load_causal_lm(cfg.model, device, weights_from=ckpt)
+    policy = load_policy(cfg.model, device, weights_from=ckpt)
     pad_id = tokenizer.pad_token_id
     reference, ref_cache = None, None
     if loss_fn.needs_reference:
         if cfg.reference.mode == "adapter":
             reference = ReferencePolicy(policy, "adapter")
         else:  # the starting policy, loaded again (never the resumed weights)
-            start = load_causal_lm(cfg.model.model_copy(update={"lora": None}), device)
+            start = load_policy(cfg.model.model_copy(update={"lora": None}), device)
             reference = ReferencePolicy(start, "frozen")
         if cfg.reference.mode == "precomputed":
             cache_path = run_dir / "reference_logps.pt"

@@ -12,8 +12,8 @@ import torch
 from instruction_tuning.data import SFTData, collate
 from instruction_tuning.losses import CompletionNLLLoss
 from rlhf_core.generation import generate_completions
-from rlhf_core.logprobs import causal_lm_selected_logprobs
 from rlhf_core.models import with_padding_side
+from rlhf_core.policy_model import policy_logprobs
 from rlhf_core.scoring import exact_match, task_score
 
 
@@ -36,7 +36,7 @@ def evaluate(
     for start in range(0, len(data.examples), batch_size):
         batch = collate(data.examples[start : start + batch_size], tokenizer.pad_token_id)
         batch = {k: v.to(device) for k, v in batch.items()}
-        logps = causal_lm_selected_logprobs(
+        logps = policy_logprobs(
             model, batch["input_ids"], batch["attention_mask"], batch["loss_mask"]
         )
         _, metrics = loss_fn(logps, batch["loss_mask"], 1.0)

@@ -28,7 +28,6 @@ from rlhf_core.checkpoint import StopSignal
 from rlhf_core.config import RunArgs, parse_run_args
 from rlhf_core.data import EpochSampler
 from rlhf_core.errors import run_main
-from rlhf_core.logprobs import causal_lm_selected_logprobs
 from rlhf_core.loop import (
     SkippedSteps,
     announce_stop,
@@ -41,8 +40,9 @@ from rlhf_core.loop import (
     save_training_state,
     start_accelerator,
 )
-from rlhf_core.models import load_causal_lm, load_tokenizer, resolve_model_path
+from rlhf_core.models import load_policy, load_tokenizer, resolve_model_path
 from rlhf_core.optim import build_optimizer, build_scheduler
+from rlhf_core.policy_model import policy_logprobs
 from rlhf_core.rundir import managed_run, open_run_dir
 from rlhf_core.runtime import seed_everything
 from rlhf_core.tracking import Tracker
@@ -88,7 +88,7 @@ def train(cfg: SFTConfig, run: RunArgs) -> int:
 
     # --- model, optimizer, schedule
     seed_everything(cfg.seed)
-    model = load_causal_lm(cfg.model, device, weights_from=ckpt)
+    model = load_policy(cfg.model, device, weights_from=ckpt)
     model.train()
     optimizer = build_optimizer(model, cfg.optim)
     scheduler = build_scheduler(optimizer, cfg.optim, total_steps)
@@ -139,7 +139,7 @@ def train(cfg: SFTConfig, run: RunArgs) -> int:
                 batch = {k: v.to(device) for k, v in batch.items()}
                 sync = i == len(batches) - 1
                 with nullcontext() if sync else accelerator.no_sync(model):
-                    logps = causal_lm_selected_logprobs(
+                    logps = policy_logprobs(
                         model, batch["input_ids"], batch["attention_mask"], batch["loss_mask"]
                     )
                     loss, _ = loss_fn(logps, batch["loss_mask"], num_tokens)

@@ -186,7 +186,8 @@ def collect_experience(
         rin = RewardInput(
             prompts=[it["prompt"] for it in rep_items], completions=ro.completions,
             items=rep_items, lengths=lengths.cpu(), action_mask=ro.action_mask.cpu(),
-            scorer=prompts.scorer,
+            scorer=prompts.scorer, completion_ids=ro.completion_token_ids(),
+            tokenizer=tokenizer,
         )  # fmt: skip
         total, parts = reward_fn(rin)
         t_score += time.perf_counter() - t1

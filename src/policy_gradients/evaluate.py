@@ -47,7 +47,8 @@ def evaluate_policy(
                 total, parts = reward_fn(RewardInput(
                     prompts=[it["prompt"] for it in items], completions=ro.completions,
                     items=items, lengths=lengths.cpu(), action_mask=ro.action_mask.cpu(),
-                    scorer=prompts.scorer,
+                    scorer=prompts.scorer, completion_ids=ro.completion_token_ids(),
+                    tokenizer=tokenizer,
                 ))  # fmt: skip
                 per_seq = {"reward": total if total.dim() == 1 else total.sum(-1)}
                 for key, value in parts.items():

@@ -21,6 +21,11 @@ Components:
   gsm8k          1 if the last number in the answer equals the reference after '####', else 0
   overlong       DAPO's soft overlong punishment (Yu et al. 2025, arXiv:2503.14476)
   reward_model   a reward model directory saved by `reward_models`, see `RewardModelReward`
+  segment_reward_model
+                 Fine-Grained RLHF: a token-level (segment) reward model saved by `reward_models`
+                 judges every sentence or sub-sentence; each segment's reward lands on the policy
+                 token that ends it (dense, (B, T)); see `SegmentRewardModelReward`
+  rouge          ROUGE F1 of the completion against the prompt row's reference answer
 """
 
 from __future__ import annotations
@@ -51,6 +56,8 @@ class RewardInput:
     lengths: torch.Tensor  # (B,) completion token counts (through eos)
     action_mask: torch.Tensor  # (B, T)
     scorer: Any | None = None  # the reasoning-gym dataset (score_answer), if any
+    completion_ids: list[list[int]] | None = None  # the policy's completion tokens (through eos)
+    tokenizer: Any = None  # the policy's tokenizer (dense rewards map text to its tokens)
 
 
 def extract_answer(text: str) -> str | None:
@@ -188,6 +195,98 @@ class RewardModelReward:
         prompts = [item["messages"] for item in batch.items]
         raw = self.model.score(prompts, batch.completions, batch_size=self.batch_size).float().cpu()
         return (raw - self.mean) / self.std * self.scale + self.bias
+
+
+@REWARDS.register("segment_reward_model")
+class SegmentRewardModelReward:
+    """Fine-grained reward (Wu et al. 2023, "Fine-Grained Human Feedback Gives Better Rewards for
+    Language Model Training", arXiv:2306.01693, eq. 1). A segment reward model (kind 'segment',
+    saved by `reward_models`, loaded through `rlhf_core.scalar_head`) reads the completion text,
+    segments it into sentences or sub-sentences (its `segment_level`, pysbd) and classifies each;
+    the segment's reward is put on the policy token that holds its last character:
+
+        r_t = sum_j 1[t = end_j] (R(x, y, j) - mean) / std,   R(x, y, j) = sum_c p_c(j) v_c
+
+    with p(j) the model's class probabilities for segment j and v = `class_rewards` (default 0 for
+    class 0, "no error", and -1 for every error class: with +1 for a fine segment, a policy is
+    paid per segment and lengthens its answers; measured on the long-form task, mean length
+    19.5 -> 32.8 tokens in 4 PPO steps). The paper uses one such model per error
+    type, each with its own segment level and weight w_k; `CombinedReward` sums the components,
+    r_t = sum_k w_k r_t^k, and places sequence-level components (its completeness reward, or a
+    holistic preference model) on the last token."""
+
+    def __init__(
+        self,
+        *,
+        path: str,
+        class_rewards: list[float] | None = None,
+        mean: float = 0.0,
+        std: float = 1.0,
+        batch_size: int = 32,
+        device: str = "auto",
+    ) -> None:
+        from rlhf_core.scalar_head import ScalarHeadModel
+
+        if std <= 0:
+            raise ValueError(f"segment_reward_model: std must be > 0, got {std}")
+        if device == "auto":
+            device = "cuda" if torch.cuda.is_available() else "cpu"
+        self.model = ScalarHeadModel.from_pretrained(path, device=device)
+        if self.model.info.kind != "segment":
+            raise ValueError(
+                f"segment_reward_model: {path} is a {self.model.info.kind!r} model; expected a "
+                "'segment' model (reward_models loss segment_ce)"
+            )
+        classes = self.model.info.head_dim
+        values = class_rewards or [0.0] + [-1.0] * (classes - 1)
+        if len(values) != classes:
+            raise ValueError(
+                f"segment_reward_model: class_rewards has {len(values)} values, the model at "
+                f"{path} has {classes} classes"
+            )
+        self.values = torch.tensor(values, dtype=torch.float32)
+        self.level = self.model.info.segment_level
+        self.mean, self.std, self.batch_size = mean, std, batch_size
+
+    def segment_rewards(self, batch: RewardInput) -> list[torch.Tensor]:
+        """R(x, y, j) for every segment j of every completion, (n_i,)."""
+        prompts = [item["messages"] for item in batch.items]
+        logits = self.model.segment_scores(prompts, batch.completions, batch_size=self.batch_size)
+        return [(x.float().softmax(-1) * self.values).sum(-1) for x in logits]
+
+    def __call__(self, batch: RewardInput) -> torch.Tensor:
+        from rlhf_core.segmentation import segment, segment_end_tokens
+
+        if batch.completion_ids is None or batch.tokenizer is None:
+            raise ValueError("segment_reward_model needs the completions' token ids and tokenizer")
+        dense = torch.zeros(batch.action_mask.shape)
+        per_segment = self.segment_rewards(batch)
+        for b, (text, ids, values) in enumerate(
+            zip(batch.completions, batch.completion_ids, per_segment, strict=True)
+        ):
+            segments = segment(text, self.level)[: len(values)]  # the model's max_length may cut
+            if not segments:
+                continue
+            ends = torch.tensor(segment_end_tokens(batch.tokenizer, ids, segments))
+            dense[b].index_put_((ends,), (values - self.mean) / self.std, accumulate=True)
+        return dense
+
+
+@REWARDS.register("rouge")
+class RougeReward:
+    """ROUGE F1 (`rouge_type`: rouge1, rouge2 or rougeL) of the completion against the prompt
+    row's reference `answer` (`rlhf_core.scoring.rouge_scores`); for evaluating long-form
+    generation (weight 0 reports it without training on it)."""
+
+    def __init__(self, *, rouge_type: Literal["rouge1", "rouge2", "rougeL"] = "rougeL") -> None:
+        self.rouge_type = rouge_type
+
+    def __call__(self, batch: RewardInput) -> torch.Tensor:
+        from rlhf_core.scoring import rouge_scores
+
+        refs = [str(item["answer"]) for item in batch.items]
+        scores = rouge_scores(batch.completions, refs, (self.rouge_type,))
+        return torch.tensor(scores[self.rouge_type])
 
 
 class CombinedReward:

@@ -29,6 +29,8 @@ from rlhf_core.chat import render_prompt
 from rlhf_core.data import DataSource, load_rows, reasoning_gym_dataset
 from rlhf_core.errors import UserError
 from rlhf_core.generation import decode, row_generators
+from rlhf_core.policy_model import completion_values as policy_completion_values
+from rlhf_core.policy_model import policy_logprobs
 
 
 @dataclass
@@ -85,6 +87,12 @@ class Rollouts:
     prompt_length: int  # P
     completions: list[str]
     truncated: torch.Tensor  # (B,) bool
+
+    def completion_token_ids(self) -> list[list[int]]:
+        """Each completion's tokens through its eos (or all T if truncated)."""
+        tokens = self.sequence_ids[:, self.prompt_length :].tolist()
+        lengths = self.action_mask.sum(-1).tolist()
+        return [row[: int(n)] for row, n in zip(tokens, lengths, strict=True)]
 
 
 @torch.no_grad()
@@ -152,9 +160,9 @@ def completion_logprobs(
     distribution); with `with_entropy`, also the per-token entropies (B, T).
 
     Only the completion positions (`action_mask` (B, T); by default every completion position)
-    go through the LM head, fused with the log-softmax so no (B, T, V) logits are kept
-    (`rlhf_core.logprobs.causal_lm_selected_logprobs`); positions outside the mask are 0."""
-    from rlhf_core.logprobs import causal_lm_selected_logprobs
+    are scored (`rlhf_core.policy_model.policy_logprobs`: a causal LM's head runs on them alone,
+    fused with the log-softmax; an encoder-decoder model encodes the prompt and scores the
+    completion with its decoder); positions outside the mask are 0."""
 
     batch, total = rollouts_ids.shape
     target = torch.zeros(batch, total - 1, dtype=torch.bool, device=rollouts_ids.device)
@@ -162,7 +170,7 @@ def completion_logprobs(
         target[:, prompt_length - 1 :] = True
     else:
         target[:, prompt_length - 1 :] = action_mask.bool()
-    out = causal_lm_selected_logprobs(
+    out = policy_logprobs(
         model, rollouts_ids, attention_mask, target, temperature=temperature,
         with_entropy=with_entropy,
     )  # fmt: skip
@@ -179,9 +187,8 @@ def completion_values(
     prompt_length: int,
 ) -> torch.Tensor:
     """V(s_t) for each completion token t, (B, T): the value head at the position that predicts
-    token t (aligned with `completion_logprobs`)."""
-    scores = value_model(ids, attention_mask)[..., 0]  # (B, S)
-    return scores[:, prompt_length - 1 : -1]
+    token t (aligned with `completion_logprobs`; `rlhf_core.policy_model.completion_values`)."""
+    return policy_completion_values(value_model, ids, attention_mask, prompt_length)
 
 
 class RolloutLog:

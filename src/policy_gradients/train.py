@@ -50,7 +50,7 @@ from rlhf_core.loop import (
     save_training_state,
     start_accelerator,
 )
-from rlhf_core.models import ReferencePolicy, load_causal_lm, load_tokenizer, resolve_model_path
+from rlhf_core.models import ReferencePolicy, load_policy, load_tokenizer, resolve_model_path
 from rlhf_core.optim import build_optimizer, build_scheduler
 from rlhf_core.registry import build_from_spec
 from rlhf_core.rundir import managed_run, open_run_dir
@@ -145,13 +145,13 @@ def train(cfg: PGConfig, run: RunArgs) -> int:
 
     # --- policy, reference, optimizer
     seed_everything(cfg.seed)
-    policy = load_causal_lm(cfg.model, device, weights_from=ckpt)
+    policy = load_policy(cfg.model, device, weights_from=ckpt)
     reference = None
     if needs_reference:
         if t.reference == "adapter":
             reference = ReferencePolicy(policy, "adapter")
         else:  # the starting weights, never the resumed ones
-            start = load_causal_lm(cfg.model.model_copy(update={"lora": None}), device)
+            start = load_policy(cfg.model.model_copy(update={"lora": None}), device)
             reference = ReferencePolicy(start, "frozen")
     value_model = value_opt = value_sched = None
     if value_loss_fn is not None:  # PPO: backbone + scalar head, from the policy's start

@@ -23,7 +23,7 @@ from rlhf_core.registry import validate_spec
 from rlhf_core.tracking import TrackingConfig
 
 FORMAT_NAMES = Literal[
-    "auto", "preference", "ultrafeedback", "hh", "orm", "prm", "prm800k", "gsm8k"
+    "auto", "preference", "ultrafeedback", "hh", "orm", "prm", "prm800k", "gsm8k", "segments"
 ]
 
 
@@ -69,6 +69,11 @@ class RMDataConfig(StrictModel):
     )
     step_separator: str = Field(
         "\n", description="PRM: the one-token text after every step, where steps are scored"
+    )
+    segment_level: Literal["sentence", "subsentence"] = Field(
+        "sentence",
+        description="segment model (loss segment_ce): score each sentence or each sub-sentence "
+        "(rlhf_core.segmentation); a row's labels must count that many segments",
     )
     neutral_label: Literal["positive", "negative"] = Field(
         "positive", description="PRM with 2 classes: what a PRM800K 0 (neutral) rating becomes"

@@ -15,6 +15,11 @@ Row formats (`data.format`; `auto` picks by columns):
     orm            {"prompt", "completion": str | messages, "label": bool | 0/1 | float in [0, 1]}
     gsm8k          GSM8K {"question", "answer"} rows, labelled on the fly by
                    `build_data.gsm8k_orm_rows` (the reference answer and wrong ones)
+  segment (kind segment; Fine-Grained RLHF's token-level reward models)
+    segments       {"prompt", "completion": str, "labels": [int]}: one class per sentence or
+                   sub-sentence (`data.segment_level`, segmented by `rlhf_core.segmentation`),
+                   0 = no error (booleans: True = has the error); scored at each segment's
+                   last token
   prm (kind prm)
     prm            {"prompt", "steps": [str], "labels": [bool | -1/0/+1]}  (booleans: True = good)
     prm800k        PRM800K rows {"question": {"problem"}, "label": {"steps": [...]}}: the rated path
@@ -54,12 +59,19 @@ from rlhf_core.data import (
     warn_truncated_prompts,
 )
 from rlhf_core.errors import UserError
-from rlhf_core.scalar_head import encode_completions, encode_steps, pad_sequences
+from rlhf_core.scalar_head import (
+    encode_completions,
+    encode_segments,
+    encode_steps,
+    pad_sequences,
+)
+from rlhf_core.segmentation import segment
 
 FORMATS = {
     "preference": ("auto", "preference", "ultrafeedback", "hh"),
     "orm": ("auto", "orm", "gsm8k"),
     "prm": ("auto", "prm", "prm800k", "gsm8k"),
+    "segment": ("auto", "segments"),
 }
 
 
@@ -223,6 +235,34 @@ def process_row(
     return prompt, steps, classes
 
 
+def segment_row(
+    row: dict[str, Any], index: int, where: str, level: str, num_classes: int
+) -> tuple[Messages, str, list[int]]:
+    """(prompt messages, completion text, one class per segment) of one segment row."""
+    here = f"{where}: row {index}"
+    prompt = as_messages(_column(row, "prompt", here), where=f"{here} column 'prompt'")
+    completion = completion_text(
+        _column(row, "completion", here), prompt, f"{here} column 'completion'"
+    )
+    labels = _column(row, "labels", here)
+    count = len(segment(completion, level))
+    if not isinstance(labels, list) or len(labels) != count:
+        raise ValueError(
+            f"{here} column 'labels': expected {count} labels, one per {level} of the completion "
+            f"(rlhf_core.segmentation), got {labels!r}"
+        )
+    classes = []
+    for k, label in enumerate(labels):
+        value = int(label) if isinstance(label, bool | int) else None
+        if value is None or not 0 <= value < num_classes:
+            raise ValueError(
+                f"{here} column 'labels' segment {k}: expected a class 0..{num_classes - 1} "
+                f"(0 = no error) or a boolean (true = error), got {label!r}"
+            )
+        classes.append(value)
+    return prompt, completion, classes
+
+
 # ----------------------------------------------------------------------------- loading
 
 
@@ -285,6 +325,8 @@ def build_reward_data(
                 rest.append(row_margin(row, data_cfg.margin_column, f"{where}: row {index}"))
         elif kind == "orm":
             prompt, *rest = outcome_row(row, index, where)
+        elif kind == "segment":
+            prompt, *rest = segment_row(row, index, where, data_cfg.segment_level, num_classes)
         else:
             prompt, *rest = process_row(row, index, fmt, where, num_classes, data_cfg.neutral_label)
         if (
@@ -301,6 +343,8 @@ def build_reward_data(
         data = _preference_examples(tokenizer, prompts, parsed, lengths)
     elif kind == "orm":
         data = _outcome_examples(tokenizer, prompts, parsed, lengths)
+    elif kind == "segment":
+        data = _segment_examples(tokenizer, prompts, parsed, lengths, data_cfg.segment_level)
     else:
         data = _process_examples(tokenizer, prompts, parsed, lengths, data_cfg.step_separator)
     if not data.examples:
@@ -362,6 +406,18 @@ def _process_examples(tokenizer, prompts, parsed, lengths, separator) -> RewardD
         data.counts["steps"] += len(classes)
         data.counts["dropped_steps"] += e.dropped_steps
         data.counts["negative_steps"] += sum(c == 0 for c in classes)
+    return data
+
+
+def _segment_examples(tokenizer, prompts, parsed, lengths, level) -> RewardData:
+    encoded = encode_segments(tokenizer, prompts, [p[1] for p in parsed], level=level, **lengths)
+    data = RewardData([], {"segments": 0, "dropped_segments": 0, "error_segments": 0})
+    for item, e in zip(parsed, encoded, strict=True):
+        classes = item[2][: len(e.step_ends)]
+        data.examples.append(ProcessExample(e.prompt_ids, e.completion_ids, e.step_ends, classes))
+        data.counts["segments"] += len(classes)
+        data.counts["dropped_segments"] += e.dropped_steps
+        data.counts["error_segments"] += sum(c != 0 for c in classes)
     return data
 
 

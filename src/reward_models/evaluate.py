@@ -14,6 +14,9 @@ the loss and its metrics), then adds figures that need the whole set:
                = an error), first_error_accuracy (the first step predicted negative is the first
                labelled negative, "no error" included) against first_error_majority_baseline
                (always guessing the most common first-error step: what step position alone gives)
+  segment      segment_accuracy and error_f1 (F1 of "has an error", any class > 0) over all
+               segments, against the majority baseline's (always the most common class:
+               majority_accuracy, majority_error_f1, which is 0 when most segments are fine)
 """
 
 from __future__ import annotations
@@ -25,7 +28,10 @@ from reward_models.losses import IGNORE_INDEX, RewardLoss
 from reward_models.models import compute_loss
 from rlhf_core.scalar_head import last_token_index
 
-COLLATE = {"preference": collate_pairs, "orm": collate_outcomes, "prm": collate_steps}
+COLLATE = {
+    "preference": collate_pairs, "orm": collate_outcomes, "prm": collate_steps,
+    "segment": collate_steps,
+}  # fmt: skip
 
 
 def _pairwise_hits(pos: torch.Tensor, neg: torch.Tensor, chunk: int = 1024) -> float:
@@ -95,6 +101,31 @@ def prm_step_metrics(predicted: list[list[int]], labels: list[list[int]]) -> dic
     }  # fmt: skip
 
 
+def _f1(predicted: torch.Tensor, truth: torch.Tensor) -> float:
+    """F1 of the positive (error) class for boolean predictions and truths."""
+    tp = float((predicted & truth).sum())
+    fp, fn = float((predicted & ~truth).sum()), float((~predicted & truth).sum())
+    return 2 * tp / (2 * tp + fp + fn) if tp else 0.0
+
+
+def segment_metrics(predicted: list[list[int]], labels: list[list[int]]) -> dict[str, float]:
+    """Per-segment accuracy and error F1, and the majority-class baseline's."""
+    flat_p = torch.tensor([c for row in predicted for c in row], dtype=torch.long)
+    flat_y = torch.tensor([c for row in labels for c in row], dtype=torch.long)
+    if flat_y.numel() == 0:
+        return {}
+    majority = int(torch.bincount(flat_y).argmax())
+    baseline = torch.full_like(flat_y, majority)
+    return {
+        "segment_accuracy": float((flat_p == flat_y).float().mean()),
+        "error_f1": _f1(flat_p > 0, flat_y > 0),
+        "majority_accuracy": float((baseline == flat_y).float().mean()),
+        "majority_error_f1": _f1(baseline > 0, flat_y > 0),
+        "error_rate": float((flat_y > 0).float().mean()),
+        "segments": float(flat_y.numel()),
+    }
+
+
 @torch.no_grad()
 def evaluate(
     model: torch.nn.Module,
@@ -120,7 +151,7 @@ def evaluate(
         if kind == "orm":
             last = last_token_index(batch["completion_mask"])
             orm_scores.append(out["logits"][torch.arange(len(chunk), device=device), last].cpu())
-        elif kind == "prm":
+        elif kind in ("prm", "segment"):
             classes = out["logits"].argmax(-1).cpu()
             steps = batch["step_labels"].cpu()
             for b in range(len(chunk)):
@@ -135,4 +166,6 @@ def evaluate(
         result.update(orm_ranking_metrics(torch.cat(orm_scores).float(), labels, groups))
     elif kind == "prm":
         result.update(prm_step_metrics(predicted, truth))
+    elif kind == "segment":
+        result.update(segment_metrics(predicted, truth))
     return {f"eval/{k}": v for k, v in result.items()}

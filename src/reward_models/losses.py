@@ -11,6 +11,8 @@ Each loss reads a reward model's outputs (never the model itself) and returns `(
     orm_bce        token logits z (B, T), labels y (B,), mask (B, T)   mean over the example's
                                                                        masked tokens of
                                                                        BCE(z_t, y)
+    segment_ce     segment logits (B, T, C), segment classes (B, T)    mean over the example's
+                   (Fine-Grained RLHF, Wu et al. 2023)                 segment ends
     prm_ce         step logits (B, T, C), step classes (B, T)          mean over the example's
                    (-100 = not a step end)                             steps of CE(logits_t, c_t)
 
@@ -285,3 +287,55 @@ class ProcessCELoss(RewardLoss):
             "first_error_accuracy": (same_first * has_steps).sum() / has_steps.sum().clamp(min=1),
         }
         return loss, metrics
+
+
+@_register("segment_ce")
+class SegmentCELoss(RewardLoss):
+    """Token-level (segment) reward model: cross-entropy of each segment's class, read at the token
+    that ends the segment (a sentence or a sub-sentence).
+
+    Wu et al. 2023, "Fine-Grained Human Feedback Gives Better Rewards for Language Model
+    Training", arXiv:2306.01693, sec. 2.2 / 4: each fine-grained reward model is a token
+    classifier over the completion that predicts, at the end of every segment it judges, whether
+    that segment has its error type (irrelevance per sub-sentence, a factual error per sentence):
+
+        loss = mean_{t : c_t != -100} CE(softmax(logits_t), c_t)
+
+    logits (B, T, C); classes c (B, T) hold -100 everywhere but segment ends. Class 0 = no error,
+    classes 1..C-1 = error kinds (binary: 1 = the segment has the error). It differs from
+    `prm_ce` only in what a position is (a segment's last token of free text, found by the
+    segmenter, instead of a separator token after a step) and in the class convention.
+
+    Metrics: segment_accuracy (argmax = label over all segments in the batch).
+    """
+
+    kind = "segment"
+
+    def __init__(self, *, num_classes: int = 2) -> None:
+        super().__init__()
+        self._require(num_classes >= 2, "num_classes", num_classes, ">= 2")
+        self.num_classes = int(num_classes)
+
+    @property
+    def head_dim(self) -> int:
+        return self.num_classes
+
+    def forward(
+        self, logits: torch.Tensor, step_labels: torch.Tensor
+    ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        """Segment logits (B, T, C), classes (B, T), -100 off segment ends -> (loss, metrics)."""
+        if (
+            logits.dim() != 3
+            or logits.shape[:2] != step_labels.shape
+            or logits.shape[-1] != self.num_classes
+        ):
+            raise _shape_error(
+                self.name, f"logits (B, T, {self.num_classes}) and step_labels (B, T)",
+                logits=logits, step_labels=step_labels,
+            )  # fmt: skip
+        mask = step_labels != IGNORE_INDEX
+        targets = step_labels.clamp(min=0)
+        per_token = F.cross_entropy(logits.transpose(1, 2), targets, reduction="none")
+        loss = aggregate(per_token, mask, "seq-mean-token-mean")
+        correct = (logits.detach().argmax(-1) == targets).to(logits.dtype)
+        return loss, {"segment_accuracy": masked_mean(correct, mask)}

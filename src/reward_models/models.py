@@ -11,6 +11,7 @@ kind (`compute_loss`), and the sequence-classification export of preference mode
     preference   1             the last token (eos)          bradley_terry
     orm          1             every completion token        orm_bce
     prm          2 or 3        each step's separator token   prm_ce
+    segment      >= 2          each segment's last token     segment_ce
 """
 
 from __future__ import annotations
@@ -52,6 +53,7 @@ class BaseRewardModel(ScalarHeadModel):
             max_length=cfg.data.max_length,
             max_prompt_length=cfg.data.max_prompt_length,
             step_separator=cfg.data.step_separator if loss_fn.kind == "prm" else None,
+            segment_level=cfg.data.segment_level if loss_fn.kind == "segment" else None,
         )
         return cls.from_config(
             cfg.model, info, device, weights_from=weights_from,

@@ -9,6 +9,11 @@ which draws one exponential variate per vocabulary entry per row (on CPU that wa
 rollout's time with a 50k vocabulary); `decode` inverts the CDF with one uniform per row,
 index = min{i : cdf_i > u * cdf_V}, an exact draw from the same categorical distribution.
 
+An encoder-decoder policy (T5) takes the same call and returns the same layout, [prompt |
+completion]: the encoder runs once on the left-padded prompts, the decoder starts from its start
+token and steps one token at a time through its KV cache, with the same warpers and sampler
+(`_decode_encoder_decoder`; greedy tokens equal `generate`'s, tested).
+
 `generate_completions` takes rendered prompt texts and returns, per prompt, the completion token
 ids (up to and including the first eos), the decoded text (special tokens removed) and whether it
 was truncated at `max_new_tokens` without an eos. temperature 0 means greedy.
@@ -21,6 +26,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
+
+from rlhf_core.policy_model import base_model, decoder_start_id, is_encoder_decoder
 
 
 def warp_logits(
@@ -81,6 +88,61 @@ def sample_from_logits(logits: torch.Tensor, generator: Generators = None) -> to
     return index.clamp_(max=cdf.shape[-1] - 1).squeeze(-1)
 
 
+def next_token(
+    logits: torch.Tensor,
+    *,
+    temperature: float,
+    top_p: float,
+    top_k: int,
+    min_p: float,
+    generator: Generators,
+) -> torch.Tensor:
+    """The next token of each row from its logits (B, V): argmax at temperature 0, else a draw
+    from the warped distribution."""
+    if temperature <= 0:
+        return logits.argmax(-1)
+    warped = warp_logits(logits, temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p)
+    return sample_from_logits(warped, generator)
+
+
+@torch.no_grad()
+def _decode_encoder_decoder(
+    model: torch.nn.Module,
+    input_ids: torch.Tensor,
+    attention_mask: torch.Tensor,
+    *,
+    max_new_tokens: int,
+    eos_token_id: int,
+    pad_token_id: int,
+    generator: Generators,
+    **sampling: float,
+) -> torch.Tensor:
+    """`decode` for an encoder-decoder model: the encoder once, then the decoder token by token
+    through its KV cache from the decoder start token; returns [input_ids | completion]."""
+    base = base_model(model)  # peft's adapters live in the base model's layers
+    batch = input_ids.shape[0]
+    mask = attention_mask.long()
+    encoded = base.get_encoder()(input_ids=input_ids, attention_mask=mask)
+    token = torch.full((batch,), decoder_start_id(base), dtype=input_ids.dtype,
+                       device=input_ids.device)  # fmt: skip
+    done = torch.zeros(batch, dtype=torch.bool, device=input_ids.device)
+    pad = torch.full_like(token, pad_token_id)
+    cache, new_tokens = None, []
+    for step in range(max_new_tokens):
+        out = base(
+            encoder_outputs=encoded, attention_mask=mask, decoder_input_ids=token[:, None],
+            past_key_values=cache, use_cache=True,
+        )  # fmt: skip
+        cache = out.past_key_values
+        token = next_token(out.logits[:, -1], generator=generator, **sampling)
+        token = torch.where(done, pad, token.to(input_ids.dtype))
+        new_tokens.append(token)
+        done = done | (token == eos_token_id)
+        if step == max_new_tokens - 1 or bool(done.all()):
+            break
+    return torch.cat([input_ids, torch.stack(new_tokens, dim=1)], dim=1)
+
+
 def _accepts_logits_to_keep(model: torch.nn.Module) -> bool:
     base = model.get_base_model() if hasattr(model, "get_base_model") else model
     return "logits_to_keep" in inspect.signature(base.forward).parameters
@@ -107,6 +169,12 @@ def decode(
     `sample_from_logits` (None: the global torch RNG)."""
     if max_new_tokens < 1:
         raise ValueError(f"decode: max_new_tokens must be >= 1, got {max_new_tokens}")
+    sampling = {"temperature": temperature, "top_p": top_p, "top_k": top_k, "min_p": min_p}
+    if is_encoder_decoder(model):
+        return _decode_encoder_decoder(
+            model, input_ids, attention_mask, max_new_tokens=max_new_tokens,
+            eos_token_id=eos_token_id, pad_token_id=pad_token_id, generator=generator, **sampling,
+        )  # fmt: skip
     batch = input_ids.shape[0]
     mask = attention_mask.long()
     position_ids = (mask.cumsum(-1) - 1).clamp(min=0)
@@ -121,13 +189,7 @@ def decode(
     ones = torch.ones(batch, 1, dtype=mask.dtype, device=mask.device)
     new_tokens = []
     for step in range(max_new_tokens):
-        logits = out.logits[:, -1]
-        if temperature > 0:
-            warped = warp_logits(logits, temperature=temperature, top_k=top_k, top_p=top_p,
-                                 min_p=min_p)  # fmt: skip
-            token = sample_from_logits(warped, generator)
-        else:
-            token = logits.argmax(-1)
+        token = next_token(out.logits[:, -1], generator=generator, **sampling)
         token = torch.where(done, pad, token.to(input_ids.dtype))
         new_tokens.append(token)
         done = done | (token == eos_token_id)

@@ -41,7 +41,10 @@ LORA_TARGETS: dict[str, list[str]] = {
     "llama": ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"],
     "gpt2": ["c_attn", "c_proj", "c_fc"],
     "gpt_neox": ["query_key_value", "dense", "dense_h_to_4h", "dense_4h_to_h"],
+    # T5 attention q/k/v/o and feed-forward wi/wo (T5 v1.1 / Flan-T5 gate: wi_0, wi_1)
+    "t5": ["q", "k", "v", "o", "wi", "wi_0", "wi_1", "wo"],
 }
+LORA_TARGETS["mt5"] = LORA_TARGETS["umt5"] = LORA_TARGETS["t5"]
 for _arch in ("qwen2", "qwen3", "qwen3_moe", "mistral", "gemma", "gemma2", "gemma3_text", "phi3"):
     LORA_TARGETS[_arch] = LORA_TARGETS["llama"]
 
@@ -131,23 +134,31 @@ def with_padding_side(tokenizer, side: Literal["left", "right"]):
     return other
 
 
-def load_causal_lm(
+def load_policy(
     cfg: ModelConfig,
     device: torch.device | str = "cpu",
     *,
     weights_from: str | Path | None = None,
 ):
-    """Load a causal LM per `cfg` (LoRA applied if configured) on `device`.
+    """Load a policy per `cfg` (LoRA applied if configured) on `device`: a causal LM
+    (`AutoModelForCausalLM`), or an encoder-decoder one (`AutoModelForSeq2SeqLM`, e.g. T5) when
+    the model's config says `is_encoder_decoder`; `rlhf_core.policy_model` runs either.
 
     `weights_from` loads full weights from another directory (a checkpoint), or, with LoRA, the
     base from `cfg.name_or_path` and the adapter from `weights_from`.
     """
-    from transformers import AutoModelForCausalLM
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForSeq2SeqLM
 
     device = torch.device(device)
     base_path = resolve_model_path(cfg.name_or_path)
     full_path = str(weights_from) if (weights_from is not None and cfg.lora is None) else base_path
-    model = AutoModelForCausalLM.from_pretrained(
+    config = AutoConfig.from_pretrained(
+        full_path, revision=cfg.revision if full_path == base_path else None,
+        trust_remote_code=cfg.trust_remote_code,
+    )  # fmt: skip
+    seq2seq = bool(getattr(config, "is_encoder_decoder", False))
+    auto = AutoModelForSeq2SeqLM if seq2seq else AutoModelForCausalLM
+    model = auto.from_pretrained(
         full_path,
         revision=cfg.revision if full_path == base_path else None,
         dtype=resolve_dtype(cfg, device),
@@ -163,14 +174,16 @@ def load_causal_lm(
 
             model = PeftModel.from_pretrained(model, str(weights_from), is_trainable=True)
         else:
-            model = apply_lora(model, cfg.lora)
+            task_type = "SEQ_2_SEQ_LM" if seq2seq else "CAUSAL_LM"
+            model = apply_lora(model, cfg.lora, task_type=task_type)
     return model
 
 
 def apply_lora(model, lora: LoraConfig, *, task_type: str = "CAUSAL_LM"):
     """Wrap `model` in a peft LoRA adapter with per-architecture default target modules.
 
-    `task_type` is peft's: CAUSAL_LM for a causal LM, FEATURE_EXTRACTION for a bare backbone
+    `task_type` is peft's: CAUSAL_LM for a causal LM, SEQ_2_SEQ_LM for an encoder-decoder one
+    (T5), FEATURE_EXTRACTION for a bare backbone
     (`AutoModel`, as under a scalar head)."""
     from peft import LoraConfig as PeftLoraConfig
     from peft import get_peft_model

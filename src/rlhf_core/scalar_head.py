@@ -36,6 +36,9 @@ one-token step separator, and is scored at the separators. What `score` returns 
     orm                 P(correct) = sigmoid(the logit at the last token)
     prm                 min (or prod, or last) over steps of P(step is not an error), where
                         P(not an error) = 1 - softmax(step logits)[0] (class 0 = negative)
+    segment             no single reward: `segment_scores` gives the class logits at the token
+                        that ends each sentence or sub-sentence (`rlhf_core.segmentation`;
+                        class 0 = no error), Fine-Grained RLHF's token-level reward models
 
 Not here: losses (each package owns its own), sequence packing, multi-objective heads beyond
 `pooled_scores`.
@@ -63,8 +66,9 @@ from rlhf_core.models import (
     resolve_dtype,
     resolve_model_path,
 )
+from rlhf_core.segmentation import segment, segment_end_tokens
 
-KINDS = ("preference", "orm", "prm", "value")
+KINDS = ("preference", "orm", "prm", "segment", "value")
 HEAD_WEIGHTS = "scalar_head.safetensors"
 HEAD_CONFIG = "scalar_head.json"
 FORMAT = "rlhf-lab scalar head v1"
@@ -214,6 +218,32 @@ def encode_steps(
     return out
 
 
+def encode_segments(
+    tokenizer: Any,
+    prompt_texts: list[str],
+    completions: list[str],
+    *,
+    level: str,
+    max_length: int,
+    max_prompt_length: int | None = None,
+) -> list[EncodedSteps]:
+    """Tokenize rendered prompts and completions (+ eos) and find the token that ends each
+    sentence or sub-sentence of the completion (`rlhf_core.segmentation`, pysbd); truncation as
+    `encode_completions`, and segments whose end was cut off are dropped (counted)."""
+    encoded = encode_completions(
+        tokenizer, prompt_texts, completions, max_length=max_length,
+        max_prompt_length=max_prompt_length,
+    )  # fmt: skip
+    out = []
+    for text, e in zip(completions, encoded, strict=True):
+        segs = segment(text, level)
+        full = tokenize_texts(tokenizer, [text])[0]
+        ends = segment_end_tokens(tokenizer, full, segs) if segs else []
+        kept = [end for end in ends if end < len(e.completion_ids)]
+        out.append(EncodedSteps(e.prompt_ids, e.completion_ids, kept, len(ends) - len(kept)))
+    return out
+
+
 def pad_sequences(
     sequences: list[list[int]], pad_id: int, *, side: Literal["left", "right"] = "right"
 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -241,6 +271,7 @@ class ScalarHeadInfo:
     max_length: int = 1024
     max_prompt_length: int | None = None
     step_separator: str | None = None  # PRM: the one-token text that ends every step
+    segment_level: str | None = None  # segment: "sentence" or "subsentence"
     base_model: str | None = None  # LoRA: the model the adapter applies to (name_or_path)
 
     def __post_init__(self) -> None:
@@ -583,6 +614,28 @@ class ScalarHeadModel(nn.Module):
             out.append(1 - at_ends.softmax(-1)[:, 0])
         return out
 
+    def segment_scores(
+        self, prompts: list[str | Messages], completions: list[str], *, batch_size: int = 16
+    ) -> list[torch.Tensor]:
+        """Segment model: the class logits (n_i, head_dim) at the token ending each segment of
+        each completion, in the order of `segment(completion, info.segment_level)`; segments cut
+        off by `max_length` get no row."""
+        if self.info.kind != "segment":
+            raise ValueError(
+                f"segment_scores needs a 'segment' model, this one is {self.info.kind!r}"
+            )
+        tokenizer = self._require_tokenizer()
+        texts = [render_prompt(tokenizer, p, where=f"prompts[{i}]") for i, p in enumerate(prompts)]
+        encoded = encode_segments(
+            tokenizer, texts, list(completions), level=self.info.segment_level,
+            max_length=self.info.max_length, max_prompt_length=self.info.max_prompt_length,
+        )  # fmt: skip
+        scores = self._run([e.prompt_ids + e.completion_ids for e in encoded], batch_size)
+        return [
+            s[[len(e.prompt_ids) + j for j in e.step_ends]]
+            for s, e in zip(scores, encoded, strict=True)
+        ]
+
     def split_steps(self, completion: str) -> list[str]:
         """A PRM completion given as one string, split at the step separator (empty steps go)."""
         return [s for s in completion.split(self.info.step_separator) if s.strip()]
@@ -600,6 +653,10 @@ class ScalarHeadModel(nn.Module):
         PRM completions may be step lists or strings (split at the step separator); a completion
         with no steps scores 1.0 (no step is an error)."""
         kind = self.info.kind
+        if kind == "segment":
+            raise ValueError(
+                "score: a 'segment' model has one score per segment; use segment_scores"
+            )
         if kind == "prm":
             steps = [self.split_steps(c) if isinstance(c, str) else c for c in completions]
             per_step = self.step_scores(prompts, steps, batch_size=batch_size)

@@ -15,9 +15,15 @@ Tokenizers (all deterministic, no downloads):
             reasoning-gym arithmetic corpus; for chain_sum / basic_arithmetic style tasks.
   gpt2      the real GPT-2 tokenizer (vendored, MIT), no pad token and no chat template, so
             the pad = eos and default-template paths are exercised as with a real hub model.
+  facts     byte-level BPE, ~400 ids, trained on the synthetic long-form QA task of
+            `rlhf_core.longform` (most words are one token), for Fine-Grained RLHF.
 
 Presets (hidden 128, 2 layers, 4 heads, MLP 512, tied embeddings ~0.53M params, unless noted):
-  tiny-qwen3 (char), tiny-qwen3-arith (arith), tiny-qwen3-gpt2 (gpt2, hidden 64, MLP 256).
+  tiny-qwen3 (char), tiny-qwen3-arith (arith), tiny-qwen3-gpt2 (gpt2, hidden 64, MLP 256),
+  tiny-qwen3-facts (facts: the reward models of the long-form task).
+  tiny-t5-facts: an encoder-decoder `T5ForConditionalGeneration` (facts; d_model 64, 2 encoder +
+  2 decoder layers, 4 heads, d_ff 256, tied embeddings, decoder start = pad as in T5), the
+  encoder-decoder policy of `rlhf_core.policy_model`.
 """
 
 from __future__ import annotations
@@ -68,6 +74,7 @@ class TinyPreset:
     intermediate_size: int = 512
     max_position_embeddings: int = 512
     seed: int = 0
+    architecture: str = "qwen3"  # or "t5" (encoder-decoder)
 
 
 PRESETS: dict[str, TinyPreset] = {
@@ -75,6 +82,10 @@ PRESETS: dict[str, TinyPreset] = {
     "tiny-qwen3-arith": TinyPreset(tokenizer="arith"),
     "tiny-qwen3-gpt2": TinyPreset(
         tokenizer="gpt2", hidden_size=64, intermediate_size=256, max_position_embeddings=1024
+    ),
+    "tiny-qwen3-facts": TinyPreset(tokenizer="facts"),
+    "tiny-t5-facts": TinyPreset(
+        tokenizer="facts", hidden_size=64, intermediate_size=256, architecture="t5"
     ),
 }
 
@@ -149,6 +160,25 @@ def build_arith_tokenizer(vocab_size: int = 300):
     return _wrap(tok, chat_template=TINY_CHAT_TEMPLATE, eos=END, pad=PAD, unk=None)
 
 
+def build_facts_tokenizer(vocab_size: int = 400):
+    """Byte-level BPE trained on the synthetic long-form QA corpus (`rlhf_core.longform`)."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    from rlhf_core.longform import corpus
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=SPECIAL_TOKENS,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tok.train_from_iterator(corpus(), trainer=trainer)
+    return _wrap(tok, chat_template=TINY_CHAT_TEMPLATE, eos=END, pad=PAD, unk=None)
+
+
 def build_gpt2_tokenizer():
     """The vendored real GPT-2 tokenizer, as shipped (no pad token, no chat template)."""
     from transformers import AutoTokenizer
@@ -160,18 +190,52 @@ TOKENIZER_BUILDERS = {
     "char": build_char_tokenizer,
     "arith": build_arith_tokenizer,
     "gpt2": build_gpt2_tokenizer,
+    "facts": build_facts_tokenizer,
 }
 
 
 # ----------------------------------------------------------------------------- models
 
 
+def build_tiny_t5(preset: TinyPreset, eos_id: int, pad_id: int, vocab_size: int):
+    """A seeded, randomly initialised T5 encoder-decoder (decoder start token = pad, as T5)."""
+    from transformers import AutoModelForSeq2SeqLM, T5Config
+
+    config = T5Config(
+        vocab_size=vocab_size,
+        d_model=preset.hidden_size,
+        d_kv=preset.hidden_size // preset.num_attention_heads,
+        d_ff=preset.intermediate_size,
+        num_layers=preset.num_hidden_layers,
+        num_decoder_layers=preset.num_hidden_layers,
+        num_heads=preset.num_attention_heads,
+        relative_attention_num_buckets=32,
+        relative_attention_max_distance=128,
+        dropout_rate=0.0,
+        feed_forward_proj="relu",
+        tie_word_embeddings=True,
+        eos_token_id=eos_id,
+        pad_token_id=pad_id,
+        decoder_start_token_id=pad_id,
+    )
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(preset.seed)
+        return AutoModelForSeq2SeqLM.from_config(config, dtype=torch.float32)
+
+
 def build_tiny_model(preset: TinyPreset, tokenizer):
-    """A seeded, randomly initialised Qwen3 causal LM sized for the tokenizer."""
+    """A seeded, randomly initialised Qwen3 causal LM (or T5, per `preset.architecture`) sized
+    for the tokenizer."""
     from transformers import AutoModelForCausalLM, Qwen3Config
 
     eos_id = tokenizer.convert_tokens_to_ids(tokenizer.eos_token)
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token is not None else eos_id
+    if preset.architecture == "t5":
+        model = build_tiny_t5(preset, eos_id, pad_id, len(tokenizer))
+        model.generation_config.eos_token_id = eos_id
+        model.generation_config.pad_token_id = pad_id
+        model.generation_config.decoder_start_token_id = pad_id
+        return model
     config = Qwen3Config(
         vocab_size=len(tokenizer),
         hidden_size=preset.hidden_size,
@@ -201,7 +265,10 @@ def preset_dir(name: str) -> Path:
     preset = PRESETS[name]
     import transformers
 
-    spec = json.dumps({"preset": asdict(preset), "format": 1, "tf": transformers.__version__})
+    fields = asdict(preset)
+    if fields["architecture"] == "qwen3":  # keeps the cache keys of the presets made before T5
+        del fields["architecture"]
+    spec = json.dumps({"preset": fields, "format": 1, "tf": transformers.__version__})
     digest = hashlib.sha256(spec.encode()).hexdigest()[:10]
     target = cache_root() / "tiny" / f"{name}-{digest}"
     if (target / "config.json").is_file():

@@ -19,7 +19,7 @@ import torch
 
 from policy_gradients.rollout import generate_rollouts, load_prompts
 from rlhf_core.data import DataSource
-from rlhf_core.models import ModelConfig, load_causal_lm, load_tokenizer
+from rlhf_core.models import ModelConfig, load_policy, load_tokenizer
 
 
 @torch.no_grad()
@@ -37,7 +37,7 @@ def build_onpolicy_pairs(
     """Write pairs to `out_path`; return counts (prompts, pairs, sample accuracy)."""
     cfg = ModelConfig(name_or_path=str(model_path))
     tokenizer = load_tokenizer(cfg, padding_side="left")
-    model = load_causal_lm(cfg).eval()
+    model = load_policy(cfg).eval()
     prompts = load_prompts(
         source, tokenizer, prompt_column="prompt", answer_column="answer",
         prompt_template="{question}", system_prompt=None, where="pairs.source",

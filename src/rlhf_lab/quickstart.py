@@ -174,7 +174,7 @@ def evaluate_checkpoints(
     from policy_gradients.rewards import CombinedReward
     from policy_gradients.rollout import load_prompts
     from rlhf_core.data import DataSource
-    from rlhf_core.models import ModelConfig, ReferencePolicy, load_causal_lm, load_tokenizer
+    from rlhf_core.models import ModelConfig, ReferencePolicy, load_policy, load_tokenizer
 
     if stages is None:
         stages = {name: out / name / "final" for name in EVAL_STAGES}
@@ -185,11 +185,11 @@ def evaluate_checkpoints(
         prompt_column="prompt", answer_column="answer", prompt_template="{question}",
         system_prompt=None, where="quickstart.eval",
     )  # fmt: skip
-    reference = ReferencePolicy(load_causal_lm(sft_cfg), "frozen")
+    reference = ReferencePolicy(load_policy(sft_cfg), "frozen")
     reward = CombinedReward([{"name": "reasoning_gym", "extract": "full", "label": "task"}])
     results = {}
     for name, path in stages.items():
-        policy = load_causal_lm(ModelConfig(name_or_path=str(path))).eval()
+        policy = load_policy(ModelConfig(name_or_path=str(path))).eval()
         with torch.no_grad():
             results[name] = evaluate_policy(
                 policy, reference, tokenizer, prompts, reward, max_new_tokens=16,

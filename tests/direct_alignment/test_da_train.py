@@ -18,7 +18,7 @@ from direct_alignment.reference import pair_logps, precompute_reference, referen
 from direct_alignment.train import main, train_all
 from rlhf_core.config import ConfigError, RunArgs
 from rlhf_core.data import DataSource
-from rlhf_core.models import ModelConfig, ReferencePolicy, load_causal_lm, load_tokenizer
+from rlhf_core.models import ModelConfig, ReferencePolicy, load_policy, load_tokenizer
 from rlhf_core.tiny import preset_dir
 
 
@@ -67,7 +67,7 @@ def test_three_reference_modes_give_the_same_loss():
     pairs = build_preference_data(
         source, tokenizer, fmt="auto", max_length=80, max_prompt_length=None, where="t"
     ).pairs
-    policy = load_causal_lm(lora)
+    policy = load_policy(lora)
     with torch.no_grad():  # move the adapter away from zero so policy != reference
         for name, param in policy.named_parameters():
             if "lora_B" in name:
@@ -75,7 +75,7 @@ def test_three_reference_modes_give_the_same_loss():
     batch = collate_pairs(pairs, tokenizer.pad_token_id)
     loss_fn = LOSSES.get("dpo")(beta=0.1)
     chosen, rejected = pair_logps(policy, batch)
-    frozen = ReferencePolicy(load_causal_lm(lora.model_copy(update={"lora": None})), "frozen")
+    frozen = ReferencePolicy(load_policy(lora.model_copy(update={"lora": None})), "frozen")
     by_model = reference_pair_logps(frozen, batch)
     by_adapter = reference_pair_logps(ReferencePolicy(policy, "adapter"), batch)
     cached = precompute_reference(frozen, pairs, pad_id=tokenizer.pad_token_id, batch_size=4,

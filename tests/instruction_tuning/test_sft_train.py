@@ -21,7 +21,7 @@ from transformers import AutoModelForCausalLM
 from instruction_tuning.config import SFTConfig
 from instruction_tuning.train import main, train
 from rlhf_core.config import ConfigError, RunArgs
-from rlhf_core.models import load_causal_lm
+from rlhf_core.models import load_policy
 
 
 def losses(run_dir: Path) -> dict[int, float]:
@@ -44,7 +44,7 @@ def test_a_few_steps_change_every_parameter_and_write_the_run_dir(tiny_sft_dict,
     assert all(torch.isfinite(torch.tensor(v)) for v in losses(run).values())
     for key in ("eval/loss", "eval/greedy_exact_match", "eval/sampled_task_score"):
         assert 0 <= summary[key] < float("inf")
-    start = load_causal_lm(SFTConfig.model_validate(tiny_sft_dict).model)
+    start = load_policy(SFTConfig.model_validate(tiny_sft_dict).model)
     trained = AutoModelForCausalLM.from_pretrained(run / "final")
     before = dict(start.named_parameters())
     for name, param in trained.named_parameters():

@@ -20,7 +20,7 @@ from policy_gradients.rewards import (
 from policy_gradients.rollout import RolloutLog, completion_logprobs, generate_rollouts
 from rlhf_core.data import ReasoningGymSource, reasoning_gym_dataset
 from rlhf_core.logprobs import token_logprobs
-from rlhf_core.models import ModelConfig, load_causal_lm, load_tokenizer
+from rlhf_core.models import ModelConfig, load_policy, load_tokenizer
 
 TINY = ModelConfig(name_or_path="tiny-qwen3")
 
@@ -34,7 +34,7 @@ def reward_input(completions, items=None, lengths=None, scorer=None, width=4):
 
 def test_generated_rollouts_mask_through_the_first_eos_and_flag_truncation():
     tok = load_tokenizer(TINY, padding_side="left")
-    model = load_causal_lm(TINY)
+    model = load_policy(TINY)
     torch.manual_seed(0)
     prompts = [
         "<|user|>abc<|end|><|assistant|>",
@@ -57,7 +57,7 @@ def test_generated_rollouts_mask_through_the_first_eos_and_flag_truncation():
 
 def test_completion_logprobs_are_those_of_the_tempered_distribution_per_row():
     tok = load_tokenizer(TINY, padding_side="left")
-    model = load_causal_lm(TINY)
+    model = load_policy(TINY)
     torch.manual_seed(1)
     prompts = ["<|user|>x<|end|><|assistant|>", "<|user|>longer one<|end|><|assistant|>"]
     ro = generate_rollouts(model, tok, prompts, group_size=2, max_new_tokens=8, temperature=0.7)
@@ -192,7 +192,7 @@ def test_seeded_rollouts_do_not_depend_on_how_prompts_are_split():
     {1, 3} get exactly the completions they get when one process samples all four."""
     tok = load_tokenizer(TINY, padding_side="left")
     torch.manual_seed(0)
-    model = load_causal_lm(TINY)
+    model = load_policy(TINY)
     prompts = [f"<|user|>{w}<|end|><|assistant|>" for w in ("ab", "a longer one", "xyz", "q")]
     seeds = [101, 202, 303, 404]
     kwargs = {"group_size": 3, "max_new_tokens": 12, "temperature": 1.0}

@@ -24,7 +24,7 @@ from rlhf_core.checkpoint import (
     restore_training_state,
     save_checkpoint,
 )
-from rlhf_core.models import ModelConfig, load_causal_lm, load_tokenizer, resolve_model_path
+from rlhf_core.models import ModelConfig, load_policy, load_tokenizer, resolve_model_path
 from rlhf_core.optim import OptimConfig, build_optimizer, build_scheduler
 from rlhf_core.runtime import seed_everything
 
@@ -50,7 +50,7 @@ def train_step(model, optimizer, scheduler) -> float:
 def trained(cfg: ModelConfig, steps: int = 2):
     """A tiny model, its tokenizer, AdamW and the lr schedule after `steps` real steps."""
     seed_everything(0)
-    model = load_causal_lm(cfg)
+    model = load_policy(cfg)
     tokenizer = load_tokenizer(cfg, padding_side="right")
     optimizer = build_optimizer(model, OPTIM)
     scheduler = build_scheduler(optimizer, OPTIM, TOTAL_STEPS)
@@ -234,7 +234,7 @@ def test_restore_training_state_reproduces_the_uninterrupted_run(tmp_path):
 
     # scramble every RNG, then resume from the checkpoint in fresh objects
     seed_everything(12345)
-    resumed = load_causal_lm(TINY, weights_from=ckpt)
+    resumed = load_policy(TINY, weights_from=ckpt)
     opt2 = build_optimizer(resumed, OPTIM)
     sched2 = build_scheduler(opt2, OPTIM, TOTAL_STEPS)
     state = restore_training_state(load_trainer_state(ckpt), optimizer=opt2, scheduler=sched2)
@@ -260,7 +260,7 @@ def test_resume_without_optimizer_state_would_differ(tmp_path):
     draws()
     train_step(model, optimizer, scheduler)
 
-    resumed = load_causal_lm(TINY, weights_from=ckpt)
+    resumed = load_policy(TINY, weights_from=ckpt)
     opt2 = build_optimizer(resumed, OPTIM)
     sched2 = build_scheduler(opt2, OPTIM, TOTAL_STEPS)
     restore_rng_state(load_trainer_state(ckpt)["rng"])

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from rlhf_core.generation import decode, sample_from_logits, warp_logits
-from rlhf_core.models import ModelConfig, load_causal_lm, load_tokenizer
+from rlhf_core.models import ModelConfig, load_policy, load_tokenizer
 
 TINY = ModelConfig(name_or_path="tiny-qwen3")
 
@@ -14,7 +14,7 @@ TINY = ModelConfig(name_or_path="tiny-qwen3")
 @pytest.fixture(scope="module")
 def model_and_tokenizer():
     torch.manual_seed(0)
-    return load_causal_lm(TINY).eval(), load_tokenizer(TINY, padding_side="left")
+    return load_policy(TINY).eval(), load_tokenizer(TINY, padding_side="left")
 
 
 def test_greedy_decode_equals_transformers_generate_under_left_padding(model_and_tokenizer):

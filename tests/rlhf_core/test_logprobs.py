@@ -13,7 +13,7 @@ from rlhf_core.logprobs import (
     masked_sum,
     token_logprobs,
 )
-from rlhf_core.models import ModelConfig, load_causal_lm
+from rlhf_core.models import ModelConfig, load_policy
 
 
 def reference_logprobs(logits: torch.Tensor, labels: torch.Tensor, temperature: float = 1.0):
@@ -156,7 +156,7 @@ def test_token_logprobs_gradient_matches_reference():
 @pytest.fixture(scope="module")
 def tiny_model():
     torch.manual_seed(0)
-    model = load_causal_lm(ModelConfig(name_or_path="tiny-qwen3", dtype="fp32", attention="sdpa"))
+    model = load_policy(ModelConfig(name_or_path="tiny-qwen3", dtype="fp32", attention="sdpa"))
     model.eval()
     return model
 
@@ -377,11 +377,11 @@ def test_aggregate_shape_checks(loss_shape, mask_shape):
 @pytest.mark.parametrize("lora", [False, True])
 def test_selected_logprobs_equal_the_full_head_on_selected_positions(lora):
     from rlhf_core.logprobs import causal_lm_selected_logprobs, causal_lm_token_logprobs
-    from rlhf_core.models import ModelConfig, load_causal_lm
+    from rlhf_core.models import ModelConfig, load_policy
 
     cfg = ModelConfig(name_or_path="tiny-qwen3", lora={"r": 4, "alpha": 8} if lora else None)
     torch.manual_seed(0)
-    model = load_causal_lm(cfg)
+    model = load_policy(cfg)
     ids = torch.randint(6, 100, (3, 12))
     mask = torch.ones(3, 12, dtype=torch.long)
     mask[1, 9:] = 0  # right padding
@@ -468,7 +468,7 @@ def test_selected_logprobs_with_entropy_match_the_full_head():
     from rlhf_core.logprobs import causal_lm_selected_logprobs
 
     torch.manual_seed(0)
-    model = load_causal_lm(ModelConfig(name_or_path="tiny-qwen3"))
+    model = load_policy(ModelConfig(name_or_path="tiny-qwen3"))
     ids = torch.randint(6, 100, (2, 10))
     mask = torch.ones(2, 10, dtype=torch.long)
     mask[0, :3] = 0  # left padding

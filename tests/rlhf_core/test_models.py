@@ -14,7 +14,7 @@ from rlhf_core.models import (
     ModelConfig,
     ReferencePolicy,
     is_peft_model,
-    load_causal_lm,
+    load_policy,
     load_tokenizer,
     resolve_model_path,
     with_padding_side,
@@ -165,7 +165,7 @@ def test_presets_listed():
 
 
 def test_tiny_model_is_a_real_qwen3(char_tok):
-    model = load_causal_lm(TINY)
+    model = load_policy(TINY)
     assert type(model).__name__ == "Qwen3ForCausalLM"
     assert model.config.model_type == "qwen3"
     assert model.config.hidden_size == 128
@@ -206,20 +206,20 @@ def test_resolve_model_path_missing_local_path(missing):
 
 def test_load_missing_local_model_raises():
     with pytest.raises(FileNotFoundError, match="nope"):
-        load_causal_lm(ModelConfig(name_or_path="./nope/model"))
+        load_policy(ModelConfig(name_or_path="./nope/model"))
     with pytest.raises(FileNotFoundError, match="nope"):
         load_tokenizer(ModelConfig(name_or_path="./nope/model"), padding_side="left")
 
 
 def test_preset_build_is_deterministic(monkeypatch, tmp_path):
     original_dir = preset_dir("tiny-qwen3")
-    original = load_causal_lm(TINY).state_dict()
+    original = load_policy(TINY).state_dict()
     monkeypatch.setenv("RLHF_LAB_CACHE", str(tmp_path / "cache"))
     assert cache_root() == tmp_path / "cache"  # read at call time
     fresh_dir = preset_dir("tiny-qwen3")
     assert fresh_dir.is_relative_to(tmp_path)
     assert fresh_dir.name == original_dir.name  # same spec digest
-    fresh = load_causal_lm(TINY).state_dict()
+    fresh = load_policy(TINY).state_dict()
     assert fresh.keys() == original.keys()
     for name, tensor in original.items():
         assert torch.equal(tensor, fresh[name]), name
@@ -239,7 +239,7 @@ def test_preset_build_is_deterministic(monkeypatch, tmp_path):
 @pytest.fixture(scope="module")
 def lora_policy():
     torch.manual_seed(0)
-    policy = load_causal_lm(TINY_LORA)
+    policy = load_policy(TINY_LORA)
     g = torch.Generator().manual_seed(1)
     with torch.no_grad():
         n = 0
@@ -259,7 +259,7 @@ def test_lora_policy_setup(lora_policy):
 
 def test_adapter_reference_equals_base_model(lora_policy):
     ids, mask = batch(lora_policy.config.vocab_size)
-    base = load_causal_lm(TINY)
+    base = load_policy(TINY)
     base.eval()
     assert not is_peft_model(base)
     with torch.no_grad():
@@ -300,7 +300,7 @@ def test_adapter_reference_temperature(lora_policy):
 
 def test_adapter_mode_needs_lora():
     with pytest.raises(ValueError, match="adapter"):
-        ReferencePolicy(load_causal_lm(TINY), mode="adapter")
+        ReferencePolicy(load_policy(TINY), mode="adapter")
 
 
 def test_unknown_reference_mode():
@@ -318,7 +318,7 @@ def test_frozen_reference_uses_the_given_model_without_a_copy():
 
 def test_copy_reference_is_frozen_and_independent():
     torch.manual_seed(0)
-    policy = load_causal_lm(TINY)
+    policy = load_policy(TINY)
     policy.train()
     ref = ReferencePolicy(policy, mode="copy")
     with ref.model() as m:
@@ -353,7 +353,7 @@ def test_copy_reference_is_frozen_and_independent():
 
 def test_lora_with_gradient_checkpointing_trains_adapter_only():
     cfg = TINY_LORA.model_copy(update={"gradient_checkpointing": True})
-    model = load_causal_lm(cfg)
+    model = load_policy(cfg)
     base = model.get_base_model()
     assert base.is_activation_checkpointing
     model.train()

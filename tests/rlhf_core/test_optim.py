@@ -127,9 +127,9 @@ def test_weight_decay_acts_on_matrices_only():
 # peft's get_peft_model reads transformers' deprecated `is_gradient_checkpointing`
 @pytest.mark.filterwarnings("ignore:.*is_gradient_checkpointing:FutureWarning")
 def test_lora_model_optimizes_only_the_adapter():
-    from rlhf_core.models import ModelConfig, load_causal_lm
+    from rlhf_core.models import ModelConfig, load_policy
 
-    model = load_causal_lm(
+    model = load_policy(
         ModelConfig(name_or_path="tiny-qwen3", dtype="fp32", lora={"r": 4, "alpha": 8})
     )
     optimizer = build_optimizer(model, OptimConfig())

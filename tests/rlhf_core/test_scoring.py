@@ -54,3 +54,17 @@ def test_task_score_without_entry_or_scorer_is_exact_match(spell):
     assert task_score(partial, answer, None, spell) == 0.0
     assert task_score(partial, answer, entry, None) == 0.0
     assert task_score(f" {answer} ", answer, None, None) == 1.0
+
+
+def test_rouge_scores_match_hand_counts():
+    from rlhf_core.scoring import rouge_scores
+
+    # reference "mira lives in oslo" vs "mira lives in paris": 3 of 4 unigrams, 2 of 3 bigrams,
+    # LCS 3 of 4 tokens on both sides
+    got = rouge_scores(["Mira lives in Paris."], ["Mira lives in Oslo."])
+    assert got["rouge1"] == [pytest.approx(0.75)]
+    assert got["rouge2"] == [pytest.approx(2 / 3)]
+    assert got["rougeL"] == [pytest.approx(0.75)]
+    assert rouge_scores(["a b"], ["c d"])["rougeL"] == [0.0]
+    with pytest.raises(ValueError, match="2 texts but 1"):
+        rouge_scores(["a", "b"], ["a"])

@@ -1,0 +1,309 @@
+"""A synthetic long-form QA task whose segment-level errors are known by construction, for
+Fine-Grained RLHF (Wu et al. 2023, arXiv:2306.01693) offline.
+
+A prompt gives notes about a target person and a distractor person and asks about the target:
+
+    Tell me about Mira. Notes: Mira lives in Oslo. Tom plays golf. Mira has a cat. Mira eats rice.
+
+An answer is sentences of one or two clauses joined by ", and"; every clause states one fact:
+
+    Mira lives in Oslo, and Mira has a cat. Mira eats figs. Tom plays golf.
+
+Each clause is one of the fixed templates below, so any text (a policy's sample too) can be graded
+exactly by `grade`: a clause that is not a template sentence about the target (an off-topic
+filler, or a fact about the distractor) is *irrelevant* (the paper's C1, judged per
+sub-sentence); a sentence stating a wrong value of the target is a *factual error* (C2, per
+sentence); target facts not stated correctly are *missing* (C3, completeness, per answer).
+`sample_answer` draws answers with each error planted at a known rate, so segment labels,
+preference pairs and reference answers all come from here.
+
+The planted errors are ones a ~1M-parameter reward model learns in a minute on a CPU: irrelevant
+clauses are off-topic fillers ("I hope this helps"), and wrong values come from values no note
+ever states (`ATTESTED`), i.e. unverifiable facts. (Checking a value against the notes, or a name
+against the question, is retrieval that our tiny causal reward models did not learn in 600 steps;
+`grade` still checks every fact exactly.)
+
+`write_task(out_dir, ...)` writes the JSONL files the trainers read (see its docstring); run
+`python -m rlhf_core.longform OUT_DIR` to write them. Not here: paraphrase (every fact has one
+wording), pronouns, or facts that need world knowledge: the notes hold everything.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+import re
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+NAMES = ["Mira", "Tom", "Ada", "Ravi", "Lena", "Omar", "Kira", "Ivan", "Nora", "Hugo", "Sara"]
+#: attribute -> (clause template, values). Notes draw from the first `ATTESTED` values of each
+#: attribute; planted factual errors from the rest, values no note ever states ("unverifiable")
+ATTRIBUTES: dict[str, tuple[str, list[str]]] = {
+    "city": ("{name} lives in {value}", ["Oslo", "Paris", "Lima", "Cairo", "Tokyo", "Rome"]),
+    "pet": ("{name} has a {value}", ["cat", "dog", "fox", "owl", "frog", "goat"]),
+    "color": ("{name} likes {value}", ["red", "blue", "green", "gold", "pink", "gray"]),
+    "food": ("{name} eats {value}", ["rice", "fish", "bread", "soup", "figs", "plums"]),
+    "job": ("{name} works as a {value}", ["baker", "nurse", "pilot", "judge", "tailor", "chef"]),
+    "sport": ("{name} plays {value}", ["chess", "golf", "polo", "tennis", "rugby", "darts"]),
+}
+ATTESTED = 4
+#: off-topic clauses planted as irrelevant sub-sentences
+FILLERS = [
+    "I hope this helps", "this is a good question", "the sky is blue today",
+    "everyone likes a good story", "life is full of surprises", "I read that somewhere",
+]  # fmt: skip
+_CLAUSES = [
+    (attr, re.compile("^" + tpl.format(name=r"(?P<name>\w+)", value=r"(?P<value>\w+)") + "$"))
+    for attr, (tpl, _) in ATTRIBUTES.items()
+]
+ERROR_TYPES = ("irrelevant", "factual", "missing")
+
+
+def clause(name: str, attribute: str, value: str) -> str:
+    return ATTRIBUTES[attribute][0].format(name=name, value=value)
+
+
+def parse_clause(text: str) -> tuple[str, str, str] | None:
+    """(name, attribute, value) of a template clause (leading "and", trailing punctuation and
+    spaces ignored), or None if `text` is not one."""
+    text = re.sub(r"^\s*(and\s+)?", "", text).strip().rstrip(".,;").strip()
+    for attribute, pattern in _CLAUSES:
+        found = pattern.match(text)
+        if found and found["value"] in ATTRIBUTES[attribute][1]:
+            return found["name"], attribute, found["value"]
+    return None
+
+
+@dataclass
+class Question:
+    target: str
+    facts: dict[str, str]  # the target's attribute -> value
+    distractor: str
+    distractor_facts: dict[str, str]
+    prompt: str  # the question text (before any chat template)
+
+    def reference(self) -> str:
+        """The correct, complete, relevant answer: the facts in drawn order, two per sentence."""
+        return join_sentences([[clause(self.target, a, v) for a, v in pair] for pair in
+                               _pairs(list(self.facts.items()))])  # fmt: skip
+
+
+def _pairs(items: list) -> list[list]:
+    return [items[i : i + 2] for i in range(0, len(items), 2)]
+
+
+def join_sentences(sentences: list[list[str]]) -> str:
+    text = (", and ".join(clauses) + "." for clauses in sentences)
+    return " ".join(t[0].upper() + t[1:] for t in text)
+
+
+def sample_question(rng: random.Random, *, n_facts: int = 3, n_distractor: int = 2) -> Question:
+    target, distractor = rng.sample(NAMES, 2)
+    attributes = rng.sample(list(ATTRIBUTES), n_facts)
+    facts = {a: rng.choice(ATTRIBUTES[a][1][:ATTESTED]) for a in attributes}
+    d_attrs = rng.sample(list(ATTRIBUTES), n_distractor)
+    d_facts = {a: rng.choice(ATTRIBUTES[a][1][:ATTESTED]) for a in d_attrs}
+    notes = [clause(target, a, v) for a, v in facts.items()]
+    notes += [clause(distractor, a, v) for a, v in d_facts.items()]
+    rng.shuffle(notes)
+    prompt = f"Tell me about {target}. Notes: " + " ".join(n + "." for n in notes)
+    return Question(target, facts, distractor, d_facts, prompt)
+
+
+_PROMPT = re.compile(r"^Tell me about (?P<target>\w+)\. Notes: (?P<notes>.*)$", re.DOTALL)
+
+
+def question_from_prompt(prompt: str) -> Question:
+    """The `Question` a prompt text (as `sample_question` writes it) was made from."""
+    found = _PROMPT.match(prompt.strip())
+    if found is None:
+        raise ValueError(f"not a long-form task prompt: {prompt[:60]!r}")
+    target, facts, other, other_facts = found["target"], {}, None, {}
+    for note in found["notes"].split(". "):
+        parsed = parse_clause(note)
+        if parsed is None:
+            raise ValueError(f"long-form prompt: unreadable note {note!r}")
+        name, attribute, value = parsed
+        if name == target:
+            facts[attribute] = value
+        else:
+            other, other_facts[attribute] = name, value
+    return Question(target, facts, other or "", other_facts, prompt.strip())
+
+
+def sample_answer(
+    rng: random.Random,
+    q: Question,
+    *,
+    p_missing: float = 0.25,
+    p_wrong: float = 0.25,
+    p_irrelevant: float = 0.35,
+) -> str:
+    """An answer with errors planted at the given rates: each target fact is left out with
+    `p_missing` (at least one stays) or stated with a wrong (unattested) value with `p_wrong`;
+    with `p_irrelevant` one off-topic filler is added as a clause or a sentence."""
+    items = list(q.facts.items())
+    kept = [it for it in items if rng.random() >= p_missing] or [rng.choice(items)]
+    clauses = []
+    for attribute, value in kept:
+        if rng.random() < p_wrong:
+            value = rng.choice(ATTRIBUTES[attribute][1][ATTESTED:])
+        clauses.append(clause(q.target, attribute, value))
+    if rng.random() < p_irrelevant:
+        clauses.insert(rng.randrange(len(clauses) + 1), rng.choice(FILLERS))
+    sentences, i = [], 0
+    while i < len(clauses):  # one or two clauses per sentence
+        size = 2 if (i + 1 < len(clauses) and rng.random() < 0.5) else 1
+        sentences.append(clauses[i : i + size])
+        i += size
+    return join_sentences(sentences)
+
+
+# ----------------------------------------------------------------------------- grading
+
+
+@dataclass
+class Grade:
+    """The exact errors of one answer. Labels: 1 = the segment has the error, 0 = it does not."""
+
+    subsentence_irrelevant: list[int]  # per sub-sentence (`segment(..., "subsentence")`)
+    sentence_factual: list[int]  # per sentence (`segment(..., "sentence")`)
+    covered: int  # target facts stated correctly
+    total: int  # target facts in the notes
+
+    @property
+    def missing(self) -> float:
+        return 1.0 - self.covered / self.total
+
+
+def grade(q: Question, answer: str) -> Grade:
+    """Grade `answer` against the question's facts, segment by segment (pysbd segmentation via
+    `rlhf_core.segmentation`, the same the reward models use)."""
+    from rlhf_core.segmentation import segment
+
+    irrelevant, factual, correct = [], [], set()
+    for sentence in segment(answer, "sentence"):
+        wrong = 0
+        for sub in segment(sentence.text, "subsentence"):
+            parsed = parse_clause(sub.text)
+            about_target = parsed is not None and parsed[0] == q.target
+            irrelevant.append(int(not about_target))
+            if about_target:
+                _, attribute, value = parsed
+                if q.facts.get(attribute) == value:
+                    correct.add(attribute)
+                else:
+                    wrong = 1  # a wrong value or an attribute the notes do not give
+        factual.append(wrong)
+    return Grade(irrelevant, factual, len(correct), len(q.facts))
+
+
+def error_rates(q_and_answers: list[tuple[Question, str]]) -> dict[str, float]:
+    """Each error type's rate over answers: irrelevant sub-sentences / all sub-sentences,
+    sentences with a factual error / all sentences, mean share of target facts missing."""
+    subs = irr = sents = fact = 0
+    missing = 0.0
+    for q, answer in q_and_answers:
+        g = grade(q, answer)
+        subs, irr = subs + len(g.subsentence_irrelevant), irr + sum(g.subsentence_irrelevant)
+        sents, fact = sents + len(g.sentence_factual), fact + sum(g.sentence_factual)
+        missing += g.missing
+    n = max(1, len(q_and_answers))
+    return {
+        "irrelevant_rate": irr / max(1, subs),
+        "factual_error_rate": fact / max(1, sents),
+        "missing_rate": missing / n,
+    }
+
+
+def holistic_score(g: Grade) -> float:
+    """The overall quality the holistic preference comes from: facts covered minus errors."""
+    return g.covered - sum(g.subsentence_irrelevant) - sum(g.sentence_factual)
+
+
+# ----------------------------------------------------------------------------- files
+
+
+def write_task(
+    out_dir: str | Path, *, train: int = 2000, heldout: int = 200, seed: int = 0
+) -> dict[str, Path]:
+    """Write the task's JSONL files into `out_dir` and return their paths:
+
+    sft.jsonl            {"prompt", "completion"}: noisy answers (errors at the sampling rates),
+                         the imperfect demonstrations an SFT policy imitates
+    prompts.jsonl        {"prompt", "answer" (the reference)} for RL (`question_from_prompt`
+                         recovers the facts from the prompt)
+    heldout.jsonl        the same for held-out questions (different seed)
+    relevance.jsonl      {"prompt", "completion", "labels"}: per sub-sentence, 1 = irrelevant
+    factuality.jsonl     {"prompt", "completion", "labels"}: per sentence, 1 = factual error
+    completeness.jsonl   {"prompt", "chosen", "rejected"}: the answer covering more target facts
+                         (both free of other errors) is chosen
+    preference.jsonl     {"prompt", "chosen", "rejected"}: the holistic preference, by
+                         `holistic_score` (ties skipped)
+    """
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    rng = random.Random(seed)
+    rows: dict[str, list[dict]] = {k: [] for k in (
+        "sft", "prompts", "relevance", "factuality", "completeness", "preference")}  # fmt: skip
+    for _ in range(train):
+        q = sample_question(rng)
+        rows["prompts"].append({"prompt": q.prompt, "answer": q.reference()})
+        a, b = sample_answer(rng, q), sample_answer(rng, q)
+        rows["sft"].append({"prompt": q.prompt, "completion": a})
+        ga, gb = grade(q, a), grade(q, b)
+        rows["relevance"].append({"prompt": q.prompt, "completion": a,
+                                  "labels": ga.subsentence_irrelevant})  # fmt: skip
+        rows["factuality"].append({"prompt": q.prompt, "completion": b,
+                                   "labels": gb.sentence_factual})  # fmt: skip
+        if holistic_score(ga) != holistic_score(gb):
+            chosen, rejected = (a, b) if holistic_score(ga) > holistic_score(gb) else (b, a)
+            rows["preference"].append({"prompt": q.prompt, "chosen": chosen, "rejected": rejected})
+        clean = {"p_wrong": 0.0, "p_irrelevant": 0.0, "p_missing": 0.4}
+        c1, c2 = sample_answer(rng, q, **clean), sample_answer(rng, q, **clean)
+        g1, g2 = grade(q, c1), grade(q, c2)
+        if g1.covered != g2.covered:
+            chosen, rejected = (c1, c2) if g1.covered > g2.covered else (c2, c1)
+            rows["completeness"].append({"prompt": q.prompt, "chosen": chosen,
+                                         "rejected": rejected})  # fmt: skip
+    held_rng = random.Random(seed + 1_000_003)
+    rows["heldout"] = []
+    for _ in range(heldout):
+        q = sample_question(held_rng)
+        rows["heldout"].append({"prompt": q.prompt, "answer": q.reference()})
+    paths = {}
+    for name, items in rows.items():
+        paths[name] = out / f"{name}.jsonl"
+        paths[name].write_text("".join(json.dumps(r) + "\n" for r in items))
+    return paths
+
+
+def corpus(size: int = 400, seed: int = 12345) -> list[str]:
+    """Texts for training the task's tokenizer: prompts and answers."""
+    rng = random.Random(seed)
+    texts = []
+    for _ in range(size):
+        q = sample_question(rng)
+        texts += [q.prompt, q.reference(), sample_answer(rng, q)]
+    return texts
+
+
+def main(argv: list[str] | None = None) -> int:
+    import argparse
+
+    parser = argparse.ArgumentParser(description="Write the synthetic long-form QA task files")
+    parser.add_argument("out_dir")
+    parser.add_argument("--train", type=int, default=2000)
+    parser.add_argument("--heldout", type=int, default=200)
+    parser.add_argument("--seed", type=int, default=0)
+    args = parser.parse_args(argv)
+    for name, path in write_task(args.out_dir, train=args.train, heldout=args.heldout,
+                                 seed=args.seed).items():  # fmt: skip
+        print(f"{name}: {path} ({sum(1 for _ in path.open())} rows)")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,111 @@
+"""rlhf_core.segmentation (pysbd sentences, sub-sentences, token positions) and the synthetic
+long-form task of rlhf_core.longform whose segment errors are known by construction."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from rlhf_core import longform
+from rlhf_core.models import ModelConfig, load_tokenizer
+from rlhf_core.segmentation import segment, segment_end_tokens
+
+TRICKY = (
+    'Dr. Smith paid $3.5 million, and he left at 12:30; then "Stop." said Ann. '
+    "Mr. J. Doe earned 3,500 dollars, e.g. in Rome... He won! Did he?"
+)
+
+
+def test_sentences_survive_abbreviations_decimals_and_quotes():
+    got = [s.text for s in segment(TRICKY, "sentence")]
+    assert got == [
+        'Dr. Smith paid $3.5 million, and he left at 12:30; then "Stop." said Ann.',
+        "Mr. J. Doe earned 3,500 dollars, e.g. in Rome...",
+        "He won!",
+        "Did he?",
+    ]
+
+
+def test_subsentences_cut_at_punctuation_followed_by_space_only():
+    got = [s.text for s in segment(TRICKY, "subsentence")]
+    assert got[:5] == [
+        "Dr. Smith paid $3.5 million,",
+        "and he left at 12:30;",
+        'then "Stop." said Ann.',
+        "Mr. J. Doe earned 3,500 dollars,",  # "3,500" is not a break
+        "e.g. in Rome...",
+    ]
+
+
+@pytest.mark.parametrize("level", ["sentence", "subsentence"])
+def test_segments_are_offsets_into_the_text_and_lose_nothing(level):
+    segs = segment("  " + TRICKY + "  ", level)
+    text = "  " + TRICKY + "  "
+    for s in segs:
+        assert text[s.start : s.end] == s.text
+    rebuilt = "".join(s.text for s in segs)
+    assert rebuilt.replace(" ", "") == text.replace(" ", "")
+    assert [s.start for s in segs] == sorted(s.start for s in segs)
+
+
+def test_unknown_level_is_an_error():
+    with pytest.raises(ValueError, match="sentence"):
+        segment("a.", "word")
+
+
+@pytest.mark.parametrize("preset", ["tiny-t5-facts", "tiny-qwen3"])
+def test_segment_end_tokens_are_the_tokens_holding_each_last_character(preset):
+    tok = load_tokenizer(ModelConfig(name_or_path=preset), padding_side="right")
+    text = "Mira lives in Oslo, and Mira has a cat. Tom plays golf. Dr. No eats 3.5 figs."
+    ids = tok(text, add_special_tokens=False)["input_ids"] + [tok.eos_token_id]
+    decoded = tok.decode(ids, skip_special_tokens=True)
+    assert decoded == text
+    segs = segment(decoded, "subsentence")
+    ends = segment_end_tokens(tok, ids, segs)
+    assert len(ends) == 4 and ends == sorted(ends) and ends[-1] < len(ids) - 1
+    for s, e in zip(segs, ends, strict=True):
+        upto = tok.decode(ids[: e + 1], skip_special_tokens=True)
+        before = tok.decode(ids[:e], skip_special_tokens=True)
+        assert len(upto) >= s.end > len(before)  # token e holds the segment's last character
+        assert upto.rstrip().endswith(s.text[-1])
+
+
+def test_longform_grades_planted_errors_exactly():
+    rng = random.Random(3)
+    q = longform.sample_question(rng)
+    (a1, v1), (a2, v2) = list(q.facts.items())[:2]
+    wrong = longform.ATTRIBUTES[a2][1][-1]
+    d_attr, d_val = next(iter(q.distractor_facts.items()))
+    answer = (
+        f"{longform.clause(q.target, a1, v1)}, and {longform.clause(q.distractor, d_attr, d_val)}."
+        f" {longform.clause(q.target, a2, wrong)}. Hello there."
+    )
+    g = longform.grade(q, answer)
+    assert g.subsentence_irrelevant == [0, 1, 0, 1]  # distractor clause, off-template sentence
+    assert g.sentence_factual == [0, 1, 0]
+    assert (g.covered, g.total) == (1, 3)
+    assert longform.grade(q, q.reference()) == longform.Grade([0, 0, 0], [0, 0], 3, 3)
+    parsed = longform.question_from_prompt(q.prompt)
+    assert (parsed.target, parsed.facts, parsed.distractor_facts) == (
+        q.target, q.facts, q.distractor_facts)  # fmt: skip
+
+
+def test_longform_files_are_consistent(tmp_path):
+    paths = longform.write_task(tmp_path, train=60, heldout=10, seed=1)
+    import json
+
+    rel = [json.loads(x) for x in paths["relevance"].read_text().splitlines()]
+    fact = [json.loads(x) for x in paths["factuality"].read_text().splitlines()]
+    pref = [json.loads(x) for x in paths["preference"].read_text().splitlines()]
+    assert len(rel) == 60 and pref
+    for row in rel:
+        assert len(row["labels"]) == len(segment(row["completion"], "subsentence"))
+    for row in fact:
+        assert len(row["labels"]) == len(segment(row["completion"], "sentence"))
+    rates = longform.error_rates(
+        [(longform.question_from_prompt(json.loads(x)["prompt"]), json.loads(x)["answer"])
+         for x in paths["heldout"].read_text().splitlines()]
+    )  # fmt: skip
+    assert rates == {"irrelevant_rate": 0.0, "factual_error_rate": 0.0, "missing_rate": 0.0}
+    assert 0.1 < sum(sum(r["labels"]) for r in rel) / sum(len(r["labels"]) for r in rel) < 0.4
