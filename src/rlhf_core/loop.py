@@ -18,9 +18,19 @@ from accelerate import Accelerator
 from accelerate.utils import DistributedType
 from pydantic import BaseModel, Field
 
-from rlhf_core.checkpoint import load_trainer_state, restore_training_state, save_checkpoint
+from rlhf_core.checkpoint import (
+    SHARDED_DIR,
+    capture_rng_state,
+    is_sharded_checkpoint,
+    load_trainer_state,
+    restore_rng_state,
+    restore_training_state,
+    save_checkpoint,
+)
 from rlhf_core.config import RunArgs, StrictModel, dump_config
 from rlhf_core.data import EpochSampler
+from rlhf_core.distributed import Engine, EngineName, FSDPConfig, is_sharded
+from rlhf_core.errors import UserError
 from rlhf_core.optim import EmbeddingGradBuffer
 from rlhf_core.runtime import configure_threads, quiet_libraries
 
@@ -38,6 +48,20 @@ class LoopConfig(StrictModel):
     eval_size: int | None = Field(None, gt=0, description="held-out rows to use; null = all")
     threads: int | None = Field(None, gt=0, description="CPU threads; null = free cores")
     device: Literal["auto", "cpu", "cuda"] = Field("auto", description="auto = cuda if available")
+    engine: EngineName = Field(
+        "auto",
+        description="how models are placed across processes: single, ddp (full copies), fsdp2 "
+        "(sharded, torch fully_shard); auto = single for one process, fsdp2 under an accelerate "
+        "FSDP config, else ddp (rlhf_core.distributed)",
+    )
+    fsdp: FSDPConfig = Field(default_factory=FSDPConfig, description="FSDP2 settings")
+
+
+def start_engine(loop: Any) -> tuple[Accelerator, Engine, int]:
+    """`start_accelerator`, then the run's `Engine` (`loop.engine`, `loop.fsdp`): how its models
+    are placed across processes (rlhf_core.distributed). Returns (accelerator, engine, threads)."""
+    accelerator, threads = start_accelerator(loop)
+    return accelerator, Engine(accelerator, loop.engine, loop.fsdp), threads
 
 
 def start_accelerator(loop: Any) -> tuple[Accelerator, int]:
@@ -54,27 +78,20 @@ def start_accelerator(loop: Any) -> tuple[Accelerator, int]:
 
 
 def refuse_sharded_parameters(engine: DistributedType, zero_stage: int | None) -> None:
-    """A clear error, instead of a hang, for engines that shard the parameters themselves
-    (accelerate's `distributed_type`, and DeepSpeed's ZeRO stage when it is DeepSpeed).
+    """A clear error, instead of a hang, for DeepSpeed ZeRO-3 (accelerate's `distributed_type`
+    and DeepSpeed's ZeRO stage).
 
-    Under FSDP and DeepSpeed ZeRO-3 every forward all-gathers parameter shards, a collective
-    all processes must join. The trainers here evaluate, sample and write checkpoints on rank 0
-    alone, and each process decodes its rollouts until its own rows stop, so those forwards would
-    wait forever for the other processes (and checkpoints would hold shards). DDP and ZeRO-2 keep
-    full parameters on every process and are supported."""
-    if engine == DistributedType.FSDP:
-        name = "FSDP"
-    elif engine == DistributedType.DEEPSPEED and zero_stage == 3:
-        name = "DeepSpeed ZeRO-3"
-    else:
-        return
-    raise ValueError(
-        f"{name} shards the parameters across processes, which these trainers do not support yet "
-        "(rank-0 evaluation, sampling and checkpoint writing, and per-process rollout decoding, "
-        "would wait forever on the parameter all-gathers): launch with DDP "
-        "(configs/accelerate/ddp.yaml) or DeepSpeed ZeRO-2 "
-        "(configs/accelerate/deepspeed_zero2.yaml), with LoRA and gradient checkpointing for memory"
-    )
+    ZeRO-3 shards the parameters inside DeepSpeed's engine, which these trainers do not drive
+    (generation, evaluation and checkpoints would need its own gather and save calls). Sharded
+    training is FSDP2 (`train.engine: fsdp2`, rlhf_core.distributed); DDP and ZeRO-2 keep full
+    parameters on every process."""
+    if engine == DistributedType.DEEPSPEED and zero_stage == 3:
+        raise UserError(
+            "DeepSpeed ZeRO-3 shards the parameters inside DeepSpeed's engine, which these "
+            "trainers do not support: for sharded training use FSDP2 (train.engine: fsdp2 under "
+            "torchrun, or configs/accelerate/fsdp2.yaml), or DeepSpeed ZeRO-2 "
+            "(configs/accelerate/deepspeed_zero2.yaml)"
+        )
 
 
 def shared_run_dir(accelerator: Accelerator, run_dir: Path) -> Path:
@@ -122,11 +139,31 @@ def print_dry_run(cfg: BaseModel, facts: dict[str, Any]) -> None:
 
 
 def restore_checkpoint(
-    ckpt: Path, *, optimizer: torch.optim.Optimizer, scheduler: Any, sampler: EpochSampler
+    ckpt: Path,
+    *,
+    optimizer: torch.optim.Optimizer,
+    scheduler: Any,
+    sampler: EpochSampler,
+    model: torch.nn.Module | None = None,
+    extra: dict[str, tuple[torch.nn.Module, torch.optim.Optimizer | None]] | None = None,
 ) -> tuple[int, dict[str, Any]]:
-    """Load optimizer, scheduler, RNGs and sampler position; return (step, the loop's state)."""
+    """Load optimizer, scheduler, RNGs and sampler position; return (step, the loop's state).
+
+    A sharded checkpoint also restores the (sharded) `model` and `extra` models with their
+    optimizers from its torch.distributed.checkpoint shards, and each process's own RNGs."""
     payload = load_trainer_state(ckpt)
+    if is_sharded_checkpoint(ckpt):
+        if model is None or not is_sharded(model):
+            raise UserError(
+                f"{ckpt} is a sharded (FSDP2) checkpoint: resume it with train.engine fsdp2"
+            )
+        from rlhf_core.distributed import load_sharded
+
+        models = {"policy": (model, optimizer), **(extra or {})}
+        load_sharded(ckpt / SHARDED_DIR, models)
     state = restore_training_state(payload, optimizer=optimizer, scheduler=scheduler)
+    if "rng_per_rank" in payload:
+        restore_rng_state(payload["rng_per_rank"][torch.distributed.get_rank()])
     sampler.load_state_dict(state["sampler"])
     print(f"resumed from {ckpt} at step {payload['step']}", file=sys.stderr)
     return payload["step"], state
@@ -190,8 +227,40 @@ def save_training_state(
     state: dict[str, Any],
     keep_last: int,
     extra_models: dict[str, torch.nn.Module] | None = None,
+    extra_optimizers: dict[str, torch.optim.Optimizer] | None = None,
 ) -> None:
-    """All processes sync; the main process writes checkpoint-<step> atomically."""
+    """All processes sync; the main process writes checkpoint-<step> atomically.
+
+    A sharded (FSDP2) model is saved as torch.distributed.checkpoint shards: every process
+    writes its part of the models and optimizers (`extra_optimizers` pairs with `extra_models`
+    by key) into a staging directory, then the main process adds the trainer state, with every
+    process's RNG states, and renames it into place."""
+    if is_sharded(model):
+        from accelerate.utils import broadcast_object_list, gather_object
+
+        from rlhf_core.distributed import save_sharded
+
+        staging = run_dir / "checkpoints" / f".sharded-{step}"
+        if accelerator.is_main_process:
+            if staging.exists():
+                import shutil
+
+                shutil.rmtree(staging)
+            staging.mkdir(parents=True)
+        staging = Path(broadcast_object_list([str(staging)], from_process=0)[0])
+        models = {"policy": (model, optimizer)}
+        for key, extra in (extra_models or {}).items():
+            models[key] = (extra, (extra_optimizers or {}).get(key))
+        save_sharded(staging, models)
+        rngs = gather_object([capture_rng_state()])
+        if accelerator.is_main_process:
+            save_checkpoint(
+                run_dir / "checkpoints", step, model=None, tokenizer=tokenizer, optimizer=None,
+                scheduler=scheduler, state=state, keep_last=keep_last,
+                staged={SHARDED_DIR: staging}, rng_per_rank=rngs,
+            )  # fmt: skip
+        accelerator.wait_for_everyone()
+        return
     accelerator.wait_for_everyone()
     if accelerator.is_main_process:
         save_checkpoint(
@@ -214,8 +283,18 @@ def announce_stop(package: str, run: RunArgs, run_dir: Path, signum: int | None,
 def save_final(
     accelerator: Accelerator, model: torch.nn.Module, tokenizer: Any, path: Path
 ) -> None:
-    """The trained model as a plain Hugging Face directory (main process only)."""
+    """The trained model as a plain Hugging Face directory (written by the main process; a
+    sharded model's full state dict is gathered onto it first, every process taking part)."""
     accelerator.wait_for_everyone()
+    if is_sharded(model):
+        from rlhf_core.distributed import full_state_dict
+
+        state = full_state_dict(model)
+        if accelerator.is_main_process:
+            model.save_pretrained(path, state_dict=state)
+            tokenizer.save_pretrained(path)
+        accelerator.wait_for_everyone()
+        return
     if accelerator.is_main_process:
         accelerator.unwrap_model(model).save_pretrained(path)
         tokenizer.save_pretrained(path)
