@@ -69,8 +69,8 @@ def evaluate(
                 batch_size=batch_size,
             )
         rows = gather([
-            (exact_match(o.text, e.reference), task_score(o.text, e.reference, e.entry, data.scorer),
-             len(o.token_ids))
+            (exact_match(o.text, e.reference),
+             task_score(o.text, e.reference, e.entry, data.scorer), len(o.token_ids))
             for o, e in zip(outs, examples, strict=True)
         ], world)  # fmt: skip
         exact, score, length = zip(*rows, strict=True)

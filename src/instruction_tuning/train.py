@@ -16,6 +16,7 @@ resumed run reproduces the uninterrupted one exactly on CPU.
 from __future__ import annotations
 
 import sys
+
 import torch
 
 from instruction_tuning.config import SFTConfig

@@ -175,11 +175,19 @@ Models = dict[str, tuple[torch.nn.Module, "torch.optim.Optimizer | None"]]
 
 def full_state_dict(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     """A sharded model's whole state dict, gathered onto rank 0 in CPU memory (empty on the
-    other ranks); every process must call it."""
+    other ranks); every process must call it. Keys are the model's own (no wrapper prefix)."""
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
     options = StateDictOptions(full_state_dict=True, cpu_offload=True)
-    return get_model_state_dict(model, options=options)
+    state = get_model_state_dict(model, options=options)
+    # a tied parameter (an LM head sharing the input embedding) once, under its first name, as
+    # save_pretrained writes it from an unsharded model
+    seen: set[int] = set()
+    for name, param in model.named_parameters(remove_duplicate=False):
+        if id(param) in seen:
+            state.pop(name, None)
+        seen.add(id(param))
+    return state
 
 
 def _sharded_state(models: Models) -> dict[str, Any]:

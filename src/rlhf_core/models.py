@@ -232,6 +232,11 @@ class ReferencePolicy:
                 f"unknown reference mode {mode!r}; expected 'copy', 'frozen' or 'adapter'"
             )
 
+    @property
+    def own_model(self) -> torch.nn.Module | None:
+        """The reference's own weights when it holds a second model (modes copy and frozen)."""
+        return None if self.mode == "adapter" else self._model
+
     @contextmanager
     def model(self) -> Iterator[torch.nn.Module]:
         """The module to run as pi_ref, in eval mode, inside this context."""
