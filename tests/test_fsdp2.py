@@ -76,7 +76,8 @@ def test_sft_fsdp2_equals_one_process_resumes_after_sigkill_and_final_loads(
     def build(split: str, exclude: set[str] | None = None):
         source = DataSource.model_validate(data["data"][split])
         return build_sft_data(source, tokenizer, fmt="auto", max_length=80,
-                              max_prompt_length=None, where=split, exclude_prompts=exclude)  # fmt: skip
+                              max_prompt_length=None, where=split,
+                              exclude_prompts=exclude)  # fmt: skip
 
     eval_data = build("eval", {e.prompt_text for e in build("train").examples})
     loaded = evaluate(model, tokenizer, eval_data, batch_size=64, max_new_tokens=8,
@@ -88,7 +89,8 @@ def test_sft_fsdp2_equals_one_process_resumes_after_sigkill_and_final_loads(
     env = {**os.environ, "PYTHONPATH": str(REPO / "src"), "OMP_NUM_THREADS": "1"}
     cmd = torchrun_cmd("instruction_tuning.train", cfg, killed, *FSDP2)
     proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True, start_new_session=True)  # fmt: skip
+                            stderr=subprocess.STDOUT, text=True,
+                            start_new_session=True)  # fmt: skip
     wait_for_checkpoint(proc, killed / "checkpoints" / "checkpoint-2")
     os.killpg(proc.pid, signal.SIGKILL)  # torchrun and both workers
     proc.wait()
@@ -121,3 +123,24 @@ def test_dpo_fsdp2_equals_one_process(tiny_dpo_dict, tmp_path, mode):
     # samples are drawn by every process (parameters gathered) and written once, by rank 0
     rows = (tmp_path / "two" / "samples.jsonl").read_text().splitlines()
     assert len(rows) == 4
+
+
+def test_reward_model_fsdp2_equals_one_process(tmp_path):
+    """A preference RM with the shared-prompt forward (the prompt's KV cache reused by chosen
+    and rejected) sharded; evaluation on every process; the sequence-classification export."""
+    import yaml
+
+    data = yaml.safe_load((REPO / "configs/reward_models/tiny_preference.yaml").read_text())
+    data["data"]["eval"]["reasoning_gym"]["size"] = 16
+    data["train"].update(batch_size=8, micro_batch_size=2, max_steps=3, eval_every=3,
+                         share_prompt=True)  # fmt: skip
+    data["checkpoint"] = {"save_every": 0}
+    data["tracking"] = {"log_every": 1}
+    cfg = write_yaml(tmp_path / "rm.yaml", data)
+    launch("reward_models.train", cfg, tmp_path / "one", 1)
+    launch("reward_models.train", cfg, tmp_path / "two", 2, *FSDP2)
+    assert_same_run(tmp_path / "one", tmp_path / "two", "train/loss")
+    assert_half_per_rank(tmp_path / "two", tmp_path / "one")
+    one, two = (metric_series(tmp_path / r, "eval/loss") for r in ("one", "two"))
+    assert one.keys() == two.keys() == {3} and two[3] == pytest.approx(one[3])
+    assert (tmp_path / "two" / "final-seqcls" / "config.json").is_file()
