@@ -20,7 +20,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import REPO, metric_series, wait_for_checkpoint, write_yaml
+from conftest import REPO, metric_series, tiny_pg_dict, wait_for_checkpoint, write_yaml
 from test_multiprocess import assert_same_run, final_weights, free_port, launch
 
 FSDP2 = "--set", "train.engine=fsdp2"
@@ -144,3 +144,31 @@ def test_reward_model_fsdp2_equals_one_process(tmp_path):
     one, two = (metric_series(tmp_path / r, "eval/loss") for r in ("one", "two"))
     assert one.keys() == two.keys() == {3} and two[3] == pytest.approx(one[3])
     assert (tmp_path / "two" / "final-seqcls" / "config.json").is_file()
+
+
+@pytest.mark.parametrize("algo", ["grpo", "ppo"])
+def test_policy_gradient_fsdp2_equals_one_process(tmp_path, algo):
+    """GRPO (reference sharded, KL in the loss) and PPO (value model sharded, KL in the reward,
+    GAE): every process decodes its own prompts with the policy gathered; the rollout log and
+    the losses equal one process's."""
+    import yaml
+    from test_multiprocess import rollouts
+
+    spec = yaml.safe_load((REPO / f"configs/policy_gradients/{algo}.yaml").read_text())
+    data = tiny_pg_dict("tiny-qwen3", **{**spec["algorithm"], "ppo_epochs": 2})
+    data["data"]["eval"]["reasoning_gym"]["size"] = 8
+    data["rollout"].update(prompts_per_step=4, group_size=4 if algo == "grpo" else 2,
+                           max_new_tokens=8)  # fmt: skip
+    data["train"].update(max_steps=2, micro_batch_size=4, eval_every=2)
+    data["optim"]["lr"] = 1e-3
+    cfg = write_yaml(tmp_path / f"{algo}.yaml", data)
+    launch("policy_gradients.train", cfg, tmp_path / "one", 1)
+    launch("policy_gradients.train", cfg, tmp_path / "two", 2, *FSDP2)
+    assert_same_run(tmp_path / "one", tmp_path / "two", "train/loss")
+    assert rollouts(tmp_path / "two") == rollouts(tmp_path / "one")
+    for key in ("train/reward/total", "eval/greedy_reward", "eval/sampled_kl_k3"):
+        one, two = (metric_series(tmp_path / r, key) for r in ("one", "two"))
+        assert one and one.keys() == two.keys(), key
+        assert all(two[k] == pytest.approx(one[k]) for k in one), key
+    summary = json.loads((tmp_path / "two" / "summary.json").read_text())
+    assert summary["engine"] == "fsdp2"

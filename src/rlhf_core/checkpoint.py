@@ -162,8 +162,13 @@ def list_checkpoints(checkpoints_dir: str | Path) -> list[Path]:
 
 
 def is_sharded_checkpoint(checkpoint_dir: str | Path) -> bool:
-    """True for a checkpoint whose weights are torch.distributed.checkpoint shards (no HF files)."""
-    return (Path(checkpoint_dir) / SHARDED_DIR).is_dir()
+    """True for a checkpoint whose weights are torch.distributed.checkpoint shards (no HF files),
+    and for the absent subdirectory of such a checkpoint an extra model (e.g. `value`) would have
+    in an unsharded one."""
+    path = Path(checkpoint_dir)
+    return (path / SHARDED_DIR).is_dir() or (
+        not path.exists() and (path.parent / SHARDED_DIR).is_dir()
+    )
 
 
 def latest_checkpoint(checkpoints_dir: str | Path) -> Path | None:

@@ -40,7 +40,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import ExitStack, contextmanager
 from pathlib import Path
 from typing import Any, Literal
 
@@ -70,6 +70,18 @@ class FSDPConfig(StrictModel):
     reshard_after_forward: bool = Field(
         True, description="free gathered layers after forward (ZeRO-3); false = keep (ZeRO-2-like)"
     )
+
+
+class EngineSettings(StrictModel):
+    """The engine keys every trainer's `train` block has (`train.engine`, `train.fsdp`)."""
+
+    engine: EngineName = Field(
+        "auto",
+        description="how models are placed across processes: single, ddp (full copies), fsdp2 "
+        "(sharded, torch fully_shard); auto = single for one process, fsdp2 under an accelerate "
+        "FSDP config, else ddp (rlhf_core.distributed)",
+    )
+    fsdp: FSDPConfig = Field(default_factory=FSDPConfig, description="FSDP2 settings")
 
 
 # ----------------------------------------------------------------------------- sizes
@@ -298,10 +310,10 @@ class Engine:
     # --- the training step
 
     @contextmanager
-    def grad_sync(self, model: torch.nn.Module, sync: bool) -> Iterator[None]:
+    def grad_sync(self, model: torch.nn.Module | None, sync: bool) -> Iterator[None]:
         """Around one micro-batch's forward and backward: reduce gradients only when `sync`
         (the last micro-batch of an optimizer step); earlier ones accumulate locally."""
-        if sync or self.name == "single":
+        if sync or self.name == "single" or model is None:
             yield
         elif self.name == "fsdp2":
             model.set_requires_gradient_sync(False)
@@ -335,6 +347,12 @@ class Engine:
                 unit.reshard()
                 keep = self.fsdp.reshard_after_forward and unit is not model
                 unit.set_reshard_after_forward(keep, recurse=False)
+
+    @contextmanager
+    def gathered_all(self, *models: torch.nn.Module | None) -> Iterator[list[Any]]:
+        """`gathered` for several models at once; None entries stay None."""
+        with ExitStack() as stack:
+            yield [stack.enter_context(self.gathered(m)) if m is not None else None for m in models]
 
     # --- what a run reports
 

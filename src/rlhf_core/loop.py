@@ -27,15 +27,15 @@ from rlhf_core.checkpoint import (
     restore_training_state,
     save_checkpoint,
 )
-from rlhf_core.config import RunArgs, StrictModel, dump_config
+from rlhf_core.config import RunArgs, dump_config
 from rlhf_core.data import EpochSampler
-from rlhf_core.distributed import Engine, EngineName, FSDPConfig, is_sharded
+from rlhf_core.distributed import Engine, EngineSettings, is_sharded
 from rlhf_core.errors import UserError
 from rlhf_core.optim import EmbeddingGradBuffer
 from rlhf_core.runtime import configure_threads, quiet_libraries
 
 
-class LoopConfig(StrictModel):
+class LoopConfig(EngineSettings):
     """Loop settings shared by the supervised trainers (SFT, reward models, direct alignment)."""
 
     batch_size: int = Field(32, gt=0, description="rows per optimizer step (global)")
@@ -48,13 +48,6 @@ class LoopConfig(StrictModel):
     eval_size: int | None = Field(None, gt=0, description="held-out rows to use; null = all")
     threads: int | None = Field(None, gt=0, description="CPU threads; null = free cores")
     device: Literal["auto", "cpu", "cuda"] = Field("auto", description="auto = cuda if available")
-    engine: EngineName = Field(
-        "auto",
-        description="how models are placed across processes: single, ddp (full copies), fsdp2 "
-        "(sharded, torch fully_shard); auto = single for one process, fsdp2 under an accelerate "
-        "FSDP config, else ddp (rlhf_core.distributed)",
-    )
-    fsdp: FSDPConfig = Field(default_factory=FSDPConfig, description="FSDP2 settings")
 
 
 def start_engine(loop: Any) -> tuple[Accelerator, Engine, int]:
@@ -149,8 +142,10 @@ def restore_checkpoint(
 ) -> tuple[int, dict[str, Any]]:
     """Load optimizer, scheduler, RNGs and sampler position; return (step, the loop's state).
 
-    A sharded checkpoint also restores the (sharded) `model` and `extra` models with their
-    optimizers from its torch.distributed.checkpoint shards, and each process's own RNGs."""
+    `extra` maps a name to (model, optimizer or None), as `save_training_state`'s
+    `extra_models` / `extra_optimizers`: their optimizers are restored too. A sharded checkpoint
+    also restores the (sharded) `model` and `extra` models from its torch.distributed.checkpoint
+    shards, and each process's own RNGs."""
     payload = load_trainer_state(ckpt)
     if is_sharded_checkpoint(ckpt):
         if model is None or not is_sharded(model):
@@ -162,6 +157,9 @@ def restore_checkpoint(
         models = {"policy": (model, optimizer), **(extra or {})}
         load_sharded(ckpt / SHARDED_DIR, models)
     state = restore_training_state(payload, optimizer=optimizer, scheduler=scheduler)
+    for key, (_, extra_opt) in (extra or {}).items():
+        if extra_opt is not None and f"{key}_optimizer" in state:  # unsharded: in the state
+            extra_opt.load_state_dict(state[f"{key}_optimizer"])
     if "rng_per_rank" in payload:
         restore_rng_state(payload["rng_per_rank"][torch.distributed.get_rank()])
     sampler.load_state_dict(state["sampler"])
@@ -234,7 +232,8 @@ def save_training_state(
     A sharded (FSDP2) model is saved as torch.distributed.checkpoint shards: every process
     writes its part of the models and optimizers (`extra_optimizers` pairs with `extra_models`
     by key) into a staging directory, then the main process adds the trainer state, with every
-    process's RNG states, and renames it into place."""
+    process's RNG states, and renames it into place. Unsharded, an extra optimizer's state is
+    saved in the loop state as `<key>_optimizer`."""
     if is_sharded(model):
         from accelerate.utils import broadcast_object_list, gather_object
 
@@ -261,6 +260,8 @@ def save_training_state(
             )  # fmt: skip
         accelerator.wait_for_everyone()
         return
+    for key, extra_opt in (extra_optimizers or {}).items():
+        state = {**state, f"{key}_optimizer": extra_opt.state_dict()}
     accelerator.wait_for_everyone()
     if accelerator.is_main_process:
         save_checkpoint(
