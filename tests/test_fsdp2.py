@@ -155,7 +155,10 @@ def test_policy_gradient_fsdp2_equals_one_process(tmp_path, algo):
     from test_multiprocess import rollouts
 
     spec = yaml.safe_load((REPO / f"configs/policy_gradients/{algo}.yaml").read_text())
-    data = tiny_pg_dict("tiny-qwen3", **{**spec["algorithm"], "ppo_epochs": 2})
+    algorithm = {**spec["algorithm"], "ppo_epochs": 2}
+    if algo == "ppo":  # whitening is per process (under DDP too): not one process's numbers
+        algorithm["advantage"] = {**algorithm["advantage"], "whiten": False}
+    data = tiny_pg_dict("tiny-qwen3", **algorithm)
     data["data"]["eval"]["reasoning_gym"]["size"] = 8
     data["rollout"].update(prompts_per_step=4, group_size=4 if algo == "grpo" else 2,
                            max_new_tokens=8)  # fmt: skip
