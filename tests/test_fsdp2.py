@@ -103,16 +103,14 @@ def test_sft_fsdp2_equals_one_process_resumes_after_sigkill_and_final_loads(
     assert resumed.keys() == two.keys() and all(resumed[k] == pytest.approx(two[k]) for k in two)
 
 
-@pytest.mark.parametrize("mode", ["model", "adapter"])
-def test_dpo_fsdp2_equals_one_process(tiny_dpo_dict, tmp_path, mode):
-    """The policy and (mode model) a separate reference are sharded; mode adapter: a LoRA policy
-    whose reference is the same sharded model with its adapter disabled."""
+def test_dpo_lora_fsdp2_equals_one_process(tiny_dpo_dict, tmp_path):
+    """A LoRA policy, sharded, whose reference is the same sharded model with its adapter
+    disabled (a separately sharded frozen reference is the policy-gradient tests' `copy`)."""
     data = tiny_dpo_dict
     data["train"].update(batch_size=8, micro_batch_size=2, max_steps=3, eval_every=3,
                          samples_every=3, num_samples=4, sample_max_new_tokens=6)  # fmt: skip
-    data["reference"] = {"mode": mode}
-    if mode == "adapter":
-        data["model"]["lora"] = {"r": 4, "alpha": 8}
+    data["reference"] = {"mode": "adapter"}
+    data["model"]["lora"] = {"r": 4, "alpha": 8}
     cfg = write_yaml(tmp_path / "dpo.yaml", data)
     launch("direct_alignment.train", cfg, tmp_path / "one", 1)
     launch("direct_alignment.train", cfg, tmp_path / "two", 2, *FSDP2)
