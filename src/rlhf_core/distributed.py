@@ -22,7 +22,7 @@ The operations that differ under sharding each have one owner here:
     sharded parameters (DTensors), and pass it to `prepare_optimizer`;
   - `Engine.grad_sync(model, sync)`: gradient accumulation (DDP's `no_sync`, FSDP2's
     `set_requires_gradient_sync`);
-  - `Engine.clip_grad_norm`: the global norm over DTensor gradients;
+  - `rlhf_core.loop.clip_grad_norm`: the global norm over DTensor gradients;
   - `Engine.gathered(model)`: every FSDP unit all-gathered once, for generation and evaluation
     (a decode loop runs as many forwards as its rows need, which differs between processes; with
     the parameters gathered up front those forwards need no collective);
@@ -31,9 +31,12 @@ The operations that differ under sharding each have one owner here:
     gathered head weight and its gradient is reduce-scattered;
   - checkpoints: `save_sharded` / `load_sharded` (torch.distributed.checkpoint, model and
     optimizer, every rank writing its shard) and `full_state_dict` (gathered on rank 0, for the
-    Hugging Face `final/`).
+    Hugging Face `final/`), which `rlhf_core.loop.save_training_state` / `restore_checkpoint` /
+    `save_final` call for a sharded model.
 
-Left out: DeepSpeed ZeRO-3 (refused in `rlhf_core.loop`), tensor/pipeline parallelism, HSDP.
+Left out: DeepSpeed ZeRO-3 (refused in `rlhf_core.loop`), tensor/pipeline parallelism, HSDP,
+the fused LM head under DDP (DDP's gradient hooks need its own forward), sharded reward models
+used as rewards (each process loads its own copy). docs/distributed.md has the whole picture.
 """
 
 from __future__ import annotations
