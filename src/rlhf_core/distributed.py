@@ -284,6 +284,11 @@ class Engine:
         self.rank, self.world = accelerator.process_index, accelerator.num_processes
         if self.fsdp.mixed_precision == "bf16" and self.name != "fsdp2":
             raise UserError("train.fsdp.mixed_precision bf16 applies to engine fsdp2 only")
+        if self.fsdp.cpu_offload and (self.name != "fsdp2" or accelerator.device.type != "cuda"):
+            raise UserError(
+                "train.fsdp.cpu_offload moves FSDP2 shards from GPU to CPU memory: it needs "
+                "engine fsdp2 on CUDA devices (on a CPU run the shards already are in CPU memory)"
+            )
 
     @property
     def sharded(self) -> bool:
