@@ -65,23 +65,26 @@ def test_shipped_accelerate_config_loads(path):
     from accelerate.commands.config.config_args import ClusterConfig
 
     cfg = ClusterConfig.from_yaml_file(str(path))
-    assert cfg.distributed_type in {"MULTI_GPU", "DEEPSPEED"}
-    assert cfg.mixed_precision == "bf16" and cfg.num_processes > 1
+    assert cfg.distributed_type in {"MULTI_GPU", "DEEPSPEED", "FSDP"}
+    # FSDP2's bf16 is the trainer's train.fsdp.mixed_precision (accelerate never wraps the model)
+    bf16 = "no" if cfg.distributed_type == "FSDP" else "bf16"
+    assert cfg.mixed_precision == bf16 and cfg.num_processes > 1
 
 
 def test_accelerate_configs_are_shipped():
-    # FSDP and ZeRO-3 shard the parameters: refused at startup (rlhf_core.loop)
-    assert {p.stem for p in ACCELERATE} == {"ddp", "deepspeed_zero2"}
+    # ZeRO-3 is refused at startup (rlhf_core.loop); FSDP2 is rlhf_core.distributed's fsdp2
+    assert {p.stem for p in ACCELERATE} == {"ddp", "deepspeed_zero2", "fsdp2"}
 
 
 @pytest.mark.parametrize(
     ("engine", "zero_stage", "refused"),
-    [("FSDP", None, "FSDP"), ("DEEPSPEED", 3, "DeepSpeed ZeRO-3"), ("DEEPSPEED", 2, None),
+    [("FSDP", None, None), ("DEEPSPEED", 3, "DeepSpeed ZeRO-3"), ("DEEPSPEED", 2, None),
      ("MULTI_GPU", None, None), ("NO", None, None)],
 )  # fmt: skip
-def test_engines_that_shard_parameters_are_refused_with_a_message(engine, zero_stage, refused):
+def test_zero3_is_refused_with_a_message(engine, zero_stage, refused):
     # none of these engines can start on a CPU (accelerate turns an FSDP config into MULTI_CPU
-    # there), so the guard is checked on the values start_accelerator reads from accelerate
+    # there), so the guard is checked on the values start_accelerator reads from accelerate;
+    # FSDP passes: the trainers shard with fully_shard themselves (rlhf_core.distributed)
     from accelerate.utils import DistributedType
 
     from rlhf_core.loop import refuse_sharded_parameters
@@ -89,5 +92,5 @@ def test_engines_that_shard_parameters_are_refused_with_a_message(engine, zero_s
     if refused is None:
         refuse_sharded_parameters(DistributedType[engine], zero_stage)
     else:
-        with pytest.raises(ValueError, match=rf"{refused} shards the parameters.*ddp.yaml"):
+        with pytest.raises(ValueError, match=rf"{refused} shards the parameters.*fsdp2"):
             refuse_sharded_parameters(DistributedType[engine], zero_stage)

@@ -53,13 +53,14 @@ def write_samples(
     model: torch.nn.Module,
     tokenizer,
     pairs: list[PreferencePair],
-    path: Path,
+    path: Path | None,
     *,
     step: int,
     max_new_tokens: int,
     seed: int,
 ) -> None:
-    """Sample (T=1) one completion per prompt under a forked RNG and append them as JSON lines."""
+    """Sample (T=1) one completion per prompt under a forked RNG and append them as JSON lines
+    to `path` (None: sample only, as the processes other than the main one do)."""
     device = next(model.parameters()).device
     with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
         torch.manual_seed(seed)
@@ -67,6 +68,8 @@ def write_samples(
             model, with_padding_side(tokenizer, "left"), [p.prompt_text for p in pairs],
             max_new_tokens=max_new_tokens, temperature=1.0,
         )  # fmt: skip
+    if path is None:
+        return
     with open(path, "a") as fh:
         for pair, out in zip(pairs, outs, strict=True):
             row = {

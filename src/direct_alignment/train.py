@@ -15,7 +15,6 @@ from __future__ import annotations
 import sys
 import traceback
 import warnings
-from contextlib import nullcontext
 from functools import partial
 
 import torch
@@ -45,7 +44,7 @@ from rlhf_core.loop import (
     restore_checkpoint,
     save_final,
     save_training_state,
-    start_accelerator,
+    start_engine,
 )
 from rlhf_core.models import ReferencePolicy, load_policy, load_tokenizer, resolve_model_path
 from rlhf_core.optim import build_optimizer, build_scheduler
@@ -82,7 +81,7 @@ def warn_kto_weights(loss_fn, examples) -> None:
 def train(cfg: DAConfig, run: RunArgs) -> int:
     """Train one policy (cfg.model); returns the exit code (0, or 130/143 after a signal)."""
     assert cfg.model is not None
-    accelerator, threads = start_accelerator(cfg.train)
+    accelerator, engine, threads = start_engine(cfg.train)
     device, rank, world = accelerator.device, accelerator.process_index, accelerator.num_processes
     is_main = accelerator.is_main_process
 
@@ -114,14 +113,15 @@ def train(cfg: DAConfig, run: RunArgs) -> int:
             "train pairs": f"{len(train_data.pairs)} ({d.train.describe()}; dropped identical "
             f"{train_data.dropped_identical}, truncated {train_data.truncated})",
             "eval pairs": len(eval_data.pairs) if eval_data else 0,
-            "would run": f"{total_steps} steps x {t.batch_size} pairs on {device} ({world} procs)",
+            "would run": f"{total_steps} steps x {t.batch_size} pairs on {device} ({world} procs, "
+            f"engine {engine.name})",
             "run dir": f"{run_dir}" + (f" (resuming {ckpt})" if ckpt else ""),
         })  # fmt: skip
         return 0
 
     # --- policy and reference
     seed_everything(cfg.seed)
-    policy = load_policy(cfg.model, device, weights_from=ckpt)
+    policy = engine.prepare(load_policy(cfg.model, device, weights_from=ckpt).train())
     pad_id = tokenizer.pad_token_id
     reference, ref_cache = None, None
     if loss_fn.needs_reference:
@@ -129,7 +129,7 @@ def train(cfg: DAConfig, run: RunArgs) -> int:
             reference = ReferencePolicy(policy, "adapter")
         else:  # the starting policy, loaded again (never the resumed weights)
             start = load_policy(cfg.model.model_copy(update={"lora": None}), device)
-            reference = ReferencePolicy(start, "frozen")
+            reference = ReferencePolicy(engine.prepare(start, trainable=False), "frozen")
         if cfg.reference.mode == "precomputed":
             cache_path = run_dir / "reference_logps.pt"
             splits = {"train": train_data.pairs, "eval": eval_data.pairs if eval_data else []}
@@ -155,15 +155,13 @@ def train(cfg: DAConfig, run: RunArgs) -> int:
             return reference_pair_logps(reference, batch)
         return None, None
 
-    policy.train()
-    optimizer = build_optimizer(policy, cfg.optim)
+    optimizer = engine.prepare_optimizer(build_optimizer(policy, cfg.optim))
     scheduler = build_scheduler(optimizer, cfg.optim, total_steps)
-    policy, optimizer = accelerator.prepare(policy, optimizer)
     sampler = EpochSampler(len(train_data.pairs), cfg.seed)
     step, skips = 0, SkippedSteps(cfg.optim.max_consecutive_skips)
     if ckpt is not None:
         step, state = restore_checkpoint(
-            ckpt, optimizer=optimizer, scheduler=scheduler, sampler=sampler
+            ckpt, optimizer=optimizer, scheduler=scheduler, sampler=sampler, model=policy
         )
         skips.total = state["skipped_steps"]
     tracker = Tracker(
@@ -171,14 +169,21 @@ def train(cfg: DAConfig, run: RunArgs) -> int:
         enabled=is_main,
     )  # fmt: skip
 
+    engine_facts = engine.announce(
+        [policy, *([reference.own_model] if reference and reference.own_model else [])],
+        [optimizer],
+    )
+
     def run_eval() -> dict[str, float]:
-        if eval_data is None or not is_main:
+        if eval_data is None:
             return {}
-        return evaluate_pairs(
-            accelerator.unwrap_model(policy), loss_fn, eval_data.pairs,
-            lambda batch, rows: ref_logps("eval", batch, rows) if loss_fn.needs_reference
-            else (None, None), pad_id=pad_id, batch_size=micro,
-        )  # fmt: skip
+        # every process evaluates all pairs (a sharded reference's forwards stay in step)
+        with engine.gathered(policy) as whole:
+            return evaluate_pairs(
+                whole, loss_fn, eval_data.pairs,
+                lambda batch, rows: ref_logps("eval", batch, rows) if loss_fn.needs_reference
+                else (None, None), pad_id=pad_id, batch_size=micro,
+            )  # fmt: skip
 
     def save() -> None:
         save_training_state(
@@ -200,12 +205,11 @@ def train(cfg: DAConfig, run: RunArgs) -> int:
                 batch = collate_pairs([train_data.pairs[j] for j in rows], pad_id)
                 batch = {k: v.to(device) for k, v in batch.items()}
                 weight = len(rows) / t.batch_size  # share of the global step's pairs
-                sync = start + micro >= len(indices)
-                with nullcontext() if sync else accelerator.no_sync(policy):
+                with engine.grad_sync(policy, sync=start + micro >= len(indices)):
                     chosen, rejected = pair_logps(policy, batch)
                     ref_c, ref_r = ref_logps("train", batch, rows)
                     loss, m = loss_fn(chosen, rejected, ref_c, ref_r, **loss_inputs(batch))
-                    # DDP averages gradients over processes; scale so they sum to the global mean
+                    # DDP/FSDP average gradients over processes: scale so they sum to the mean
                     accelerator.backward(loss * weight * world)
                 step_loss += loss.detach() * weight
                 for key, value in m.items():
@@ -229,12 +233,13 @@ def train(cfg: DAConfig, run: RunArgs) -> int:
                 })  # fmt: skip
             if t.eval_every and step % t.eval_every == 0 and step < total_steps:
                 tracker.log(step, run_eval())
-            if t.samples_every and step % t.samples_every == 0 and eval_data and is_main:
-                write_samples(
-                    accelerator.unwrap_model(policy), tokenizer, eval_data.pairs[: t.num_samples],
-                    run_dir / "samples.jsonl", step=step, max_new_tokens=t.sample_max_new_tokens,
-                    seed=cfg.seed + step,
-                )  # fmt: skip
+            if t.samples_every and step % t.samples_every == 0 and eval_data:
+                with engine.gathered(policy) as whole:  # every process samples; rank 0 writes
+                    write_samples(
+                        whole, tokenizer, eval_data.pairs[: t.num_samples],
+                        run_dir / "samples.jsonl" if is_main else None, step=step,
+                        max_new_tokens=t.sample_max_new_tokens, seed=cfg.seed + step,
+                    )  # fmt: skip
             if cfg.checkpoint.save_every and step % cfg.checkpoint.save_every == 0:
                 save()
             if stop.requested:
@@ -256,6 +261,7 @@ def train(cfg: DAConfig, run: RunArgs) -> int:
         "dropped_identical_pairs": train_data.dropped_identical,
         "truncated_pairs": train_data.truncated, "final_train_loss": step_loss.item(),
         **{f"final_train/{k}": float(v) for k, v in metrics.items()}, **final_eval,
+        **engine_facts,
     })  # fmt: skip
     if is_main:
         print(f"run dir: {run_dir}\n" + "\n".join(f"  {k}: {v}" for k, v in summary.items()))

@@ -3,6 +3,10 @@
 Accuracy is measured by generating from the rendered prompt: greedy, and optionally one sample at
 T=1 per prompt (under a forked, seeded RNG so evaluation never changes the training run's random
 stream). Reported: exact match and the task's partial-credit score (`rlhf_core.scoring`).
+
+With several processes (`shard=(rank, world)`) each evaluates every world-th example and the
+per-example results are gathered, so every process returns the same numbers. Greedy results
+equal one process's; sampled ones are drawn from each process's own seeded stream.
 """
 
 from __future__ import annotations
@@ -27,14 +31,19 @@ def evaluate(
     max_new_tokens: int,
     sampled: bool,
     seed: int,
+    shard: tuple[int, int] = (0, 1),
 ) -> dict[str, float]:
+    """Eval loss (per completion token), greedy (and sampled) exact match, task score, length.
+    `shard` = (rank, world): this process's share; every process must call it (see above)."""
+    rank, world = shard
+    examples = data.examples[rank::world]
     device = next(model.parameters()).device
     was_training = model.training
     model.eval()
     nll_sum, tokens = 0.0, 0
     loss_fn = CompletionNLLLoss()
-    for start in range(0, len(data.examples), batch_size):
-        batch = collate(data.examples[start : start + batch_size], tokenizer.pad_token_id)
+    for start in range(0, len(examples), batch_size):
+        batch = collate(examples[start : start + batch_size], tokenizer.pad_token_id)
         batch = {k: v.to(device) for k, v in batch.items()}
         logps = policy_logprobs(
             model, batch["input_ids"], batch["attention_mask"], batch["loss_mask"]
@@ -42,10 +51,11 @@ def evaluate(
         _, metrics = loss_fn(logps, batch["loss_mask"], 1.0)
         nll_sum += metrics["nll_sum"].item()
         tokens += int(metrics["tokens"].item())
+    nll_sum, tokens = (sum(x) for x in zip(*gather([(nll_sum, tokens)], world), strict=True))
     results = {"eval/loss": nll_sum / max(1, tokens)}
 
     left = with_padding_side(tokenizer, "left")
-    prompts = [e.prompt_text for e in data.examples]
+    prompts = [e.prompt_text for e in examples]
     modes = [("greedy", 0.0)] + ([("sampled", 1.0)] if sampled else [])
     for label, temperature in modes:
         with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
@@ -58,13 +68,23 @@ def evaluate(
                 temperature=temperature,
                 batch_size=batch_size,
             )
-        exact = [exact_match(o.text, e.reference) for o, e in zip(outs, data.examples, strict=True)]
-        score = [
-            task_score(o.text, e.reference, e.entry, data.scorer)
-            for o, e in zip(outs, data.examples, strict=True)
-        ]
+        rows = gather([
+            (exact_match(o.text, e.reference),
+             task_score(o.text, e.reference, e.entry, data.scorer), len(o.token_ids))
+            for o, e in zip(outs, examples, strict=True)
+        ], world)  # fmt: skip
+        exact, score, length = zip(*rows, strict=True)
         results[f"eval/{label}_exact_match"] = sum(exact) / len(exact)
         results[f"eval/{label}_task_score"] = sum(score) / len(score)
-        results[f"eval/{label}_length"] = sum(len(o.token_ids) for o in outs) / len(outs)
+        results[f"eval/{label}_length"] = sum(length) / len(length)
     model.train(was_training)
     return results
+
+
+def gather(rows: list, world: int) -> list:
+    """Every process's `rows`, concatenated in rank order (as is with one process)."""
+    if world == 1:
+        return rows
+    from accelerate.utils import gather_object
+
+    return gather_object(rows)

@@ -16,7 +16,6 @@ resumed run reproduces the uninterrupted one exactly on CPU.
 from __future__ import annotations
 
 import sys
-from contextlib import nullcontext
 
 import torch
 
@@ -38,7 +37,7 @@ from rlhf_core.loop import (
     restore_checkpoint,
     save_final,
     save_training_state,
-    start_accelerator,
+    start_engine,
 )
 from rlhf_core.models import load_policy, load_tokenizer, resolve_model_path
 from rlhf_core.optim import build_optimizer, build_scheduler
@@ -53,7 +52,7 @@ PACKAGE = "instruction_tuning"
 @managed_run
 def train(cfg: SFTConfig, run: RunArgs) -> int:
     """Run SFT as configured; returns the process exit code (0, or 130/143 after a signal)."""
-    accelerator, threads = start_accelerator(cfg.train)
+    accelerator, engine, threads = start_engine(cfg.train)
     device, rank, world = accelerator.device, accelerator.process_index, accelerator.num_processes
     is_main = accelerator.is_main_process
 
@@ -81,7 +80,8 @@ def train(cfg: SFTConfig, run: RunArgs) -> int:
             "tokenizer": f"{type(tokenizer).__name__}, vocab {len(tokenizer)}",
             "train rows": f"{len(train_data.examples)} ({d.train.describe()})",
             "eval rows": len(eval_data.examples) if eval_data else 0,
-            "would run": f"{total_steps} steps x {t.batch_size} rows on {device} ({world} procs)",
+            "would run": f"{total_steps} steps x {t.batch_size} rows on {device} ({world} procs, "
+            f"engine {engine.name})",
             "run dir": f"{run_dir}" + (f" (resuming {ckpt})" if ckpt else ""),
         })  # fmt: skip
         return 0
@@ -90,14 +90,14 @@ def train(cfg: SFTConfig, run: RunArgs) -> int:
     seed_everything(cfg.seed)
     model = load_policy(cfg.model, device, weights_from=ckpt)
     model.train()
-    optimizer = build_optimizer(model, cfg.optim)
+    model = engine.prepare(model)  # sharded (fsdp2) or DDP-wrapped; the optimizer comes after
+    optimizer = engine.prepare_optimizer(build_optimizer(model, cfg.optim))
     scheduler = build_scheduler(optimizer, cfg.optim, total_steps)
-    model, optimizer = accelerator.prepare(model, optimizer)
     sampler = EpochSampler(len(train_data.examples), cfg.seed)
     step, skips = 0, SkippedSteps(cfg.optim.max_consecutive_skips)
     if ckpt is not None:
         step, state = restore_checkpoint(
-            ckpt, optimizer=optimizer, scheduler=scheduler, sampler=sampler
+            ckpt, optimizer=optimizer, scheduler=scheduler, sampler=sampler, model=model
         )
         skips.total = state["skipped_steps"]
     tracker = Tracker(
@@ -105,14 +105,16 @@ def train(cfg: SFTConfig, run: RunArgs) -> int:
         enabled=is_main,
     )  # fmt: skip
     loss_fn = LOSSES.get(t.loss)()
+    engine_facts = engine.announce([model], [optimizer])
 
     def run_eval() -> dict[str, float]:
-        if eval_data is None or not is_main:
+        if eval_data is None:
             return {}
-        return evaluate(
-            accelerator.unwrap_model(model), tokenizer, eval_data, batch_size=max(micro, 64),
-            max_new_tokens=t.eval_max_new_tokens, sampled=t.eval_sampled, seed=cfg.seed + step,
-        )  # fmt: skip
+        with engine.gathered(model) as whole:  # every process evaluates its share
+            return evaluate(
+                whole, tokenizer, eval_data, batch_size=max(micro, 64), seed=cfg.seed + step,
+                max_new_tokens=t.eval_max_new_tokens, sampled=t.eval_sampled, shard=(rank, world),
+            )  # fmt: skip
 
     def save() -> None:
         save_training_state(
@@ -137,13 +139,12 @@ def train(cfg: SFTConfig, run: RunArgs) -> int:
             step_loss = torch.zeros((), device=device)
             for i, batch in enumerate(batches):
                 batch = {k: v.to(device) for k, v in batch.items()}
-                sync = i == len(batches) - 1
-                with nullcontext() if sync else accelerator.no_sync(model):
+                with engine.grad_sync(model, sync=i == len(batches) - 1):
                     logps = policy_logprobs(
                         model, batch["input_ids"], batch["attention_mask"], batch["loss_mask"]
                     )
                     loss, _ = loss_fn(logps, batch["loss_mask"], num_tokens)
-                    # DDP averages gradients over processes; scale so they sum (loss is /global N)
+                    # DDP/FSDP average gradients over processes; scale so they sum (loss /global N)
                     accelerator.backward(loss * world)
                 step_loss += loss.detach()
             step_loss = accelerator.reduce(step_loss, reduction="sum")
@@ -180,7 +181,7 @@ def train(cfg: SFTConfig, run: RunArgs) -> int:
         "steps": step, "skipped_steps": skips.total, "threads": threads, "processes": world,
         "train_rows": len(train_data.examples),
         "truncated_completions": train_data.truncated_completions,
-        "final_train_loss": step_loss.item(), **final_eval,
+        "final_train_loss": step_loss.item(), **final_eval, **engine_facts,
     })  # fmt: skip
     if is_main:
         print(f"run dir: {run_dir}\n" + "\n".join(f"  {k}: {v}" for k, v in summary.items()))

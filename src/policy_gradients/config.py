@@ -22,6 +22,7 @@ from pydantic import Field, ValidationInfo, field_validator, model_validator
 from rlhf_core.checkpoint import CheckpointConfig
 from rlhf_core.config import StrictModel
 from rlhf_core.data import DataSource, check_heldout_seeds
+from rlhf_core.distributed import EngineSettings
 from rlhf_core.errors import UserError
 from rlhf_core.models import ModelConfig
 from rlhf_core.optim import OptimConfig
@@ -97,7 +98,7 @@ class RolloutConfig(StrictModel):
     min_p: float = Field(0.0, ge=0, lt=1, description="min-p sampling; 0 = off")
 
 
-class PGTrainConfig(StrictModel):
+class PGTrainConfig(EngineSettings):
     max_steps: int = Field(100, gt=0, description="rollout + update steps")
     micro_batch_size: int = Field(16, gt=0, description="completions per forward/backward")
     eval_every: int = Field(0, ge=0, description="held-out eval every k steps (and at the end)")

@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import sys
 import time
-from contextlib import nullcontext
 
 import torch
 from accelerate.utils import gather_object
@@ -48,7 +47,7 @@ from rlhf_core.loop import (
     restore_checkpoint,
     save_final,
     save_training_state,
-    start_accelerator,
+    start_engine,
 )
 from rlhf_core.models import ReferencePolicy, load_policy, load_tokenizer, resolve_model_path
 from rlhf_core.optim import build_optimizer, build_scheduler
@@ -92,7 +91,7 @@ def even_updates(
 @managed_run
 def train(cfg: PGConfig, run: RunArgs) -> int:
     """Run RL as configured; returns the exit code (0, or 130/143 after a signal)."""
-    accelerator, threads = start_accelerator(cfg.train)
+    accelerator, engine, threads = start_engine(cfg.train)
     device, rank, world = accelerator.device, accelerator.process_index, accelerator.num_processes
     is_main = accelerator.is_main_process
     alg, ro, t = cfg.algorithm, cfg.rollout, cfg.train
@@ -138,46 +137,44 @@ def train(cfg: PGConfig, run: RunArgs) -> int:
             "train prompts": f"{len(train_prompts.items)} ({d.train.describe()})",
             "eval prompts": len(eval_prompts.items) if eval_prompts else 0,
             "would run": f"{t.max_steps} steps x {ro.prompts_per_step} prompts x "
-            f"{ro.group_size} completions on {device} ({world} procs)",
+            f"{ro.group_size} completions on {device} ({world} procs, engine {engine.name})",
             "run dir": f"{run_dir}" + (f" (resuming {ckpt})" if ckpt else ""),
         })  # fmt: skip
         return 0
 
     # --- policy, reference, optimizer
     seed_everything(cfg.seed)
-    policy = load_policy(cfg.model, device, weights_from=ckpt)
+    policy = engine.prepare(load_policy(cfg.model, device, weights_from=ckpt).train())
     reference = None
     if needs_reference:
         if t.reference == "adapter":
             reference = ReferencePolicy(policy, "adapter")
         else:  # the starting weights, never the resumed ones
             start = load_policy(cfg.model.model_copy(update={"lora": None}), device)
-            reference = ReferencePolicy(start, "frozen")
+            reference = ReferencePolicy(engine.prepare(start, trainable=False), "frozen")
     value_model = value_opt = value_sched = None
     if value_loss_fn is not None:  # PPO: backbone + scalar head, from the policy's start
         value_model = ScalarHeadModel.from_config(
             cfg.value_model or cfg.model, ScalarHeadInfo(kind="value"), device,
             weights_from=ckpt / "value" if ckpt is not None else None,
         ).train()  # fmt: skip
-    policy.train()
+        value_model = engine.prepare(value_model)
     updates_per_step = alg.ppo_epochs * alg.mini_batches
     total_updates = t.max_steps * updates_per_step
-    optimizer = build_optimizer(policy, cfg.optim)
+    optimizer = engine.prepare_optimizer(build_optimizer(policy, cfg.optim))
     scheduler = build_scheduler(optimizer, cfg.optim, total_updates)
-    policy, optimizer = accelerator.prepare(policy, optimizer)
     if value_model is not None:
-        value_opt = build_optimizer(value_model, cfg.optim)
+        value_opt = engine.prepare_optimizer(build_optimizer(value_model, cfg.optim))
         value_sched = build_scheduler(value_opt, cfg.optim, total_updates)
-        value_model, value_opt = accelerator.prepare(value_model, value_opt)
     sampler = EpochSampler(len(train_prompts.items), cfg.seed)
     step, skips = 0, SkippedSteps(cfg.optim.max_consecutive_skips)
     if ckpt is not None:
         step, state = restore_checkpoint(
-            ckpt, optimizer=optimizer, scheduler=scheduler, sampler=sampler
-        )
+            ckpt, optimizer=optimizer, scheduler=scheduler, sampler=sampler, model=policy,
+            extra={"value": (value_model, value_opt)} if value_model is not None else None,
+        )  # fmt: skip
         skips.total = state["skipped_steps"]
         if value_model is not None:
-            value_opt.load_state_dict(state["value_optimizer"])
             value_sched.load_state_dict(state["value_scheduler"])
     tracker = Tracker(
         run_dir, cfg, cfg.tracking, total_steps=t.max_steps, resume_step=step if ckpt else None,
@@ -187,30 +184,32 @@ def train(cfg: PGConfig, run: RunArgs) -> int:
         run_dir / "rollouts.sqlite", enabled=is_main, resume_step=step if ckpt else None
     )
     buffer = ReplayBuffer()
-    unwrapped = accelerator.unwrap_model(policy)
+    held = [policy, reference.own_model if reference else None, value_model]
+    engine_facts = engine.announce([m for m in held if m is not None], [optimizer] + (
+        [value_opt] if value_opt is not None else []))  # fmt: skip
 
     def run_eval() -> dict[str, float]:
-        if eval_prompts is None or not is_main:
+        if eval_prompts is None:
             return {}
-        return evaluate_policy(
-            unwrapped, reference, tokenizer, eval_prompts, reward_fn,
-            max_new_tokens=ro.max_new_tokens, temperature=ro.temperature,
-            batch_size=max(t.micro_batch_size, 32), seed=cfg.seed + step,
-        )  # fmt: skip
+        # every process evaluates all prompts (the same numbers), its models gathered
+        with engine.gathered_all(*held[:2]) as (whole, _):
+            return evaluate_policy(
+                whole, reference, tokenizer, eval_prompts, reward_fn,
+                max_new_tokens=ro.max_new_tokens, temperature=ro.temperature,
+                batch_size=max(t.micro_batch_size, 32), seed=cfg.seed + step,
+            )  # fmt: skip
 
     def save() -> None:
         rollout_log.flush()
         state = {"sampler": sampler.state_dict(), "skipped_steps": skips.total}
-        extra = {}
+        extra, extra_opt = {}, {}
         if value_model is not None:
-            state.update(
-                value_optimizer=value_opt.state_dict(), value_scheduler=value_sched.state_dict()
-            )
-            extra["value"] = value_model
+            state["value_scheduler"] = value_sched.state_dict()
+            extra["value"], extra_opt["value"] = value_model, value_opt
         save_training_state(
             accelerator, run_dir, step, model=policy, tokenizer=tokenizer, optimizer=optimizer,
             scheduler=scheduler, state=state, keep_last=cfg.checkpoint.keep_last,
-            extra_models=extra,
+            extra_models=extra, extra_optimizers=extra_opt,
         )  # fmt: skip
 
     def update(
@@ -228,7 +227,8 @@ def train(cfg: PGConfig, run: RunArgs) -> int:
                 "total_sequences": total_sequences.clamp(min=1)}  # fmt: skip
         step_loss = torch.zeros((), device=device)
         for i, mb in enumerate(group):
-            with nullcontext() if i == len(group) - 1 else accelerator.no_sync(policy):
+            sync = i == len(group) - 1
+            with engine.grad_sync(policy, sync), engine.grad_sync(value_model, sync):
                 logps, entropy = completion_logprobs(
                     policy, mb.sequence_ids, mb.attention_mask,
                     mb.sequence_ids.shape[1] - mb.action_mask.shape[1],
@@ -265,12 +265,14 @@ def train(cfg: PGConfig, run: RunArgs) -> int:
     # --- the loop
     with StopSignal() as stop:
         while step < t.max_steps:
-            collected = collect_experience(
-                step=step, policy=unwrapped, reference=reference, tokenizer=tokenizer,
-                prompts=train_prompts, sampler=sampler, prompts_per_step=ro.prompts_per_step,
-                rank=rank, world=world, cfg=cfg, reward_fn=reward_fn, estimator=estimator,
-                value_model=accelerator.unwrap_model(value_model) if value_model else None,
-            )  # fmt: skip
+            # each process generates its own prompts' rollouts, its models gathered
+            with engine.gathered_all(*held) as (whole, _, whole_value):
+                collected = collect_experience(
+                    step=step, policy=whole, reference=reference, tokenizer=tokenizer,
+                    prompts=train_prompts, sampler=sampler, prompts_per_step=ro.prompts_per_step,
+                    rank=rank, world=world, cfg=cfg, reward_fn=reward_fn, estimator=estimator,
+                    value_model=whole_value,
+                )  # fmt: skip
             # every rank's rollouts, written by rank 0 alone, and their metrics together
             rows = gather_object(collected.log_rows) if world > 1 else collected.log_rows
             rollout_log.write(rows)
@@ -327,6 +329,7 @@ def train(cfg: PGConfig, run: RunArgs) -> int:
         "algorithm": alg.name, "train_prompts": len(train_prompts.items),
         "first_train_reward": first[0]["train/reward/total"] if first else None,
         "last_train_reward": first[-1]["train/reward/total"] if first else None, **final_eval,
+        **engine_facts,
     })  # fmt: skip
     if is_main:
         print(f"run dir: {run_dir}\n" + "\n".join(f"  {k}: {v}" for k, v in summary.items()))

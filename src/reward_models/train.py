@@ -18,7 +18,6 @@ the uninterrupted one exactly on CPU.
 from __future__ import annotations
 
 import sys
-from contextlib import nullcontext
 from functools import partial
 
 import torch
@@ -31,7 +30,7 @@ from reward_models.models import BaseRewardModel, compute_loss
 from rlhf_core.checkpoint import StopSignal
 from rlhf_core.config import RunArgs, parse_run_args
 from rlhf_core.data import EpochSampler
-from rlhf_core.errors import run_main
+from rlhf_core.errors import UserError, run_main
 from rlhf_core.loop import (
     SkippedSteps,
     announce_stop,
@@ -42,7 +41,7 @@ from rlhf_core.loop import (
     restore_checkpoint,
     save_final,
     save_training_state,
-    start_accelerator,
+    start_engine,
 )
 from rlhf_core.models import load_tokenizer, resolve_model_path
 from rlhf_core.optim import build_optimizer, build_scheduler, maybe_embedding_grad_buffer
@@ -69,7 +68,16 @@ def shared_prompt_collate(model: BaseRewardModel, gradient_checkpointing: bool):
 @managed_run
 def train(cfg: RMConfig, run: RunArgs) -> int:
     """Train one reward model; returns the exit code (0, or 130/143 after a signal)."""
-    accelerator, threads = start_accelerator(cfg.train)
+    accelerator, engine, threads = start_engine(cfg.train)
+    if (
+        engine.sharded
+        and cfg.train.export_sequence_classification
+        and not cfg.checkpoint.save_final
+    ):
+        raise UserError(
+            "train.export_sequence_classification under engine fsdp2 exports from final/: "
+            "set checkpoint.save_final: true"
+        )
     device, rank, world = accelerator.device, accelerator.process_index, accelerator.num_processes
     is_main = accelerator.is_main_process
 
@@ -102,7 +110,7 @@ def train(cfg: RMConfig, run: RunArgs) -> int:
             "train examples": f"{train_data.describe()} from {d.train.describe()}",
             "eval examples": eval_data.describe() if eval_data else 0,
             "would run": f"{total_steps} steps x {t.batch_size} examples on {device} "
-            f"({world} procs)",
+            f"({world} procs, engine {engine.name})",
             "run dir": f"{run_dir}" + (f" (resuming {ckpt})" if ckpt else ""),
         })  # fmt: skip
         return 0
@@ -116,14 +124,14 @@ def train(cfg: RMConfig, run: RunArgs) -> int:
     grad_buffer = maybe_embedding_grad_buffer(
         model.backbone, enabled=t.sparse_embedding_grad, processes=world
     )
-    optimizer = build_optimizer(model, cfg.optim)
+    model = engine.prepare(model)  # sharded (fsdp2) or DDP-wrapped; the optimizer comes after
+    optimizer = engine.prepare_optimizer(build_optimizer(model, cfg.optim))
     scheduler = build_scheduler(optimizer, cfg.optim, total_steps)
-    model, optimizer = accelerator.prepare(model, optimizer)
     sampler = EpochSampler(len(train_data.examples), cfg.seed)
     step, skips = 0, SkippedSteps(cfg.optim.max_consecutive_skips)
     if ckpt is not None:
         step, state = restore_checkpoint(
-            ckpt, optimizer=optimizer, scheduler=scheduler, sampler=sampler
+            ckpt, optimizer=optimizer, scheduler=scheduler, sampler=sampler, model=model
         )
         skips.total = state["skipped_steps"]
     tracker = Tracker(
@@ -131,13 +139,13 @@ def train(cfg: RMConfig, run: RunArgs) -> int:
         enabled=is_main,
     )  # fmt: skip
     pad_id = tokenizer.pad_token_id
+    engine_facts = engine.announce([model], [optimizer])
 
     def run_eval() -> dict[str, float]:
-        if eval_data is None or not is_main:
+        if eval_data is None:
             return {}
-        return evaluate(
-            accelerator.unwrap_model(model), loss_fn, eval_data, pad_id=pad_id, batch_size=micro
-        )
+        with engine.gathered(model) as whole:  # every process evaluates (the same numbers)
+            return evaluate(whole, loss_fn, eval_data, pad_id=pad_id, batch_size=micro)
 
     def save() -> None:
         save_training_state(
@@ -160,10 +168,9 @@ def train(cfg: RMConfig, run: RunArgs) -> int:
                 batch = collate([train_data.examples[j] for j in rows], pad_id)
                 batch = {k: v.to(device) for k, v in batch.items()}
                 weight = len(rows) / t.batch_size  # share of the global step's examples
-                sync = start + micro >= len(indices)
-                with nullcontext() if sync else accelerator.no_sync(model):
+                with engine.grad_sync(model, sync=start + micro >= len(indices)):
                     loss, m, _ = compute_loss(model, loss_fn, batch)
-                    # DDP averages gradients over processes; scale so they sum to the global mean
+                    # DDP/FSDP average gradients over processes: scale so they sum to the mean
                     accelerator.backward(loss * weight * world)
                 step_loss += loss.detach() * weight
                 for key, value in m.items():
@@ -203,16 +210,18 @@ def train(cfg: RMConfig, run: RunArgs) -> int:
         tracker.log(step, final_eval)
     if cfg.checkpoint.save_final:
         save_final(accelerator, model, tokenizer, run_dir / "final")
-    if t.export_sequence_classification and is_main:
-        accelerator.unwrap_model(model).export_sequence_classification(
-            run_dir / "final-seqcls", tokenizer=tokenizer
-        )
+    if t.export_sequence_classification and is_main:  # from final/ when saved (whole weights)
+        whole = engine.unwrap(model)
+        if cfg.checkpoint.save_final:
+            whole = BaseRewardModel.from_pretrained(run_dir / "final", device=device)
+        whole.export_sequence_classification(run_dir / "final-seqcls", tokenizer=tokenizer)
     summary = tracker.finish({
         "steps": step, "skipped_steps": skips.total, "threads": threads, "processes": world,
         "kind": kind, "loss": cfg.loss, "train_examples": len(train_data.examples),
         **{f"train_data/{k}": v for k, v in train_data.counts.items()},
         "final_train_loss": step_loss.item(),
         **{f"final_train/{k}": float(v) for k, v in metrics.items()}, **final_eval,
+        **engine_facts,
     })  # fmt: skip
     if is_main:
         print(f"run dir: {run_dir}\n" + "\n".join(f"  {k}: {v}" for k, v in summary.items()))

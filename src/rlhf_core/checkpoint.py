@@ -48,6 +48,8 @@ from rlhf_core.errors import UserError
 
 CHECKPOINT_RE = re.compile(r"^checkpoint-(\d+)$")
 STATE_FILE = "trainer_state.pt"
+#: a sharded (FSDP2) checkpoint's torch.distributed.checkpoint directory (model + optimizer)
+SHARDED_DIR = "sharded"
 MANIFEST_FILE = "manifest.json"
 
 
@@ -107,13 +109,15 @@ def save_checkpoint(
     checkpoints_dir: str | Path,
     step: int,
     *,
-    model: torch.nn.Module,
+    model: torch.nn.Module | None,
     tokenizer: Any,
-    optimizer: torch.optim.Optimizer,
+    optimizer: torch.optim.Optimizer | None,
     scheduler: Any,
     state: dict[str, Any],
     keep_last: int,
     extra_models: dict[str, Any] | None = None,
+    staged: dict[str, Path] | None = None,
+    rng_per_rank: list[dict[str, Any]] | None = None,
 ) -> Path:
     """Write checkpoint-<step> atomically, then delete all but the newest `keep_last`.
 
@@ -122,9 +126,15 @@ def save_checkpoint(
 
     `state` is the loop's own resumable state (data position, counters); it must contain only
     tensors, numbers, strings, lists and dicts.
+
+    A sharded checkpoint (`rlhf_core.distributed`) passes `model=None, optimizer=None`, the
+    directory every process wrote its shards into as `staged={SHARDED_DIR: dir}` (moved inside
+    the same atomic rename; the manifest covers its files) and every process's RNG states as
+    `rng_per_rank`.
     """
     checkpoints_dir = Path(checkpoints_dir)
-    assert_finite_parameters(model, where=f"checkpoint-{step}")
+    if model is not None:  # (a sharded model is checked by every process, rlhf_core.loop)
+        assert_finite_parameters(model, where=f"checkpoint-{step}")
     for name, extra in (extra_models or {}).items():
         assert_finite_parameters(extra, where=f"checkpoint-{step}/{name}")
     final = checkpoints_dir / f"checkpoint-{step}"
@@ -132,18 +142,23 @@ def save_checkpoint(
     try:
         checkpoints_dir.mkdir(parents=True, exist_ok=True)
         tmp = Path(tempfile.mkdtemp(prefix=f".tmp-checkpoint-{step}-", dir=checkpoints_dir))
-        model.save_pretrained(tmp, safe_serialization=True)
+        if model is not None:
+            model.save_pretrained(tmp, safe_serialization=True)
+        for name, directory in (staged or {}).items():
+            os.replace(directory, tmp / name)
         if tokenizer is not None:
             tokenizer.save_pretrained(tmp)
         for name, extra in (extra_models or {}).items():
             extra.save_pretrained(tmp / name)
         payload = {
             "step": step,
-            "optimizer": optimizer.state_dict(),
+            "optimizer": optimizer.state_dict() if optimizer is not None else None,
             "scheduler": scheduler.state_dict() if scheduler is not None else None,
             "rng": capture_rng_state(),
             "state": state,
         }
+        if rng_per_rank is not None:
+            payload["rng_per_rank"] = rng_per_rank
         with open(tmp / STATE_FILE, "wb") as fh:
             torch.save(payload, fh)
             fh.flush()
@@ -277,6 +292,16 @@ def list_checkpoints(checkpoints_dir: str | Path) -> list[Path]:
     return [path for _, path in sorted(found)]
 
 
+def is_sharded_checkpoint(checkpoint_dir: str | Path) -> bool:
+    """True for a checkpoint whose weights are torch.distributed.checkpoint shards (no HF files),
+    and for the absent subdirectory of such a checkpoint an extra model (e.g. `value`) would have
+    in an unsharded one."""
+    path = Path(checkpoint_dir)
+    return (path / SHARDED_DIR).is_dir() or (
+        not path.exists() and (path.parent / SHARDED_DIR).is_dir()
+    )
+
+
 def latest_checkpoint(checkpoints_dir: str | Path) -> Path | None:
     found = list_checkpoints(checkpoints_dir)
     return found[-1] if found else None
@@ -293,8 +318,10 @@ def load_trainer_state(checkpoint_dir: str | Path) -> dict[str, Any]:
 def restore_training_state(
     payload: dict[str, Any], *, optimizer: torch.optim.Optimizer, scheduler: Any
 ) -> dict[str, Any]:
-    """Load optimizer/scheduler/RNG from a trainer_state payload; return the loop's own state."""
-    optimizer.load_state_dict(payload["optimizer"])
+    """Load optimizer/scheduler/RNG from a trainer_state payload; return the loop's own state.
+    (A sharded checkpoint's optimizer is in its SHARDED_DIR; `rlhf_core.distributed` loads it.)"""
+    if payload["optimizer"] is not None:
+        optimizer.load_state_dict(payload["optimizer"])
     if scheduler is not None and payload.get("scheduler") is not None:
         scheduler.load_state_dict(payload["scheduler"])
     restore_rng_state(payload["rng"])

@@ -21,6 +21,8 @@ from typing import Literal
 
 import torch
 
+from rlhf_core.distributed import run_as_root_forward
+
 AggregationMode = Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm"]
 AGGREGATION_MODES: tuple[str, ...] = (
     "token-mean",
@@ -106,11 +108,11 @@ def causal_lm_token_logprobs(
 
 
 def _decoder_and_head(model: torch.nn.Module):
-    """(decoder, lm_head) of a plain or peft-wrapped causal LM, or None when the head cannot be
-    run separately: a DDP/FSDP wrapper (its forward hooks sync gradients) or a model that
+    """(decoder, lm_head) of a plain, peft-wrapped or FSDP2-sharded causal LM, or None when the
+    head cannot be run separately: a DDP wrapper (its forward hooks sync gradients) or a model that
     rescales or soft-caps its logits after the head (Gemma 2, Cohere, Granite), or whose head is
     not a plain `nn.Linear` (a LoRA-adapted or quantised head)."""
-    if hasattr(model, "module"):  # torch.nn.parallel / FSDP wrappers
+    if hasattr(model, "module"):  # torch.nn.parallel / FSDP1 wrappers
         return None
     base = model.get_base_model() if hasattr(model, "get_base_model") else model
     config = getattr(base, "config", None)
@@ -249,7 +251,9 @@ def causal_lm_selected_logprobs(
     on the selected positions only (the completion tokens), not on prompt and padding, fused with
     the log-softmax so no (N, V) logits are kept (`linear_token_logprobs`); the rest of the output
     is 0. On CPU this made a DPO step ~6x faster at ~1/5 of the memory (docs/performance.md).
-    Falls back to the full head where that is not safe (DDP/FSDP wrappers, soft-capped logits, a
+    Under FSDP2 the decoder and head run inside the root unit's forward (`rlhf_core.distributed.
+    run_as_root_forward`), so the head weight is the gathered one. Falls back to the full head
+    where that is not safe (a DDP wrapper, soft-capped logits, a
     head that is not a plain `nn.Linear`, e.g. a LoRA-adapted one)."""
     parts = _decoder_and_head(model)
     if parts is None:
@@ -260,7 +264,16 @@ def causal_lm_selected_logprobs(
             keep = target_mask.bool()
             return tuple(torch.where(keep, x, torch.zeros_like(x)) for x in full)
         return torch.where(target_mask.bool(), full, torch.zeros_like(full))
-    decoder, head = parts
+    return run_as_root_forward(
+        model, _fused_selected_logprobs, *parts, input_ids, attention_mask, target_mask,
+        temperature, chunk_rows, with_entropy,
+    )  # fmt: skip
+
+
+def _fused_selected_logprobs(
+    decoder, head, input_ids, attention_mask, target_mask, temperature, chunk_rows, with_entropy
+):
+    """The decoder, then the fused head on the `target_mask` positions (see the caller)."""
     position_ids = (attention_mask.long().cumsum(-1) - 1).clamp(min=0)
     hidden = decoder(
         input_ids=input_ids,

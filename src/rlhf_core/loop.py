@@ -20,20 +20,25 @@ from accelerate.utils import DistributedType
 from pydantic import BaseModel, Field
 
 from rlhf_core.checkpoint import (
+    SHARDED_DIR,
     assert_finite_parameters,
+    capture_rng_state,
+    is_sharded_checkpoint,
     load_trainer_state,
     replace_dir,
+    restore_rng_state,
     restore_training_state,
     save_checkpoint,
 )
-from rlhf_core.config import RunArgs, StrictModel, dump_config
+from rlhf_core.config import RunArgs, dump_config
 from rlhf_core.data import EpochSampler
+from rlhf_core.distributed import Engine, EngineSettings, is_sharded, local_tensor
 from rlhf_core.errors import UserError
 from rlhf_core.optim import EmbeddingGradBuffer
 from rlhf_core.runtime import configure_threads, quiet_libraries
 
 
-class LoopConfig(StrictModel):
+class LoopConfig(EngineSettings):
     """Loop settings shared by the supervised trainers (SFT, reward models, direct alignment)."""
 
     batch_size: int = Field(32, gt=0, description="rows per optimizer step (global)")
@@ -46,6 +51,13 @@ class LoopConfig(StrictModel):
     eval_size: int | None = Field(None, gt=0, description="held-out rows to use; null = all")
     threads: int | None = Field(None, gt=0, description="CPU threads; null = free cores")
     device: Literal["auto", "cpu", "cuda"] = Field("auto", description="auto = cuda if available")
+
+
+def start_engine(loop: Any) -> tuple[Accelerator, Engine, int]:
+    """`start_accelerator`, then the run's `Engine` (`loop.engine`, `loop.fsdp`): how its models
+    are placed across processes (rlhf_core.distributed). Returns (accelerator, engine, threads)."""
+    accelerator, threads = start_accelerator(loop)
+    return accelerator, Engine(accelerator, loop.engine, loop.fsdp), threads
 
 
 def start_accelerator(loop: Any) -> tuple[Accelerator, int]:
@@ -62,27 +74,20 @@ def start_accelerator(loop: Any) -> tuple[Accelerator, int]:
 
 
 def refuse_sharded_parameters(engine: DistributedType, zero_stage: int | None) -> None:
-    """A clear error, instead of a hang, for engines that shard the parameters themselves
-    (accelerate's `distributed_type`, and DeepSpeed's ZeRO stage when it is DeepSpeed).
+    """A clear error, instead of a hang, for DeepSpeed ZeRO-3 (accelerate's `distributed_type`
+    and DeepSpeed's ZeRO stage).
 
-    Under FSDP and DeepSpeed ZeRO-3 every forward all-gathers parameter shards, a collective
-    all processes must join. The trainers here evaluate, sample and write checkpoints on rank 0
-    alone, and each process decodes its rollouts until its own rows stop, so those forwards would
-    wait forever for the other processes (and checkpoints would hold shards). DDP and ZeRO-2 keep
-    full parameters on every process and are supported."""
-    if engine == DistributedType.FSDP:
-        name = "FSDP"
-    elif engine == DistributedType.DEEPSPEED and zero_stage == 3:
-        name = "DeepSpeed ZeRO-3"
-    else:
-        return
-    raise UserError(
-        f"{name} shards the parameters across processes, which these trainers do not support yet "
-        "(rank-0 evaluation, sampling and checkpoint writing, and per-process rollout decoding, "
-        "would wait forever on the parameter all-gathers): launch with DDP "
-        "(configs/accelerate/ddp.yaml) or DeepSpeed ZeRO-2 "
-        "(configs/accelerate/deepspeed_zero2.yaml), with LoRA and gradient checkpointing for memory"
-    )
+    ZeRO-3 shards the parameters inside DeepSpeed's engine, which these trainers do not drive
+    (generation, evaluation and checkpoints would need its own gather and save calls). Sharded
+    training is FSDP2 (`train.engine: fsdp2`, rlhf_core.distributed); DDP and ZeRO-2 keep full
+    parameters on every process."""
+    if engine == DistributedType.DEEPSPEED and zero_stage == 3:
+        raise UserError(
+            "DeepSpeed ZeRO-3 shards the parameters inside DeepSpeed's engine, which these "
+            "trainers do not support: for sharded training use FSDP2 (train.engine: fsdp2 under "
+            "torchrun, or configs/accelerate/fsdp2.yaml), or DeepSpeed ZeRO-2 "
+            "(configs/accelerate/deepspeed_zero2.yaml)"
+        )
 
 
 def shared_run_dir(accelerator: Accelerator, run_dir: Path) -> Path:
@@ -130,11 +135,36 @@ def print_dry_run(cfg: BaseModel, facts: dict[str, Any]) -> None:
 
 
 def restore_checkpoint(
-    ckpt: Path, *, optimizer: torch.optim.Optimizer, scheduler: Any, sampler: EpochSampler
+    ckpt: Path,
+    *,
+    optimizer: torch.optim.Optimizer,
+    scheduler: Any,
+    sampler: EpochSampler,
+    model: torch.nn.Module | None = None,
+    extra: dict[str, tuple[torch.nn.Module, torch.optim.Optimizer | None]] | None = None,
 ) -> tuple[int, dict[str, Any]]:
-    """Load optimizer, scheduler, RNGs and sampler position; return (step, the loop's state)."""
+    """Load optimizer, scheduler, RNGs and sampler position; return (step, the loop's state).
+
+    `extra` maps a name to (model, optimizer or None), as `save_training_state`'s
+    `extra_models` / `extra_optimizers`: their optimizers are restored too. A sharded checkpoint
+    also restores the (sharded) `model` and `extra` models from its torch.distributed.checkpoint
+    shards, and each process's own RNGs."""
     payload = load_trainer_state(ckpt)
+    if is_sharded_checkpoint(ckpt):
+        if model is None or not is_sharded(model):
+            raise UserError(
+                f"{ckpt} is a sharded (FSDP2) checkpoint: resume it with train.engine fsdp2"
+            )
+        from rlhf_core.distributed import load_sharded
+
+        models = {"policy": (model, optimizer), **(extra or {})}
+        load_sharded(ckpt / SHARDED_DIR, models)
     state = restore_training_state(payload, optimizer=optimizer, scheduler=scheduler)
+    for key, (_, extra_opt) in (extra or {}).items():
+        if extra_opt is not None and f"{key}_optimizer" in state:  # unsharded: in the state
+            extra_opt.load_state_dict(state[f"{key}_optimizer"])
+    if "rng_per_rank" in payload:
+        restore_rng_state(payload["rng_per_rank"][torch.distributed.get_rank()])
     sampler.load_state_dict(state["sampler"])
     print(f"resumed from {ckpt} at step {payload['step']}", file=sys.stderr)
     return payload["step"], state
@@ -243,8 +273,42 @@ def save_training_state(
     state: dict[str, Any],
     keep_last: int,
     extra_models: dict[str, torch.nn.Module] | None = None,
+    extra_optimizers: dict[str, torch.optim.Optimizer] | None = None,
 ) -> None:
-    """All processes sync; the main process writes checkpoint-<step> atomically."""
+    """All processes sync; the main process writes checkpoint-<step> atomically.
+
+    A sharded (FSDP2) model is saved as torch.distributed.checkpoint shards: every process
+    writes its part of the models and optimizers (`extra_optimizers` pairs with `extra_models`
+    by key) into a staging directory, then the main process adds the trainer state, with every
+    process's RNG states, and renames it into place. Unsharded, an extra optimizer's state is
+    saved in the loop state as `<key>_optimizer`."""
+    if is_sharded(model):
+        from accelerate.utils import broadcast_object_list, gather_object
+
+        from rlhf_core.distributed import save_sharded
+
+        staging = run_dir / "checkpoints" / f".sharded-{step}"
+        if accelerator.is_main_process:
+            if staging.exists():
+                shutil.rmtree(staging)
+            staging.mkdir(parents=True)
+        staging = Path(broadcast_object_list([str(staging)], from_process=0)[0])
+        assert_finite_shards(accelerator, [model, *(extra_models or {}).values()], step)
+        models = {"policy": (model, optimizer)}
+        for key, extra in (extra_models or {}).items():
+            models[key] = (extra, (extra_optimizers or {}).get(key))
+        save_sharded(staging, models)
+        rngs = gather_object([capture_rng_state()])
+        if accelerator.is_main_process:
+            save_checkpoint(
+                run_dir / "checkpoints", step, model=None, tokenizer=tokenizer, optimizer=None,
+                scheduler=scheduler, state=state, keep_last=keep_last,
+                staged={SHARDED_DIR: staging}, rng_per_rank=rngs,
+            )  # fmt: skip
+        accelerator.wait_for_everyone()
+        return
+    for key, extra_opt in (extra_optimizers or {}).items():
+        state = {**state, f"{key}_optimizer": extra_opt.state_dict()}
     accelerator.wait_for_everyone()
     if accelerator.is_main_process:
         save_checkpoint(
@@ -253,6 +317,25 @@ def save_training_state(
             keep_last=keep_last,
             extra_models={k: accelerator.unwrap_model(m) for k, m in (extra_models or {}).items()},
         )  # fmt: skip
+
+
+def assert_finite_shards(
+    accelerator: Accelerator, models: list[torch.nn.Module], where: str | int
+) -> None:
+    """`assert_finite_parameters` for sharded models: every process checks its own shards and
+    all of them learn whether any was not finite (every process must call it)."""
+    bad = [
+        name for m in models for name, p in m.named_parameters()
+        if not bool(torch.isfinite(local_tensor(p.detach())).all())
+    ]  # fmt: skip
+    flag = accelerator.reduce(torch.tensor(float(bool(bad)), device=accelerator.device), "sum")
+    if float(flag) > 0:
+        from rlhf_core.checkpoint import NonFiniteModelError
+
+        named = f"parameter {bad[0]} holds" if bad else "a parameter shard on another process holds"
+        raise NonFiniteModelError(
+            f"{where}: {named} NaN/inf values; refusing to save a broken model"
+        )
 
 
 def announce_stop(package: str, run: RunArgs, run_dir: Path, signum: int | None, step: int) -> None:
@@ -268,8 +351,22 @@ def announce_stop(package: str, run: RunArgs, run_dir: Path, signum: int | None,
 def save_final(
     accelerator: Accelerator, model: torch.nn.Module, tokenizer: Any, path: Path
 ) -> None:
-    """The trained model as a plain Hugging Face directory (main process only)."""
+    """The trained model as a plain Hugging Face directory (written by the main process; a
+    sharded model's full state dict is gathered onto it first, every process taking part)."""
     accelerator.wait_for_everyone()
+    if is_sharded(model):
+        from rlhf_core.distributed import full_state_dict
+
+        assert_finite_shards(accelerator, [model], str(path))
+        state = full_state_dict(model)
+        if accelerator.is_main_process:
+            tmp = path.with_name(f".tmp-{path.name}")
+            shutil.rmtree(tmp, ignore_errors=True)
+            model.save_pretrained(tmp, state_dict=state)
+            tokenizer.save_pretrained(tmp)
+            replace_dir(tmp, path)
+        accelerator.wait_for_everyone()
+        return
     if accelerator.is_main_process:
         unwrapped = accelerator.unwrap_model(model)
         assert_finite_parameters(unwrapped, where=str(path))

@@ -29,6 +29,7 @@ import torch
 from pydantic import Field
 
 from rlhf_core.chat import ensure_chat_template
+from rlhf_core.checkpoint import is_sharded_checkpoint
 from rlhf_core.config import StrictModel
 from rlhf_core.errors import UserError, UserFileNotFound
 from rlhf_core.logprobs import causal_lm_token_logprobs
@@ -145,11 +146,15 @@ def load_policy(
     the model's config says `is_encoder_decoder`; `rlhf_core.policy_model` runs either.
 
     `weights_from` loads full weights from another directory (a checkpoint), or, with LoRA, the
-    base from `cfg.name_or_path` and the adapter from `weights_from`.
+    base from `cfg.name_or_path` and the adapter from `weights_from`. A sharded checkpoint holds
+    no Hugging Face weights: the base is loaded, and `rlhf_core.loop.restore_checkpoint` reads
+    the shards once the model is sharded.
     """
     from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForSeq2SeqLM
 
     device = torch.device(device)
+    if weights_from is not None and is_sharded_checkpoint(weights_from):
+        weights_from = None  # shards: loaded into the sharded model (rlhf_core.loop)
     base_path = resolve_model_path(cfg.name_or_path)
     full_path = str(weights_from) if (weights_from is not None and cfg.lora is None) else base_path
     config = AutoConfig.from_pretrained(
@@ -240,6 +245,11 @@ class ReferencePolicy:
             raise UserError(
                 f"unknown reference mode {mode!r}; expected 'copy', 'frozen' or 'adapter'"
             )
+
+    @property
+    def own_model(self) -> torch.nn.Module | None:
+        """The reference's own weights when it holds a second model (modes copy and frozen)."""
+        return None if self.mode == "adapter" else self._model
 
     @contextmanager
     def model(self) -> Iterator[torch.nn.Module]:

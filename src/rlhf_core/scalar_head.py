@@ -57,6 +57,7 @@ import torch
 from torch import nn
 
 from rlhf_core.chat import Messages, render_prompt
+from rlhf_core.checkpoint import is_sharded_checkpoint
 from rlhf_core.models import (
     ModelConfig,
     apply_lora,
@@ -354,6 +355,8 @@ class ScalarHeadModel(nn.Module):
             raise ValueError("freeze_backbone and LoRA: choose one (LoRA freezes the base already)")
         if cfg.lora is not None and info.base_model is None:
             info = replace(info, base_model=cfg.name_or_path)
+        if weights_from is not None and is_sharded_checkpoint(weights_from):
+            weights_from = None  # shards: read into the sharded model (rlhf_core.loop)
         model = cls(load_backbone(cfg, device, weights_from=weights_from), info)
         if freeze_backbone:
             model.backbone.requires_grad_(False)
@@ -376,14 +379,31 @@ class ScalarHeadModel(nn.Module):
         with torch.no_grad():
             self.head.weight.copy_(weight)
 
-    def save_pretrained(self, path: str | Path, safe_serialization: bool = True, **_: Any) -> None:
-        """Write the directory described in the module docstring (tokenizer too, if set)."""
+    def save_pretrained(
+        self,
+        path: str | Path,
+        safe_serialization: bool = True,
+        state_dict: dict[str, torch.Tensor] | None = None,
+        **_: Any,
+    ) -> None:
+        """Write the directory described in the module docstring (tokenizer too, if set).
+        `state_dict` (this model's keys: backbone.*, head.weight) replaces the module's own
+        tensors, e.g. a sharded model's gathered state (`rlhf_core.distributed`)."""
         from safetensors.torch import save_file
 
         path = Path(path)
         path.mkdir(parents=True, exist_ok=True)
-        self.backbone.save_pretrained(path, safe_serialization=safe_serialization)
-        weight = self.head.weight.detach().to("cpu", torch.float32).contiguous()
+        backbone_state, head = None, self.head.weight
+        if state_dict is not None:
+            backbone_state = {
+                k.removeprefix("backbone."): v for k, v in state_dict.items()
+                if k.startswith("backbone.")
+            }  # fmt: skip
+            head = state_dict["head.weight"]
+        self.backbone.save_pretrained(
+            path, safe_serialization=safe_serialization, state_dict=backbone_state
+        )
+        weight = head.detach().to("cpu", torch.float32).contiguous()
         save_file({"weight": weight}, str(path / HEAD_WEIGHTS))
         meta = {"format": FORMAT, "backbone": "adapter" if self.is_adapter else "full"}
         (path / HEAD_CONFIG).write_text(json.dumps({**meta, **asdict(self.info)}, indent=2) + "\n")
