@@ -33,7 +33,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -48,6 +48,9 @@ from reward_models.losses import IGNORE_INDEX
 from rlhf_core.chat import Messages, as_messages, completion_text, render_prompt, split_hh_pair
 from rlhf_core.data import DataSource, load_rows, reasoning_gym_dataset, warn_truncated_prompts
 from rlhf_core.scalar_head import encode_completions, encode_steps, pad_sequences
+
+if TYPE_CHECKING:
+    from reward_models.config import RMDataConfig
 
 FORMATS = {
     "preference": ("auto", "preference", "ultrafeedback", "hh"),
@@ -258,7 +261,7 @@ def build_reward_data(
     tokenizer: Any,
     *,
     kind: str,
-    data_cfg: Any,
+    data_cfg: RMDataConfig,
     num_classes: int = 3,
     where: str,
     limit: int | None = None,

@@ -51,10 +51,6 @@ def timestamp() -> str:
     return datetime.now().strftime("%Y%m%d-%H%M%S")
 
 
-def default_run_root(package: str, name: str) -> Path:
-    return Path("outputs") / package / name
-
-
 def new_run_dir(package: str, name: str, output_dir: Path | None) -> Path:
     """`output_dir` if given, else a fresh `outputs/<package>/<name>-<timestamp>`."""
     if output_dir is not None:
