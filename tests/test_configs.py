@@ -91,3 +91,12 @@ def test_engines_that_shard_parameters_are_refused_with_a_message(engine, zero_s
     else:
         with pytest.raises(ValueError, match=rf"{refused} shards the parameters.*ddp.yaml"):
             refuse_sharded_parameters(DistributedType[engine], zero_stage)
+
+
+def test_value_loss_named_as_the_policy_loss_is_refused_at_config_time():
+    from policy_gradients.config import PGConfig
+    from rlhf_core.config import ConfigError
+
+    path = REPO / "configs" / "policy_gradients" / "ppo.yaml"
+    with pytest.raises(ConfigError, match="unknown policy loss 'value'"):
+        load_config(PGConfig, path, ["algorithm.loss={name: value}"])

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import Field, ValidationInfo, field_validator, model_validator
+from pydantic import Field, field_validator, model_validator
 
 from rlhf_core.checkpoint import CheckpointConfig
 from rlhf_core.config import StrictModel
@@ -60,15 +60,22 @@ class AlgorithmConfig(StrictModel):
 
         return validate_spec(ADVANTAGES, spec, where="algorithm.advantage")
 
-    @field_validator("loss", "value_loss")
+    @field_validator("loss")
     @classmethod
-    def _loss(cls, spec: dict[str, Any] | None, info: ValidationInfo) -> dict[str, Any] | None:
+    def _loss(cls, spec: dict[str, Any]) -> dict[str, Any]:
         from policy_gradients.losses import LOSSES
+
+        return validate_spec(LOSSES, spec, where="algorithm.loss")
+
+    @field_validator("value_loss")
+    @classmethod
+    def _value_loss(cls, spec: dict[str, Any] | None) -> dict[str, Any] | None:
+        from policy_gradients.losses import VALUE_LOSSES
 
         return (
             None
             if spec is None
-            else validate_spec(LOSSES, spec, where=f"algorithm.{info.field_name}")
+            else validate_spec(VALUE_LOSSES, spec, where="algorithm.value_loss")
         )
 
 

@@ -27,7 +27,7 @@ from policy_gradients.collect import collect_experience, merge_rollout_metrics
 from policy_gradients.config import PGConfig
 from policy_gradients.evaluate import evaluate_policy
 from policy_gradients.experience import ReplayBuffer
-from policy_gradients.losses import LOSSES
+from policy_gradients.losses import LOSSES, VALUE_LOSSES
 from policy_gradients.rewards import CombinedReward
 from policy_gradients.rollout import (
     RolloutLog,
@@ -121,7 +121,7 @@ def train(cfg: PGConfig, run: RunArgs) -> int:
     reward_fn = CombinedReward(cfg.rewards)
     estimator = build_from_spec(ADVANTAGES, alg.advantage)
     loss_fn = build_from_spec(LOSSES, alg.loss)
-    value_loss_fn = build_from_spec(LOSSES, alg.value_loss) if alg.value_loss else None
+    value_loss_fn = build_from_spec(VALUE_LOSSES, alg.value_loss) if alg.value_loss else None
     needs_reference = loss_fn.needs_reference or alg.kl_in_reward.beta > 0
     run_dir, ckpt = resolve_resume(
         run.resume, package=PACKAGE, name=cfg.name, output_dir=run.output_dir

@@ -8,6 +8,11 @@
     loss_cls = LOSSES.get("dpo")
 
 Registering a name twice raises; asking for an unknown name raises and lists the registered names.
+A registered class gets its name as the class attribute `name` (used in its error messages).
+
+`Configurable` is the small base every registered loss and estimator shares: keyword checks whose
+message names the class (`_require`), a repr listing its keywords, and `defaults`, with which a
+subclass changes some of its parent's keyword defaults without repeating the constructor.
 
 Configs name a registered class and its keyword arguments together, `{name: dpo, beta: 0.1}`;
 `validate_spec` checks such a spec against the class's `__init__` signature (so a newly registered
@@ -16,6 +21,7 @@ loss is configurable with no config code) and `build_from_spec` instantiates it.
 
 from __future__ import annotations
 
+import functools
 import inspect
 import typing
 from collections.abc import Callable, Iterator, Mapping
@@ -53,6 +59,8 @@ class Registry(Generic[T]):
                     f"{self.kind}: the name {name!r} is already registered "
                     f"(by {self._entries[name]!r}); choose another name"
                 )
+            if isinstance(obj, type):
+                obj.name = name  # type: ignore[attr-defined]
             self._entries[name] = obj
             return obj
 
@@ -80,6 +88,58 @@ class Registry(Generic[T]):
 
     def __repr__(self) -> str:
         return f"Registry({self.kind!r}, names={self.names()})"
+
+
+class Configurable:
+    """What every registered loss and estimator shares.
+
+    `name` is set by `Registry.register` (an unregistered subclass keeps its base's label);
+    `role` completes error messages ("dpo loss: beta must be ..."). Settings are keyword-only
+    `__init__` arguments stored under their own names, so `extra_repr` (nn.Module's repr hook)
+    can list them. A subclass that only changes defaults sets `defaults = {"eps_low": 3e-4}`
+    instead of repeating its parent's constructor; its signature then shows the new defaults,
+    which is what `validate_spec` and the generated configuration reference read.
+    """
+
+    name: typing.ClassVar[str] = "(unregistered)"
+    role: typing.ClassVar[str] = "loss"
+    defaults: typing.ClassVar[dict[str, Any]] = {}
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        if "defaults" in cls.__dict__:
+            cls.__init__ = _with_defaults(cls.__init__, cls.defaults, cls.__qualname__)  # type: ignore[method-assign]
+
+    def _require(self, ok: bool, arg: str, value: object, expected: str) -> None:
+        if not ok:
+            raise ValueError(f"{self.name} {self.role}: {arg} must be {expected}, got {value!r}")
+
+    def extra_repr(self) -> str:
+        params = inspect.signature(type(self).__init__).parameters
+        return ", ".join(f"{p}={getattr(self, p)!r}" for p in params if p != "self")
+
+
+def _with_defaults(init: Callable, defaults: dict[str, Any], owner: str) -> Callable:
+    """`init` with some keyword defaults replaced (see `Configurable.defaults`)."""
+    signature = inspect.signature(init)
+    unknown = sorted(set(defaults) - set(signature.parameters) - {"self"})
+    if unknown:
+        raise TypeError(f"{owner}.defaults: {', '.join(unknown)} are not keywords of its __init__")
+    signature = signature.replace(
+        parameters=[
+            p.replace(default=defaults.get(p.name, p.default))
+            for p in signature.parameters.values()
+        ]
+    )
+
+    @functools.wraps(init)
+    def __init__(self: Any, *args: Any, **kwargs: Any) -> None:
+        bound = signature.bind(self, *args, **kwargs)
+        bound.apply_defaults()
+        init(*bound.args, **bound.kwargs)
+
+    __init__.__signature__ = signature  # type: ignore[attr-defined]
+    return __init__
 
 
 def validate_spec(registry: Registry, spec: Mapping[str, Any], *, where: str) -> dict[str, Any]:
