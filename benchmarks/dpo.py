@@ -160,7 +160,7 @@ def prepare(w: Workload, workdir: Path) -> dict[str, Any]:
     """
     import torch
 
-    from direct_alignment.data import build_preference_data, collate_pairs, row_to_triple
+    from direct_alignment.data import build_preference_data, collate_pairs, preference_row
     from rlhf_core.chat import render_prompt
     from rlhf_core.data import DataSource, EpochSampler
     from rlhf_core.models import ModelConfig, load_tokenizer
@@ -172,7 +172,7 @@ def prepare(w: Workload, workdir: Path) -> dict[str, Any]:
     with gzip.open(HH_PATH, "rt") as fh:
         for index, line in enumerate(fh):
             row = json.loads(line)
-            prompt, chosen, rejected = row_to_triple(row, index, "hh", str(HH_PATH))
+            prompt, chosen, rejected = preference_row(row, index, "hh", str(HH_PATH))
             prompt_text = render_prompt(tokenizer, prompt)
             p, c, r = (
                 tokenizer(t, add_special_tokens=False)["input_ids"]

@@ -9,6 +9,7 @@ from pydantic import Field, model_validator
 from rlhf_core.checkpoint import CheckpointConfig
 from rlhf_core.config import StrictModel
 from rlhf_core.data import DataSource, check_heldout_seeds
+from rlhf_core.encoding import MAX_PROMPT_LENGTH_HELP
 from rlhf_core.loop import LoopConfig
 from rlhf_core.models import ModelConfig
 from rlhf_core.optim import OptimConfig
@@ -24,9 +25,7 @@ class SFTDataConfig(StrictModel):
         "auto", description="row format; auto = 'messages' if that column exists"
     )
     max_length: int = Field(512, gt=1, description="max prompt + completion tokens")
-    max_prompt_length: int | None = Field(
-        None, gt=0, description="cut prompts to their last N tokens; null = max_length - completion"
-    )
+    max_prompt_length: int | None = Field(None, gt=0, description=MAX_PROMPT_LENGTH_HELP)
 
     @model_validator(mode="after")
     def _heldout_is_heldout(self) -> SFTDataConfig:

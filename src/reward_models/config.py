@@ -15,6 +15,7 @@ from pydantic import Field, field_validator, model_validator
 from rlhf_core.checkpoint import CheckpointConfig
 from rlhf_core.config import StrictModel
 from rlhf_core.data import DataSource, check_heldout_seeds
+from rlhf_core.encoding import MAX_PROMPT_LENGTH_HELP
 from rlhf_core.loop import LoopConfig
 from rlhf_core.models import ModelConfig
 from rlhf_core.optim import OptimConfig
@@ -58,9 +59,7 @@ class RMDataConfig(StrictModel):
         "suit the loss's kind",
     )
     max_length: int = Field(1024, gt=2, description="max prompt + completion tokens")
-    max_prompt_length: int | None = Field(
-        None, gt=0, description="keep the last N prompt tokens; null = max_length // 2"
-    )
+    max_prompt_length: int | None = Field(None, gt=0, description=MAX_PROMPT_LENGTH_HELP)
     margin_column: str | list[str] | None = Field(
         None,
         description="preference margins (loss use_margin): a numeric column, or [a, b] for "

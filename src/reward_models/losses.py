@@ -30,9 +30,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from rlhf_core.encoding import last_token_index
 from rlhf_core.logprobs import aggregate, masked_mean
 from rlhf_core.registry import Configurable, Registry
-from rlhf_core.scalar_head import last_token_index
 
 LOSSES: Registry[type[RewardLoss]] = Registry("reward model loss")
 

@@ -27,10 +27,11 @@ A saved model is a directory that plain transformers/peft can read:
 `ScalarHeadModel.from_pretrained(dir)` loads that, or a transformers `...ForSequenceClassification`
 directory (as kind "preference"); `export_sequence_classification` writes the latter.
 
-Text is scored exactly as it was trained on (`encode_completions`, `encode_steps`): the prompt is
-rendered with the chat template and keeps its last `max_prompt_length` tokens, the completion ends
-with eos and is cut to fit `max_length`; a PRM completion is its steps, each followed by the
-one-token step separator, and is scored at the separators. What `score` returns per row:
+Text is scored exactly as it was trained on (`rlhf_core.encoding`: `encode_completions`,
+`encode_steps`): the prompt is rendered with the chat template and cut by the one truncation rule
+(`max_length`, `max_prompt_length` recorded in `scalar_head.json`), the completion ends with eos;
+a PRM completion is its steps, each followed by the one-token step separator, and is scored at
+the separators. What `score` returns per row:
 
     preference, value   the head's scalar at the last token
     orm                 P(correct) = sigmoid(the logit at the last token)
@@ -55,6 +56,13 @@ import torch
 from torch import nn
 
 from rlhf_core.chat import Messages, render_prompt
+from rlhf_core.encoding import (
+    EncodedCompletion,
+    encode_completions,
+    encode_steps,
+    last_token_index,
+    pad_sequences,
+)
 from rlhf_core.models import (
     ModelConfig,
     apply_lora,
@@ -75,19 +83,6 @@ HEAD_INIT_STD = 0.02
 # ----------------------------------------------------------------------------- pooling
 
 
-def last_token_index(attention_mask: torch.Tensor) -> torch.Tensor:
-    """(B,) index of each row's last position whose mask is set; right or left padding alike.
-
-    `attention_mask` is (B, T), bool or 0/1. A row with no set position gets index 0.
-    """
-    if attention_mask.dim() != 2:
-        raise ValueError(
-            f"last_token_index: expected a (B, T) mask, got shape {tuple(attention_mask.shape)}"
-        )
-    positions = torch.arange(attention_mask.shape[1], device=attention_mask.device)
-    return (positions * attention_mask.ne(0)).argmax(-1)
-
-
 def pool_last_token(values: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
     """values (B, T, ...) at each row's last set mask position -> (B, ...)."""
     if values.shape[:2] != attention_mask.shape:
@@ -97,136 +92,6 @@ def pool_last_token(values: torch.Tensor, attention_mask: torch.Tensor) -> torch
         )
     rows = torch.arange(values.shape[0], device=values.device)
     return values[rows, last_token_index(attention_mask).to(values.device)]
-
-
-# ----------------------------------------------------------------------------- encoding
-
-
-@dataclass
-class EncodedCompletion:
-    """Token ids of one prompt and its completion (ending with eos unless truncated)."""
-
-    prompt_ids: list[int]
-    completion_ids: list[int]
-    truncated: bool  # the completion lost tokens to max_length
-    prompt_truncated: bool = False  # the prompt lost its start to max_prompt_length
-
-
-@dataclass
-class EncodedSteps:
-    """Token ids of one prompt and a step-by-step completion: each step, then the separator."""
-
-    prompt_ids: list[int]
-    completion_ids: list[int]
-    step_ends: list[int]  # index in completion_ids of each kept step's separator token
-    dropped_steps: int  # steps that did not fit in max_length (a cut first step counts too)
-
-
-def tokenize_texts(tokenizer: Any, texts: list[str], chunk: int = 1024) -> list[list[int]]:
-    """Token ids of each text, no special tokens added, in batches of `chunk`."""
-    out: list[list[int]] = []
-    for start in range(0, len(texts), chunk):
-        out.extend(tokenizer(texts[start : start + chunk], add_special_tokens=False)["input_ids"])
-    return out
-
-
-def _prompt_budget(max_length: int, max_prompt_length: int | None) -> int:
-    return max_prompt_length or max_length // 2
-
-
-def encode_completions(
-    tokenizer: Any,
-    prompt_texts: list[str],
-    completions: list[str],
-    *,
-    max_length: int,
-    max_prompt_length: int | None = None,
-) -> list[EncodedCompletion]:
-    """Tokenize rendered prompts and completions (+ eos) and truncate.
-
-    The prompt keeps its last `max_prompt_length` tokens (default max_length // 2); the completion
-    is then cut to the room left (at least one token). Both cuts are flagged per example.
-    """
-    if len(prompt_texts) != len(completions):
-        raise ValueError(f"{len(prompt_texts)} prompts but {len(completions)} completions")
-    keep = _prompt_budget(max_length, max_prompt_length)
-    eos = tokenizer.eos_token_id
-    out = []
-    for p_ids, c_ids in zip(
-        tokenize_texts(tokenizer, prompt_texts), tokenize_texts(tokenizer, completions), strict=True
-    ):
-        cut = len(p_ids) > keep
-        p_ids = p_ids[-keep:]
-        room = max(1, max_length - len(p_ids))
-        full = c_ids + [eos]
-        out.append(EncodedCompletion(p_ids, full[:room], len(full) > room, cut))
-    return out
-
-
-def separator_token_id(tokenizer: Any, separator: str) -> int:
-    """The id of a step separator, which must be exactly one token under `tokenizer`."""
-    ids = tokenizer(separator, add_special_tokens=False)["input_ids"]
-    if len(ids) != 1:
-        raise ValueError(
-            f"step separator {separator!r} is {len(ids)} tokens {ids} under this tokenizer; it "
-            "must be exactly one token (choose e.g. '\\n' or a special token)"
-        )
-    return ids[0]
-
-
-def encode_steps(
-    tokenizer: Any,
-    prompt_texts: list[str],
-    steps: list[list[str]],
-    *,
-    separator: str,
-    max_length: int,
-    max_prompt_length: int | None = None,
-) -> list[EncodedSteps]:
-    """Tokenize rendered prompts and step lists: completion = step_1 sep step_2 sep ... step_n sep.
-
-    Each step is tokenized on its own, so every separator is exactly one token at a known place.
-    The prompt keeps its last `max_prompt_length` tokens; whole steps are kept while they fit in
-    `max_length`; if even the first does not fit it is cut (and counted as dropped).
-    """
-    if len(prompt_texts) != len(steps):
-        raise ValueError(f"{len(prompt_texts)} prompts but {len(steps)} step lists")
-    sep = separator_token_id(tokenizer, separator)
-    keep = _prompt_budget(max_length, max_prompt_length)
-    flat = tokenize_texts(tokenizer, [s for row in steps for s in row])
-    out, cursor = [], 0
-    for p_ids in tokenize_texts(tokenizer, prompt_texts):
-        n = len(steps[len(out)])
-        row_steps, cursor = flat[cursor : cursor + n], cursor + n
-        p_ids = p_ids[-keep:]
-        room = max(2, max_length - len(p_ids))
-        ids: list[int] = []
-        ends: list[int] = []
-        for step_ids in row_steps:
-            if len(ids) + len(step_ids) + 1 > room:
-                break
-            ids.extend(step_ids + [sep])
-            ends.append(len(ids) - 1)
-        dropped = n - len(ends)
-        if not ends and row_steps:  # the first step alone is too long: keep its start
-            ids = row_steps[0][: room - 1] + [sep]
-            ends = [len(ids) - 1]
-        out.append(EncodedSteps(p_ids, ids, ends, dropped))
-    return out
-
-
-def pad_sequences(
-    sequences: list[list[int]], pad_id: int, *, side: Literal["left", "right"] = "right"
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """(input_ids, attention_mask), both (B, T_max), padded on `side`."""
-    longest = max(len(s) for s in sequences)
-    input_ids = torch.full((len(sequences), longest), pad_id, dtype=torch.long)
-    attention_mask = torch.zeros((len(sequences), longest), dtype=torch.long)
-    for b, seq in enumerate(sequences):
-        cols = slice(0, len(seq)) if side == "right" else slice(longest - len(seq), longest)
-        input_ids[b, cols] = torch.tensor(seq, dtype=torch.long)
-        attention_mask[b, cols] = 1
-    return input_ids, attention_mask
 
 
 # ----------------------------------------------------------------------------- the model

@@ -92,6 +92,26 @@ def _rows(model: type[BaseModel], prefix: str, seen: list[tuple[str, type[BaseMo
     return rows
 
 
+def _truncation_rule() -> list[str]:
+    """`data.max_length` / `data.max_prompt_length`: the rule from `rlhf_core.encoding`'s
+    docstring, its single source."""
+    import rlhf_core.encoding
+
+    doc = rlhf_core.encoding.__doc__ or ""
+    rule = doc[doc.index("The truncation rule") : doc.index("Both cuts")].strip().splitlines()
+    return [
+        "## Token limits (every package)",
+        "",
+        "SFT, reward-model and preference data, and the scoring of a saved reward model, all cut",
+        "over-long examples by one rule (`rlhf_core.encoding.fit_lengths`):",
+        "",
+        "```",
+        *[line.rstrip() for line in rule],
+        "```",
+        "",
+    ]
+
+
 def render() -> str:
     lines = [
         "# Configuration reference",
@@ -101,6 +121,7 @@ def render() -> str:
         "Every trainer reads one YAML file (`--config`), rejects unknown keys, and accepts "
         "`--set key.path=value` overrides (list items by index: `rewards.0.weight=0.5`).",
         "",
+        *_truncation_rule(),
     ]
     for title, spec, module in ROOTS:
         root = _load(spec)
