@@ -15,6 +15,7 @@ from rlhf_core.checkpoint import CheckpointConfig
 from rlhf_core.config import StrictModel
 from rlhf_core.data import DataSource, check_heldout_seeds
 from rlhf_core.encoding import MAX_PROMPT_LENGTH_HELP
+from rlhf_core.errors import UserError
 from rlhf_core.loop import LoopConfig
 from rlhf_core.models import ModelConfig
 from rlhf_core.optim import OptimConfig
@@ -88,7 +89,7 @@ class DAConfig(StrictModel):
 
         unpaired_loss = LOSSES.get(self.loss["name"]).unpaired
         if unpaired_loss != (self.data.format == "unpaired"):
-            raise ValueError(
+            raise UserError(
                 f"loss {self.loss['name']!r} reads "
                 f"{'unpaired rows' if unpaired_loss else 'preference pairs'} but data.format is "
                 f"{self.data.format!r}: use data.format 'unpaired' with loss 'kto_unpaired' "
@@ -100,11 +101,11 @@ class DAConfig(StrictModel):
     @model_validator(mode="after")
     def _one_model_source(self) -> DAConfig:
         if (self.model is None) == (not self.models):
-            raise ValueError("give exactly one of 'model' (one policy) or 'models' (a list)")
+            raise UserError("give exactly one of 'model' (one policy) or 'models' (a list)")
         if self.reference.mode == "adapter":
             for m in [self.model] if self.model else self.models:
                 if m.lora is None:
-                    raise ValueError(
+                    raise UserError(
                         f"reference.mode 'adapter' needs LoRA: model {m.name_or_path!r} has no "
                         "'lora' block (use mode 'model' or 'precomputed' for full fine-tuning)"
                     )

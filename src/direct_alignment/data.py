@@ -35,11 +35,13 @@ import torch
 from rlhf_core.chat import Messages, as_messages, completion_text, render_prompt
 from rlhf_core.data import DataSource, load_rows, reasoning_gym_dataset, warn_truncated_prompts
 from rlhf_core.encoding import encode_pairs
+from rlhf_core.errors import UserError
 from rlhf_core.preference import (
     column,
     preference_row,
     reasoning_gym_labelled_rows,
     reasoning_gym_preference_rows,
+    report_degenerate_pairs,
 )
 
 
@@ -93,9 +95,10 @@ def build_preference_data(
     """Load, render, tokenize and truncate preference pairs (see the module docstring)."""
     rows, forced = _rows(source, where)
     fmt = forced or fmt
-    prompts, completions, empty = [], [], 0
+    prompts, completions, triples, empty = [], [], [], 0
     for index, row in enumerate(rows):
         prompt, chosen, rejected = preference_row(row, index, fmt, where)
+        triples.append((prompt, chosen, rejected))
         empty += (not chosen.strip()) + (not rejected.strip())
         prompts.append(render_prompt(tokenizer, prompt, where=f"{where}: row {index} prompt"))
         completions.append((chosen, rejected))
@@ -115,7 +118,8 @@ def build_preference_data(
             PreferencePair(c.prompt_ids, c.completion_ids, r.completion_ids, prompt_text)
         )
     if not data.pairs:
-        raise ValueError(f"{where}: no usable preference pairs in {source.describe()}")
+        raise UserError(f"{where}: no usable preference pairs in {source.describe()}")
+    report_degenerate_pairs(where, triples, data.dropped_identical)
     if data.truncated_prompts:
         warn_truncated_prompts(where, data.truncated_prompts, len(prompts), max_prompt_length)
     return data
@@ -127,7 +131,7 @@ def unpaired_row(row: dict[str, Any], index: int, where: str) -> tuple[Messages,
     for name in ("prompt", "completion", "label"):
         column(row, name, here)
     if not isinstance(row["label"], bool):
-        raise ValueError(
+        raise UserError(
             f"{here} column 'label': expected true/false (is the completion desirable), "
             f"got {row['label']!r}"
         )
@@ -153,9 +157,7 @@ def mismatched_partners(prompts: list[str]) -> list[int]:
                 break
             j = (j + 1) % n
         else:
-            raise ValueError(
-                "unpaired data needs at least two distinct prompts (KTO's KL estimate)"
-            )
+            raise UserError("unpaired data needs at least two distinct prompts (KTO's KL estimate)")
         partners.append(j)
     return partners
 
@@ -187,7 +189,7 @@ def build_unpaired_data(
         if limit is not None and len(parsed) >= limit:
             break
     if not parsed:
-        raise ValueError(f"{where}: no unpaired rows in {source.describe()}")
+        raise UserError(f"{where}: no unpaired rows in {source.describe()}")
     prompt_texts, completions = [p[0] for p in parsed], [p[1] for p in parsed]
     partners = mismatched_partners(prompt_texts)
     with_partner = [(c, completions[j]) for c, j in zip(completions, partners, strict=True)]

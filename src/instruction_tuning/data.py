@@ -23,8 +23,9 @@ from typing import Any
 import torch
 
 from rlhf_core.chat import as_messages, render_prompt
-from rlhf_core.data import DataSource, load_rows, reasoning_gym_dataset
+from rlhf_core.data import DataSource, load_rows, reasoning_gym_dataset, report_degenerate
 from rlhf_core.encoding import encode_completions
+from rlhf_core.errors import UserError
 
 
 @dataclass
@@ -50,18 +51,16 @@ def _split_row(row: dict[str, Any], index: int, fmt: str, where: str) -> tuple[A
     if fmt == "messages":
         messages = row.get("messages")
         if messages is None:
-            raise ValueError(
-                f"{where}: row {index} has no 'messages' column (columns: {list(row)})"
-            )
+            raise UserError(f"{where}: row {index} has no 'messages' column (columns: {list(row)})")
         messages = as_messages(messages, where=f"{where}: row {index} column 'messages'")
         if not messages or messages[-1]["role"] != "assistant":
-            raise ValueError(
+            raise UserError(
                 f"{where}: row {index} column 'messages' must end with an assistant turn"
             )
         return messages[:-1], messages[-1]["content"]
     for column in ("prompt", "completion"):
         if column not in row or row[column] is None:
-            raise ValueError(
+            raise UserError(
                 f"{where}: row {index} is missing column {column!r} (columns: {list(row)})"
             )
     completion = row["completion"]
@@ -69,7 +68,7 @@ def _split_row(row: dict[str, Any], index: int, fmt: str, where: str) -> tuple[A
         msgs = as_messages(completion, where=f"{where}: row {index} column 'completion'")
         completion = "".join(m["content"] for m in msgs)
     if not isinstance(completion, str):
-        raise ValueError(f"{where}: row {index} column 'completion' must be a string or messages")
+        raise UserError(f"{where}: row {index} column 'completion' must be a string or messages")
     return row["prompt"], completion
 
 
@@ -98,7 +97,7 @@ def build_sft_data(
     for index, row in enumerate(rows):
         prompt, completion = _split_row(row, index, fmt, where)
         if not completion.strip():
-            raise ValueError(f"{where}: row {index} has an empty completion")
+            raise UserError(f"{where}: row {index} has an empty completion")
         prompt_text = render_prompt(
             tokenizer, prompt, where=f"{where}: row {index} column 'prompt'"
         )
@@ -111,12 +110,20 @@ def build_sft_data(
         tokenizer, [r[0] for r in rendered], [r[1] for r in rendered],
         max_length=max_length, max_prompt_length=max_prompt_length,
     )  # fmt: skip
-    examples, cut_count = [], 0
+    examples, cut_count, tiny_prompts, tiny_completions = [], 0, 0, 0
     for (prompt_text, completion, entry), e in zip(rendered, encoded, strict=True):
         cut_count += e.truncated
+        tiny_prompts += len(e.prompt_ids) <= 1 and e.prompt_truncated
+        tiny_completions += len(e.completion_ids) <= 1 and e.truncated
         examples.append(SFTExample(e.prompt_ids, e.completion_ids, prompt_text, completion, entry))
     if not examples:
-        raise ValueError(f"{where}: no usable rows in {source.describe()}")
+        raise UserError(f"{where}: no usable rows in {source.describe()}")
+    report_degenerate(where, len(examples), {
+        f"have their prompt cut to a single token (data.max_length {max_length}, "
+        f"max_prompt_length {max_prompt_length})": tiny_prompts,
+        f"have their completion cut to a single token (data.max_length {max_length})":
+            tiny_completions,
+    })  # fmt: skip
     return SFTData(examples=examples, scorer=scorer, truncated_completions=cut_count)
 
 

@@ -44,12 +44,14 @@ from reward_models.losses import IGNORE_INDEX
 from rlhf_core.chat import Messages, as_messages, completion_text, render_prompt
 from rlhf_core.data import DataSource, load_rows, reasoning_gym_dataset, warn_truncated_prompts
 from rlhf_core.encoding import encode_completions, encode_pairs, encode_steps, pad_sequences
+from rlhf_core.errors import UserError
 from rlhf_core.preference import (
     PREFERENCE_FORMATS,
     column,
     preference_row,
     reasoning_gym_labelled_rows,
     reasoning_gym_preference_rows,
+    report_degenerate_pairs,
 )
 
 if TYPE_CHECKING:
@@ -111,7 +113,7 @@ def row_margin(row: dict[str, Any], spec: str | list[str], here: str) -> float:
     for name in columns:
         value = column(row, name, here)
         if isinstance(value, bool) or not isinstance(value, int | float) or math.isnan(value):
-            raise ValueError(f"{here} column {name!r}: expected a number, got {value!r}")
+            raise UserError(f"{here} column {name!r}: expected a number, got {value!r}")
         values.append(float(value))
     return values[0] if len(values) == 1 else values[0] - values[1]
 
@@ -128,7 +130,7 @@ def outcome_row(row: dict[str, Any], index: int, where: str) -> tuple[Messages, 
         return prompt, completion, float(label)
     if isinstance(label, int | float) and 0 <= label <= 1:
         return prompt, completion, float(label)
-    raise ValueError(
+    raise UserError(
         f"{here} column 'label': expected true/false or a number in [0, 1], got {label!r}"
     )
 
@@ -141,7 +143,7 @@ def step_class(label: Any, num_classes: int, neutral: str, here: str) -> int:
         if num_classes == 3:
             return int(label) + 1
         return 0 if label < 0 or (label == 0 and neutral == "negative") else 1
-    raise ValueError(f"{here}: expected a step label true/false or -1/0/+1, got {label!r}")
+    raise UserError(f"{here}: expected a step label true/false or -1/0/+1, got {label!r}")
 
 
 def prm800k_row(row: dict[str, Any], here: str) -> dict[str, Any]:
@@ -150,7 +152,7 @@ def prm800k_row(row: dict[str, Any], here: str) -> dict[str, Any]:
     labelling stopped with no continuation, the first -1 completion is kept as the last step."""
     question, label = column(row, "question", here), column(row, "label", here)
     if not isinstance(question, dict) or not isinstance(label, dict) or "steps" not in label:
-        raise ValueError(f"{here}: not a PRM800K row (question.problem, label.steps expected)")
+        raise UserError(f"{here}: not a PRM800K row (question.problem, label.steps expected)")
     steps, ratings = [], []
     for k, step in enumerate(label["steps"]):
         completions = step.get("completions") or []
@@ -167,7 +169,7 @@ def prm800k_row(row: dict[str, Any], here: str) -> dict[str, Any]:
                 ratings.append(-1)
             break
         if rating is None:
-            raise ValueError(f"{here} column 'label': step {k} has an unrated chosen completion")
+            raise UserError(f"{here} column 'label': step {k} has an unrated chosen completion")
         steps.append(text)
         ratings.append(rating)
     return {"prompt": question.get("problem", ""), "steps": steps, "labels": ratings}
@@ -183,9 +185,9 @@ def process_row(
     prompt = as_messages(column(row, "prompt", here), where=f"{here} column 'prompt'")
     steps, labels = column(row, "steps", here), column(row, "labels", here)
     if not isinstance(steps, list) or not all(isinstance(s, str) for s in steps) or not steps:
-        raise ValueError(f"{here} column 'steps': expected a non-empty list of strings")
+        raise UserError(f"{here} column 'steps': expected a non-empty list of strings")
     if not isinstance(labels, list) or len(labels) != len(steps):
-        raise ValueError(
+        raise UserError(
             f"{here} column 'labels': expected a list of {len(steps)} labels (one per step), "
             f"got {labels!r}"
         )
@@ -269,7 +271,7 @@ def build_reward_data(
         parsed.append((prompt, *rest))
         prompts.append(render_prompt(tokenizer, prompt, where=f"{where}: row {index} prompt"))
     if not parsed:
-        raise ValueError(f"{where}: no rows in {source.describe()}")
+        raise UserError(f"{where}: no rows in {source.describe()}")
     if kind == "preference":
         data = _preference_examples(tokenizer, prompts, parsed, lengths)
     elif kind == "orm":
@@ -277,7 +279,9 @@ def build_reward_data(
     else:
         data = _process_examples(tokenizer, prompts, parsed, lengths, data_cfg.step_separator)
     if not data.examples:
-        raise ValueError(f"{where}: no usable {kind} examples in {source.describe()}")
+        raise UserError(f"{where}: no usable {kind} examples in {source.describe()}")
+    if kind == "preference":
+        report_degenerate_pairs(where, parsed, data.counts["dropped_identical"])
     if data.counts.get("truncated_prompts"):
         cut = data.counts["truncated_prompts"]
         warn_truncated_prompts(where, cut, len(parsed), data_cfg.max_prompt_length)

@@ -31,6 +31,8 @@ from collections.abc import Iterator
 from typing import Any, Literal
 
 from rlhf_core.chat import Messages, as_messages, completion_text, split_hh_pair
+from rlhf_core.data import report_degenerate
+from rlhf_core.errors import UserError
 
 PREFERENCE_FORMATS = ("auto", "preference", "ultrafeedback", "hh")
 
@@ -38,7 +40,7 @@ PREFERENCE_FORMATS = ("auto", "preference", "ultrafeedback", "hh")
 def column(row: dict[str, Any], name: str, here: str) -> Any:
     """`row[name]`, or an error naming the row (`here`) and the columns it has."""
     if row.get(name) is None:
-        raise ValueError(f"{here} is missing column {name!r} (columns: {list(row)})")
+        raise UserError(f"{here} is missing column {name!r} (columns: {list(row)})")
     return row[name]
 
 
@@ -52,7 +54,7 @@ def preference_row(
         fmt = "preference" if row.get("prompt") is not None else "hh"
     if fmt == "hh":
         if not isinstance(chosen, str) or not isinstance(rejected, str):
-            raise ValueError(f"{here}: HH rows need string transcripts in 'chosen' and 'rejected'")
+            raise UserError(f"{here}: HH rows need string transcripts in 'chosen' and 'rejected'")
         return split_hh_pair(chosen, rejected, where=f"{here} columns chosen/rejected")
     prompt = as_messages(column(row, "prompt", here), where=f"{here} column 'prompt'")
     return (
@@ -60,6 +62,19 @@ def preference_row(
         completion_text(chosen, prompt, f"{here} column 'chosen'"),
         completion_text(rejected, prompt, f"{here} column 'rejected'"),
     )
+
+
+def report_degenerate_pairs(
+    where: str, triples: list[tuple[Any, str, str]], dropped_identical: int
+) -> None:
+    """Warn about (or, past `rlhf_core.data.MAX_DEGENERATE_FRACTION`, refuse) pairs with an
+    empty completion or identical chosen and rejected tokens; `triples` are the parsed
+    (prompt, chosen, rejected) rows."""
+    report_degenerate(where, len(triples), {
+        "have an empty 'chosen' completion": sum(not t[1].strip() for t in triples),
+        "have an empty 'rejected' completion": sum(not t[2].strip() for t in triples),
+        "have identical chosen and rejected tokens (dropped)": dropped_identical,
+    })  # fmt: skip
 
 
 # ----------------------------------------------------------------------------- wrong answers
