@@ -17,7 +17,7 @@ from rlhf_core.data import DataSource, check_heldout_seeds
 from rlhf_core.encoding import MAX_PROMPT_LENGTH_HELP
 from rlhf_core.errors import UserError
 from rlhf_core.loop import LoopConfig
-from rlhf_core.models import ModelConfig
+from rlhf_core.models import ModelConfig, ReferenceConfig
 from rlhf_core.optim import OptimConfig
 from rlhf_core.registry import validate_spec
 from rlhf_core.tracking import TrackingConfig
@@ -38,15 +38,6 @@ class PreferenceDataConfig(StrictModel):
     def _heldout_is_heldout(self) -> PreferenceDataConfig:
         check_heldout_seeds(self.train, self.eval)
         return self
-
-
-class ReferenceConfig(StrictModel):
-    mode: Literal["model", "adapter", "precomputed"] = Field(
-        "model",
-        description="model: a frozen copy of the starting policy; adapter: the LoRA policy with "
-        "its adapter disabled (no copy); precomputed: one pass before training, cached in the "
-        "run dir, no reference held during training",
-    )
 
 
 class DATrainConfig(LoopConfig):
@@ -102,11 +93,5 @@ class DAConfig(StrictModel):
     def _one_model_source(self) -> DAConfig:
         if (self.model is None) == (not self.models):
             raise UserError("give exactly one of 'model' (one policy) or 'models' (a list)")
-        if self.reference.mode == "adapter":
-            for m in [self.model] if self.model else self.models:
-                if m.lora is None:
-                    raise UserError(
-                        f"reference.mode 'adapter' needs LoRA: model {m.name_or_path!r} has no "
-                        "'lora' block (use mode 'model' or 'precomputed' for full fine-tuning)"
-                    )
+        self.reference.check([self.model] if self.model else self.models, precomputed_ok=True)
         return self

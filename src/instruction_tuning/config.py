@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Any, Literal
 
 from pydantic import Field, field_validator, model_validator
 
@@ -13,6 +13,7 @@ from rlhf_core.encoding import MAX_PROMPT_LENGTH_HELP
 from rlhf_core.loop import LoopConfig
 from rlhf_core.models import ModelConfig
 from rlhf_core.optim import OptimConfig
+from rlhf_core.registry import validate_spec
 from rlhf_core.tracking import TrackingConfig
 
 
@@ -36,16 +37,6 @@ class SFTDataConfig(StrictModel):
 class SFTTrainConfig(LoopConfig):
     eval_max_new_tokens: int = Field(32, gt=0, description="generation budget for task accuracy")
     eval_sampled: bool = Field(True, description="also report sampled (T=1) exact match")
-    loss: str = Field("nll", description="loss name in instruction_tuning.losses.LOSSES")
-
-    @field_validator("loss")
-    @classmethod
-    def _registered_loss(cls, name: str) -> str:
-        from instruction_tuning.losses import LOSSES
-
-        if name not in LOSSES:
-            raise ValueError(f"unknown SFT loss {name!r}; registered: {', '.join(LOSSES.names())}")
-        return name
 
 
 class SFTConfig(StrictModel):
@@ -55,7 +46,18 @@ class SFTConfig(StrictModel):
     seed: int = Field(0, description="seed for init, data order and sampling")
     model: ModelConfig = Field(description="policy to fine-tune")
     data: SFTDataConfig = Field(description="training and held-out data")
+    loss: dict[str, Any] = Field(
+        default_factory=lambda: {"name": "nll"},
+        description="loss name in instruction_tuning.losses.LOSSES and its keyword arguments",
+    )
     train: SFTTrainConfig = Field(default_factory=SFTTrainConfig, description="loop settings")
     optim: OptimConfig = Field(default_factory=OptimConfig, description="optimizer and schedule")
     checkpoint: CheckpointConfig = Field(default_factory=CheckpointConfig, description="saving")
     tracking: TrackingConfig = Field(default_factory=TrackingConfig, description="logging")
+
+    @field_validator("loss")
+    @classmethod
+    def _loss_spec(cls, spec: dict[str, Any]) -> dict[str, Any]:
+        from instruction_tuning.losses import LOSSES
+
+        return validate_spec(LOSSES, spec, where="loss")

@@ -43,6 +43,7 @@ from rlhf_core.loop import (
 )
 from rlhf_core.models import load_causal_lm, load_tokenizer, resolve_model_path
 from rlhf_core.optim import build_optimizer, build_scheduler
+from rlhf_core.registry import build_from_spec
 from rlhf_core.rundir import managed_run, open_run_dir
 from rlhf_core.runtime import seed_everything
 from rlhf_core.tracking import Tracker
@@ -104,7 +105,7 @@ def train(cfg: SFTConfig, run: RunArgs) -> int:
         run_dir, cfg, cfg.tracking, total_steps=total_steps, resume_step=step if ckpt else None,
         enabled=is_main,
     )  # fmt: skip
-    loss_fn = LOSSES.get(t.loss)()
+    loss_fn = build_from_spec(LOSSES, cfg.loss)
 
     def run_eval() -> dict[str, float]:
         if eval_data is None or not is_main:

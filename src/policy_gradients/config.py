@@ -23,7 +23,8 @@ from rlhf_core.checkpoint import CheckpointConfig
 from rlhf_core.config import StrictModel
 from rlhf_core.data import DataSource, check_heldout_seeds
 from rlhf_core.errors import UserError
-from rlhf_core.models import ModelConfig
+from rlhf_core.loop import BaseLoopConfig
+from rlhf_core.models import ModelConfig, ReferenceConfig
 from rlhf_core.optim import OptimConfig
 from rlhf_core.registry import validate_spec
 from rlhf_core.tracking import TrackingConfig
@@ -104,16 +105,9 @@ class RolloutConfig(StrictModel):
     min_p: float = Field(0.0, ge=0, lt=1, description="min-p sampling; 0 = off")
 
 
-class PGTrainConfig(StrictModel):
+class PGTrainConfig(BaseLoopConfig):
     max_steps: int = Field(100, gt=0, description="rollout + update steps")
     micro_batch_size: int = Field(16, gt=0, description="completions per forward/backward")
-    eval_every: int = Field(0, ge=0, description="held-out eval every k steps (and at the end)")
-    eval_size: int | None = Field(None, gt=0, description="held-out prompts; null = all")
-    reference: Literal["copy", "adapter"] = Field(
-        "copy", description="pi_ref: a frozen copy, or (LoRA) the policy with adapter disabled"
-    )
-    threads: int | None = Field(None, gt=0, description="CPU threads; null = free cores")
-    device: Literal["auto", "cpu", "cuda"] = Field("auto", description="auto = cuda if available")
 
 
 class PGConfig(StrictModel):
@@ -128,6 +122,9 @@ class PGConfig(StrictModel):
     data: PromptDataConfig = Field(description="prompts")
     rewards: list[dict[str, Any]] = Field(description="reward components with weights")
     algorithm: AlgorithmConfig = Field(description="estimator + loss + KL placement")
+    reference: ReferenceConfig = Field(
+        default_factory=ReferenceConfig, description="pi_ref (used when a KL term needs it)"
+    )
     rollout: RolloutConfig = Field(default_factory=RolloutConfig, description="sampling")
     train: PGTrainConfig = Field(default_factory=PGTrainConfig, description="loop settings")
     optim: OptimConfig = Field(default_factory=OptimConfig, description="optimizer and schedule")
@@ -152,8 +149,7 @@ class PGConfig(StrictModel):
 
     @model_validator(mode="after")
     def _consistent(self) -> PGConfig:
-        if self.train.reference == "adapter" and self.model.lora is None:
-            raise UserError("train.reference 'adapter' needs model.lora")
+        self.reference.check([self.model], precomputed_ok=False)
         uses_gae = self.algorithm.advantage["name"] == "gae"
         if uses_gae != (self.algorithm.value_loss is not None):
             raise UserError("the 'gae' advantage needs algorithm.value_loss, and only it does")

@@ -133,7 +133,7 @@ def train(cfg: PGConfig, run: RunArgs) -> int:
             "model": f"{cfg.model.name_or_path} -> {resolve_model_path(cfg.model.name_or_path)}",
             "tokenizer": f"{type(tokenizer).__name__}, vocab {len(tokenizer)}",
             "algorithm": f"{alg.name}: {type(estimator).__name__} + {type(loss_fn).__name__}",
-            "reference": t.reference if needs_reference else "none (no KL term)",
+            "reference": cfg.reference.mode if needs_reference else "none (no KL term)",
             "rewards": ", ".join(f"{r['weight']} x {r['label']}" for r in cfg.rewards),
             "train prompts": f"{len(train_prompts.items)} ({d.train.describe()})",
             "eval prompts": len(eval_prompts.items) if eval_prompts else 0,
@@ -148,7 +148,7 @@ def train(cfg: PGConfig, run: RunArgs) -> int:
     policy = load_causal_lm(cfg.model, device, weights_from=ckpt)
     reference = None
     if needs_reference:
-        if t.reference == "adapter":
+        if cfg.reference.mode == "adapter":
             reference = ReferencePolicy(policy, "adapter")
         else:  # the starting weights, never the resumed ones
             start = load_causal_lm(cfg.model.model_copy(update={"lora": None}), device)

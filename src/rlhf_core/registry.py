@@ -117,8 +117,16 @@ class Configurable:
             raise ValueError(f"{self.name} {self.role}: {arg} must be {expected}, got {value!r}")
 
     def extra_repr(self) -> str:
-        params = inspect.signature(type(self).__init__).parameters
-        return ", ".join(f"{p}={getattr(self, p)!r}" for p in params if p != "self")
+        return ", ".join(f"{p}={getattr(self, p)!r}" for p in keywords(type(self)))
+
+
+def keywords(cls: type) -> dict[str, inspect.Parameter]:
+    """The keyword arguments of `cls.__init__` a config may set (no self, *args, **kwargs)."""
+    return {
+        p.name: p
+        for p in inspect.signature(cls.__init__).parameters.values()
+        if p.name != "self" and p.kind in (p.KEYWORD_ONLY, p.POSITIONAL_OR_KEYWORD)
+    }
 
 
 def _with_defaults(init: Callable, defaults: dict[str, Any], owner: str) -> Callable:
@@ -158,11 +166,7 @@ def validate_spec(registry: Registry, spec: Mapping[str, Any], *, where: str) ->
         cls = registry.get(name)
     except RegistryError as exc:  # pydantic validators turn ValueErrors into config errors
         raise ValueError(f"{where}: {exc}") from None
-    params = {
-        p.name: p
-        for p in inspect.signature(cls.__init__).parameters.values()
-        if p.name != "self" and p.kind in (p.KEYWORD_ONLY, p.POSITIONAL_OR_KEYWORD)
-    }
+    params = keywords(cls)
     unknown = sorted(set(spec) - set(params) - {"name"})
     if unknown:
         raise ValueError(
