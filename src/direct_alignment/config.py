@@ -7,9 +7,9 @@ checked against the registered class's signature and the resolved config shows e
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Literal
 
-from pydantic import Field, field_validator, model_validator
+from pydantic import Field, model_validator
 
 from rlhf_core.checkpoint import CheckpointConfig
 from rlhf_core.config import StrictModel
@@ -19,8 +19,10 @@ from rlhf_core.errors import UserError
 from rlhf_core.loop import LoopConfig
 from rlhf_core.models import ModelConfig, ReferenceConfig
 from rlhf_core.optim import OptimConfig
-from rlhf_core.registry import validate_spec
+from rlhf_core.registry import registered_spec
 from rlhf_core.tracking import TrackingConfig
+
+LossSpec = registered_spec("direct_alignment.losses:LOSSES", where="loss")
 
 
 class PreferenceDataConfig(StrictModel):
@@ -57,7 +59,7 @@ class DAConfig(StrictModel):
         description="several policies trained one after another, each in its own run dir",
     )
     data: PreferenceDataConfig = Field(description="training and held-out pairs")
-    loss: dict[str, Any] = Field(
+    loss: LossSpec = Field(
         default_factory=lambda: {"name": "dpo"},
         description="loss name in direct_alignment.losses.LOSSES and its keyword arguments",
     )
@@ -66,13 +68,6 @@ class DAConfig(StrictModel):
     optim: OptimConfig = Field(default_factory=OptimConfig, description="optimizer and schedule")
     checkpoint: CheckpointConfig = Field(default_factory=CheckpointConfig, description="saving")
     tracking: TrackingConfig = Field(default_factory=TrackingConfig, description="logging")
-
-    @field_validator("loss")
-    @classmethod
-    def _loss_spec(cls, spec: dict[str, Any]) -> dict[str, Any]:
-        from direct_alignment.losses import LOSSES
-
-        return validate_spec(LOSSES, spec, where="loss")
 
     @model_validator(mode="after")
     def _unpaired_loss_reads_unpaired_data(self) -> DAConfig:

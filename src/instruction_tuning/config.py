@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Literal
 
-from pydantic import Field, field_validator, model_validator
+from pydantic import Field, model_validator
 
 from rlhf_core.checkpoint import CheckpointConfig
 from rlhf_core.config import StrictModel
@@ -13,8 +13,10 @@ from rlhf_core.encoding import MAX_PROMPT_LENGTH_HELP
 from rlhf_core.loop import LoopConfig
 from rlhf_core.models import ModelConfig
 from rlhf_core.optim import OptimConfig
-from rlhf_core.registry import validate_spec
+from rlhf_core.registry import registered_spec
 from rlhf_core.tracking import TrackingConfig
+
+LossSpec = registered_spec("instruction_tuning.losses:LOSSES", where="loss")
 
 
 class SFTDataConfig(StrictModel):
@@ -46,7 +48,7 @@ class SFTConfig(StrictModel):
     seed: int = Field(0, description="seed for init, data order and sampling")
     model: ModelConfig = Field(description="policy to fine-tune")
     data: SFTDataConfig = Field(description="training and held-out data")
-    loss: dict[str, Any] = Field(
+    loss: LossSpec = Field(
         default_factory=lambda: {"name": "nll"},
         description="loss name in instruction_tuning.losses.LOSSES and its keyword arguments",
     )
@@ -54,10 +56,3 @@ class SFTConfig(StrictModel):
     optim: OptimConfig = Field(default_factory=OptimConfig, description="optimizer and schedule")
     checkpoint: CheckpointConfig = Field(default_factory=CheckpointConfig, description="saving")
     tracking: TrackingConfig = Field(default_factory=TrackingConfig, description="logging")
-
-    @field_validator("loss")
-    @classmethod
-    def _loss_spec(cls, spec: dict[str, Any]) -> dict[str, Any]:
-        from instruction_tuning.losses import LOSSES
-
-        return validate_spec(LOSSES, spec, where="loss")

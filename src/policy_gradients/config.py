@@ -26,8 +26,16 @@ from rlhf_core.errors import UserError
 from rlhf_core.loop import BaseLoopConfig
 from rlhf_core.models import ModelConfig, ReferenceConfig
 from rlhf_core.optim import OptimConfig
-from rlhf_core.registry import validate_spec
+from rlhf_core.registry import registered_spec, validate_spec
 from rlhf_core.tracking import TrackingConfig
+
+AdvantageSpec = registered_spec(
+    "policy_gradients.advantages:ADVANTAGES", where="algorithm.advantage"
+)
+PolicyLossSpec = registered_spec("policy_gradients.losses:LOSSES", where="algorithm.loss")
+ValueLossSpec = registered_spec(
+    "policy_gradients.losses:VALUE_LOSSES", where="algorithm.value_loss"
+)
 
 
 class KLRewardConfig(StrictModel):
@@ -37,12 +45,12 @@ class KLRewardConfig(StrictModel):
 
 class AlgorithmConfig(StrictModel):
     name: str = Field(description="label of this combination, e.g. grpo")
-    advantage: dict[str, Any] = Field(description="advantage estimator name and keywords")
-    loss: dict[str, Any] = Field(description="per-token policy loss name and keywords")
+    advantage: AdvantageSpec = Field(description="advantage estimator name and keywords")
+    loss: PolicyLossSpec = Field(description="per-token policy loss name and keywords")
     kl_in_reward: KLRewardConfig = Field(
         default_factory=KLRewardConfig, description="KL penalty folded into the reward"
     )
-    value_loss: dict[str, Any] | None = Field(None, description="value loss (PPO), name + keywords")
+    value_loss: ValueLossSpec | None = Field(None, description="value loss (PPO), name + keywords")
     value_coef: float = Field(0.5, ge=0, description="weight of the value loss")
     ppo_epochs: int = Field(1, ge=1, description="passes over each rollout batch")
     mini_batches: int = Field(
@@ -54,31 +62,6 @@ class AlgorithmConfig(StrictModel):
         False, description="DAPO: drop groups whose rewards are all equal, resample to fill"
     )
     max_sampling_rounds: int = Field(4, ge=1, description="cap on dynamic-sampling generations")
-
-    @field_validator("advantage")
-    @classmethod
-    def _advantage(cls, spec: dict[str, Any]) -> dict[str, Any]:
-        from policy_gradients.advantages import ADVANTAGES
-
-        return validate_spec(ADVANTAGES, spec, where="algorithm.advantage")
-
-    @field_validator("loss")
-    @classmethod
-    def _loss(cls, spec: dict[str, Any]) -> dict[str, Any]:
-        from policy_gradients.losses import LOSSES
-
-        return validate_spec(LOSSES, spec, where="algorithm.loss")
-
-    @field_validator("value_loss")
-    @classmethod
-    def _value_loss(cls, spec: dict[str, Any] | None) -> dict[str, Any] | None:
-        from policy_gradients.losses import VALUE_LOSSES
-
-        return (
-            None
-            if spec is None
-            else validate_spec(VALUE_LOSSES, spec, where="algorithm.value_loss")
-        )
 
 
 class PromptDataConfig(StrictModel):

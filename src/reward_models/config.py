@@ -8,9 +8,9 @@ trains a preference model, `orm_bce` an outcome model, `prm_ce` a process model.
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Literal
 
-from pydantic import Field, field_validator, model_validator
+from pydantic import Field, model_validator
 
 from rlhf_core.checkpoint import CheckpointConfig
 from rlhf_core.config import StrictModel
@@ -20,12 +20,15 @@ from rlhf_core.errors import UserError
 from rlhf_core.loop import LoopConfig
 from rlhf_core.models import ModelConfig
 from rlhf_core.optim import OptimConfig
-from rlhf_core.registry import validate_spec
+from rlhf_core.registry import registered_spec
 from rlhf_core.tracking import TrackingConfig
 
 FORMAT_NAMES = Literal[
     "auto", "preference", "ultrafeedback", "hh", "orm", "prm", "prm800k", "gsm8k"
 ]
+
+
+LossSpec = registered_spec("reward_models.losses:LOSSES", where="loss")
 
 
 class BuilderConfig(StrictModel):
@@ -113,7 +116,7 @@ class RMConfig(StrictModel):
     model: ModelConfig = Field(description="the backbone: tiny preset, local dir or hub id")
     freeze_backbone: bool = Field(False, description="train the head only (not with LoRA)")
     data: RMDataConfig = Field(description="training and held-out rows")
-    loss: dict[str, Any] = Field(
+    loss: LossSpec = Field(
         default_factory=lambda: {"name": "bradley_terry"},
         description="loss name in reward_models.losses.LOSSES and its keyword arguments",
     )
@@ -121,13 +124,6 @@ class RMConfig(StrictModel):
     optim: OptimConfig = Field(default_factory=OptimConfig, description="optimizer and schedule")
     checkpoint: CheckpointConfig = Field(default_factory=CheckpointConfig, description="saving")
     tracking: TrackingConfig = Field(default_factory=TrackingConfig, description="logging")
-
-    @field_validator("loss")
-    @classmethod
-    def _loss_spec(cls, spec: dict[str, Any]) -> dict[str, Any]:
-        from reward_models.losses import LOSSES
-
-        return validate_spec(LOSSES, spec, where="loss")
 
     @property
     def kind(self) -> str:

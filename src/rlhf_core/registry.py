@@ -22,12 +22,13 @@ loss is configurable with no config code) and `build_from_spec` instantiates it.
 from __future__ import annotations
 
 import functools
+import importlib
 import inspect
 import typing
 from collections.abc import Callable, Iterator, Mapping
-from typing import Any, Generic, TypeVar
+from typing import Annotated, Any, Generic, TypeVar
 
-from pydantic import ConfigDict, ValidationError, create_model
+from pydantic import AfterValidator, ConfigDict, ValidationError, create_model
 
 from rlhf_core.config import check_scalar_kind
 
@@ -198,6 +199,21 @@ def validate_spec(registry: Registry, spec: Mapping[str, Any], *, where: str) ->
         )
         raise ValueError(f"{where} ({registry.kind} {name!r}): {problems}") from None
     return {"name": name, **values.model_dump()}
+
+
+def registered_spec(registry: str, *, where: str) -> Any:
+    """The type of a config field that holds a `{name: ..., **keywords}` spec of `registry`
+    ("module:NAME"), checked by `validate_spec` when the config is validated. The registry is
+    imported then, so a config module need not import its package's losses.
+
+        loss: registered_spec("direct_alignment.losses:LOSSES", where="loss") = Field(...)
+    """
+
+    def check(spec: dict[str, Any]) -> dict[str, Any]:
+        module, name = registry.split(":")
+        return validate_spec(getattr(importlib.import_module(module), name), spec, where=where)
+
+    return Annotated[dict[str, Any], AfterValidator(check)]
 
 
 def build_from_spec(registry: Registry, spec: Mapping[str, Any]) -> Any:
