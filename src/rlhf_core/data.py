@@ -154,7 +154,11 @@ def reasoning_gym_dataset(source: ReasoningGymSource) -> Any:
     `task: composite` mixes tasks: `config: {datasets: [{name, weight, config}, ...]}`; each
     entry is then scored by its own task's `score_answer`.
     """
-    import reasoning_gym
+    import warnings
+
+    with warnings.catch_warnings():  # a dependency (cellpylib) compiles with SyntaxWarnings
+        warnings.filterwarnings("ignore", category=SyntaxWarning)
+        import reasoning_gym
 
     config = dict(source.config)
     if source.task == "composite" and isinstance(config.get("datasets"), list):
