@@ -40,24 +40,22 @@ they do not count time spent waiting for a core on a loaded machine.
 
     python -m benchmarks.dpo prepare|ours|trl --workload JSON --workdir DIR --result FILE
 is how `benchmarks.run` starts each measured process; run `python -m benchmarks.run --only dpo`.
+The workload, `prepare` and the step clock live in `benchmarks.workload` (the reward-model and
+techniques benchmarks use them too).
 """
 
 from __future__ import annotations
 
 import argparse
-import gzip
-import hashlib
 import json
-import os
 import shutil
 import tempfile
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
 from benchmarks.measure import (
-    REPO_ROOT,
     PeakRSS,
     machine,
     median,
@@ -67,251 +65,13 @@ from benchmarks.measure import (
     spread,
     write_result_file,
 )
-
-HH_PATH = REPO_ROOT / "data" / "hh-rlhf" / "harmless-base-test.jsonl.gz"
-
-#: Architectures beyond the tiny preset (built with `rlhf_core.tiny.build_tiny_model`).
-SMALL_MODEL = {
-    "hidden_size": 256,
-    "num_hidden_layers": 4,
-    "num_attention_heads": 4,
-    "num_key_value_heads": 4,
-    "intermediate_size": 768,
-    "max_position_embeddings": 1024,
-}
-
-
-@dataclass(frozen=True)
-class Workload:
-    model: str = "tiny"  # "tiny" (preset tiny-qwen3-gpt2) or "small"
-    batch_size: int = 4
-    steps: int = 8
-    warmup_steps: int = 1  # steps before the timed window
-    max_length: int = 256
-    max_prompt_length: int = 192
-    threads: int = 1
-    lr: float = 1e-6
-    beta: float = 0.1
-    seed: int = 0
-    log_every: int = 10
-
-    def __post_init__(self) -> None:
-        if not 1 <= self.warmup_steps < self.steps:
-            raise ValueError(f"need 1 <= warmup_steps < steps: {self.warmup_steps}/{self.steps}")
-
-    @property
-    def pairs(self) -> int:
-        return self.batch_size * self.steps
-
-    def to_json(self) -> str:
-        return json.dumps(asdict(self))
-
-    @classmethod
-    def from_json(cls, text: str) -> Workload:
-        return cls(**json.loads(text))
-
-
-# ----------------------------------------------------------------------------- the workload
-
-
-def model_dir(name: str) -> Path:
-    """The model directory of workload model `name`, built once into the rlhf-lab cache."""
-    from rlhf_core.tiny import (
-        TinyPreset,
-        build_gpt2_tokenizer,
-        build_tiny_model,
-        cache_root,
-        preset_dir,
-    )
-
-    if name == "tiny":
-        return preset_dir("tiny-qwen3-gpt2")
-    if name != "small":
-        raise ValueError(f"unknown benchmark model {name!r}; expected 'tiny' or 'small'")
-    import transformers
-
-    preset = TinyPreset(tokenizer="gpt2", **SMALL_MODEL)
-    spec = json.dumps({"preset": asdict(preset), "tf": transformers.__version__})
-    target = (
-        cache_root()
-        / "bench"
-        / f"qwen3-gpt2-small-{hashlib.sha256(spec.encode()).hexdigest()[:10]}"
-    )
-    if (target / "config.json").is_file():
-        return target
-    target.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=".small-", dir=target.parent))
-    try:
-        tokenizer = build_gpt2_tokenizer()
-        build_tiny_model(preset, tokenizer).save_pretrained(tmp)
-        tokenizer.save_pretrained(tmp)
-        tmp.rename(target)
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
-    return target
-
-
-def prepare(w: Workload, workdir: Path) -> dict[str, Any]:
-    """Select the pairs and write the inputs of both trainers into `workdir`:
-
-    hh_subset.jsonl   the selected raw HH rows (our trainer reads this with format hh)
-    trl_rows.jsonl    prompt/chosen/rejected strings in our sampler's first-epoch order
-    expected.json     our token ids of those rows, and the non-pad tokens of each step's batch
-    """
-    import torch
-
-    from direct_alignment.data import build_preference_data, collate_pairs, row_to_triple
-    from rlhf_core.chat import render_prompt
-    from rlhf_core.data import DataSource, EpochSampler
-    from rlhf_core.models import ModelConfig, load_tokenizer
-
-    path = model_dir(w.model)
-    tokenizer = load_tokenizer(ModelConfig(name_or_path=str(path)), padding_side="right")
-    eos = tokenizer.eos_token_id
-    rows, texts, skipped = [], [], {"too_long": 0, "identical": 0, "joint_tokenization": 0}
-    with gzip.open(HH_PATH, "rt") as fh:
-        for index, line in enumerate(fh):
-            row = json.loads(line)
-            prompt, chosen, rejected = row_to_triple(row, index, "hh", str(HH_PATH))
-            prompt_text = render_prompt(tokenizer, prompt)
-            p, c, r = (
-                tokenizer(t, add_special_tokens=False)["input_ids"]
-                for t in (prompt_text, chosen, rejected)
-            )
-            if len(p) > w.max_prompt_length or len(p) + max(len(c), len(r)) + 1 > w.max_length:
-                skipped["too_long"] += 1
-                continue
-            if c == r:
-                skipped["identical"] += 1
-                continue
-            # TRL tokenizes prompt + completion in one call; keep rows where that splits the same
-            joint = [
-                tokenizer(prompt_text + t + tokenizer.eos_token, add_special_tokens=False)
-                for t in (chosen, rejected)
-            ]
-            if joint[0]["input_ids"] != p + c + [eos] or joint[1]["input_ids"] != p + r + [eos]:
-                skipped["joint_tokenization"] += 1
-                continue
-            rows.append(row)
-            texts.append({"prompt": prompt_text, "chosen": chosen, "rejected": rejected})
-            if len(rows) == w.pairs:
-                break
-    if len(rows) < w.pairs:
-        raise ValueError(f"only {len(rows)} HH pairs fit max_length {w.max_length}")
-    workdir.mkdir(parents=True, exist_ok=True)
-    subset = workdir / "hh_subset.jsonl"
-    subset.write_text("".join(json.dumps(r) + "\n" for r in rows))
-
-    # Our pipeline on the subset must keep every pair untouched, in file order.
-    data = build_preference_data(
-        DataSource(path=str(subset)), tokenizer, fmt="hh", max_length=w.max_length,
-        max_prompt_length=w.max_prompt_length, where="benchmark",
-    )  # fmt: skip
-    if len(data.pairs) != w.pairs or data.truncated or data.dropped_identical:
-        raise RuntimeError(f"our pipeline changed the selected pairs: {data}")
-    order = EpochSampler(w.pairs, w.seed).next_batch(w.pairs)
-    (workdir / "trl_rows.jsonl").write_text("".join(json.dumps(texts[i]) + "\n" for i in order))
-    expected = [
-        {"prompt_ids": data.pairs[i].prompt_ids, "chosen_ids": data.pairs[i].chosen_ids,
-         "rejected_ids": data.pairs[i].rejected_ids}
-        for i in order
-    ]  # fmt: skip
-    step_tokens, step_padded = [], []
-    for s in range(w.steps):
-        batch = collate_pairs(
-            [data.pairs[i] for i in order[s * w.batch_size : (s + 1) * w.batch_size]], 0
-        )
-        step_tokens.append(int(batch["attention_mask"].sum()))
-        step_padded.append(int(batch["attention_mask"].numel()))
-    (workdir / "expected.json").write_text(
-        json.dumps({"pairs": expected, "step_tokens": step_tokens})
-    )
-    lengths = [len(p.prompt_ids) + len(p.chosen_ids) for p in data.pairs] + [
-        len(p.prompt_ids) + len(p.rejected_ids) for p in data.pairs
-    ]
-    completion = sum(len(p.chosen_ids) + len(p.rejected_ids) for p in data.pairs)
-    from transformers import AutoConfig
-
-    config = AutoConfig.from_pretrained(path)
-    params = _count_params(config)
-    return {
-        "model_dir": str(path),
-        "model": {"name": w.model, "parameters": params, "vocab_size": config.vocab_size,
-                  "hidden_size": config.hidden_size, "layers": config.num_hidden_layers,
-                  "intermediate_size": config.intermediate_size},
-        "rows_scanned": index + 1,
-        "rows_skipped": skipped,
-        "pairs": w.pairs,
-        "sequence_tokens": {"mean": sum(lengths) / len(lengths), "max": max(lengths)},
-        "completion_token_share": completion / sum(lengths),
-        "step_tokens": step_tokens,
-        "padding_share": 1 - sum(step_tokens) / sum(step_padded),
-        "torch_threads_default": torch.get_num_threads(),
-    }  # fmt: skip
-
-
-def _count_params(config) -> int:
-    """Parameters of a tied-embedding Qwen3 config (embedding + layers + final norm)."""
-    h, v, m, layers = (
-        config.hidden_size, config.vocab_size, config.intermediate_size, config.num_hidden_layers
-    )  # fmt: skip
-    d = config.head_dim
-    attn = h * d * (config.num_attention_heads * 2 + config.num_key_value_heads * 2) + 2 * d
-    per_layer = attn + 3 * h * m + 2 * h
-    return v * h + layers * per_layer + h
-
+from benchmarks.workload import StepClock, Workload, model_dir, prepare
 
 # ----------------------------------------------------------------------------- the two workers
 
 
-class StepClock:
-    """Optimizer-step end times (wall and process CPU) and per-step non-pad tokens; resets the
-    RSS high-water mark at the start of the timed window."""
-
-    def __init__(self, warmup_steps: int, memory: PeakRSS) -> None:
-        self.warmup_steps = warmup_steps
-        self.memory = memory
-        self.tokens: list[int] = []  # per forward call (one per step here)
-        self.ends: list[float] = []
-        self.cpu: list[tuple[float, float]] = []  # (user, system) CPU seconds, all threads
-        self.start = time.perf_counter()
-
-    def count(self, attention_mask) -> None:
-        self.tokens.append(int(attention_mask.sum()))
-
-    def step_done(self) -> None:
-        if len(self.ends) + 1 == self.warmup_steps:
-            self.memory.phase("setup_and_warmup")
-        cpu = os.times()
-        self.cpu.append((cpu.user, cpu.system))
-        self.ends.append(time.perf_counter())
-
-    def summary(self) -> dict[str, Any]:
-        w = self.warmup_steps
-        window = self.ends[-1] - self.ends[w - 1]
-        tokens = sum(self.tokens[w:])
-        steps = [b - a for a, b in zip(self.ends[w - 1 : -1], self.ends[w:], strict=True)]
-        user = self.cpu[-1][0] - self.cpu[w - 1][0]
-        system = self.cpu[-1][1] - self.cpu[w - 1][1]
-        return {
-            "steps": len(self.ends),
-            "timed_steps": len(self.ends) - w,
-            "timed_s": window,
-            "timed_tokens": tokens,
-            "tokens_per_s": tokens / window,
-            "timed_cpu_user_s": user,
-            "timed_cpu_system_s": system,
-            "tokens_per_cpu_s": tokens / (user + system),
-            "system_share_of_cpu": system / (user + system),
-            "step_s_median": median(steps),
-            "step_s": steps,
-            "step_tokens": self.tokens,
-            "to_first_step_end_s": self.ends[0] - self.start,
-        }
-
-
-def run_ours(w: Workload, workdir: Path, *, prototype: bool = False) -> dict[str, Any]:
-    """Our trainer as shipped, or (`prototype`) with `benchmarks.prototype` patched in."""
+def run_ours(w: Workload, workdir: Path) -> dict[str, Any]:
+    """Our trainer as shipped."""
     memory = PeakRSS()
     import torch
 
@@ -324,10 +84,6 @@ def run_ours(w: Workload, workdir: Path, *, prototype: bool = False) -> dict[str
     from rlhf_core.optim import OptimConfig
     from rlhf_core.tracking import TrackingConfig
 
-    if prototype:
-        from benchmarks.prototype import patch_our_trainer
-
-        patch_our_trainer()
     after_imports = rss_mb()
     clock = StepClock(w.warmup_steps, memory)
     cfg = DAConfig(
@@ -368,7 +124,7 @@ def run_ours(w: Workload, workdir: Path, *, prototype: bool = False) -> dict[str
     metrics = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
     shutil.rmtree(run_dir, ignore_errors=True)
     return {
-        "impl": "ours-proto" if prototype else "ours",
+        "impl": "ours",
         **clock.summary(),
         "rss_after_imports_mb": after_imports,
         "peak_rss_mb": memory.overall(),
@@ -469,13 +225,9 @@ def _same_tokens(dataset, workdir: Path) -> bool:
 
 # ----------------------------------------------------------------------------- the comparison
 
-#: The measured arms: ours as shipped, TRL, and ours with `benchmarks.prototype` patched in.
-ARMS = ("ours", "trl", "ours-proto")
-LABELS = {
-    "ours": "ours (as shipped)",
-    "trl": "TRL DPOTrainer",
-    "ours-proto": "ours + completion-only LM head (prototype, not in src)",
-}
+#: The measured arms: ours as shipped and TRL.
+ARMS = ("ours", "trl")
+LABELS = {"ours": "ours (as shipped)", "trl": "TRL DPOTrainer"}
 
 
 def compare(
@@ -623,7 +375,7 @@ def main(argv: list[str] | None = None) -> None:
     elif args.what == "trl":
         out = run_trl(w, args.workdir)
     else:
-        out = run_ours(w, args.workdir, prototype=args.what == "ours-proto")
+        out = run_ours(w, args.workdir)
     write_result_file(args.result, out)
 
 

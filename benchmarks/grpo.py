@@ -44,7 +44,6 @@ from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
 
-from benchmarks.dpo import StepClock
 from benchmarks.measure import (
     RESULTS_DIR,
     PeakRSS,
@@ -57,6 +56,7 @@ from benchmarks.measure import (
     timestamp,
     write_result_file,
 )
+from benchmarks.workload import JsonDataclass, StepClock, count_params
 
 ARMS = ("ours", "trl")
 LABELS = {"ours": "ours (policy_gradients, GRPO)", "trl": "TRL GRPOTrainer"}
@@ -64,7 +64,7 @@ PRESET = "tiny-qwen3-gpt2"
 
 
 @dataclass(frozen=True)
-class Workload:
+class Workload(JsonDataclass):
     prompts_per_step: int = 8
     group_size: int = 8
     max_new_tokens: int = 32
@@ -81,13 +81,6 @@ class Workload:
     def batch(self) -> int:
         return self.prompts_per_step * self.group_size
 
-    def to_json(self) -> str:
-        return json.dumps(asdict(self))
-
-    @classmethod
-    def from_json(cls, text: str) -> Workload:
-        return cls(**json.loads(text))
-
 
 def _rg_source(w: Workload) -> dict[str, Any]:
     return {"task": "spell_backward", "size": w.dataset_size, "seed": w.dataset_seed}
@@ -101,11 +94,9 @@ def prepare(w: Workload, workdir: Path) -> dict[str, Any]:
 
     path = preset_dir(PRESET)
     config = AutoConfig.from_pretrained(path)
-    from benchmarks.dpo import _count_params
-
     return {
         "model_dir": str(path),
-        "model": {"name": PRESET, "parameters": _count_params(config),
+        "model": {"name": PRESET, "parameters": count_params(config),
                   "vocab_size": config.vocab_size, "hidden_size": config.hidden_size,
                   "layers": config.num_hidden_layers},
     }  # fmt: skip

@@ -1,6 +1,6 @@
 """Reward model side by side: our `reward_models.train.train` against `trl.RewardTrainer`.
 
-The workload is the DPO benchmark's (`benchmarks.dpo.Workload` and `benchmarks.dpo.prepare`): the
+The workload is the DPO benchmark's (`benchmarks.workload`: `Workload` and `prepare`): the
 same model (a Qwen3 with the real GPT-2 tokenizer, `tiny` or `small`), the same HH pairs that
 neither trainer truncates, read in the same order, batch `batch_size` pairs, no accumulation,
 AdamW (cosine, no warmup, no weight decay, clip 1.0), fp32, SDPA, CPU, `threads` torch threads.
@@ -17,7 +17,7 @@ hidden state at the last token; both trainers run chosen and rejected rows in on
          gradient checkpointing off and fp32 as ours; the worker checks that its tokenized rows
          equal ours
 
-What is timed is `benchmarks.dpo.StepClock`'s window: optimizer steps warmup_steps+1..steps in
+What is timed is `benchmarks.workload.StepClock`'s window: optimizer steps warmup_steps+1..steps in
 full; tokens are the non-pad tokens of the rows each trainer feeds its model in those steps. Peak
 RSS is the whole process's high-water mark and, separately, that of the timed steps.
 
@@ -39,7 +39,6 @@ from functools import partial
 from pathlib import Path
 from typing import Any
 
-from benchmarks.dpo import StepClock, Workload, model_dir, prepare
 from benchmarks.measure import (
     RESULTS_DIR,
     PeakRSS,
@@ -52,6 +51,7 @@ from benchmarks.measure import (
     timestamp,
     write_result_file,
 )
+from benchmarks.workload import StepClock, Workload, model_dir, prepare
 
 ARMS = ("ours", "trl", "ours-unshared")
 # 32 steps of 4 pairs (128 HH pairs, 31 timed steps): at ~40 ms a step the DPO workload's 8 steps

@@ -5,6 +5,7 @@
     uv run --group bench python -m benchmarks.run --only techniques
     uv run --group bench python -m benchmarks.run --only reward_model --only grpo
     uv run --group bench python -m benchmarks.run --only generation
+    uv run --group bench python -m benchmarks.techniques --profile   # torch.profiler tables
 
 Sections: dpo (vs trl.DPOTrainer), techniques (what each DPO technique buys), reward_model (vs
 trl.RewardTrainer), grpo (vs trl.GRPOTrainer), generation (our decode loop vs `generate`).
@@ -23,12 +24,13 @@ import time
 
 from benchmarks import dpo, grpo, reward_model, techniques
 from benchmarks.measure import RESULTS_DIR, machine, timestamp, write_results
+from benchmarks.workload import Workload
 
 SECTIONS = ("dpo", "techniques", "reward_model", "grpo", "generation")
 
 
 def main(argv: list[str] | None = None) -> int:
-    defaults = dpo.Workload()
+    defaults = Workload()
     parser = argparse.ArgumentParser(
         prog="python -m benchmarks.run",
         description=__doc__,
@@ -42,9 +44,6 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--max-length", type=int, default=defaults.max_length)
     parser.add_argument("--max-prompt-length", type=int, default=defaults.max_prompt_length)
     parser.add_argument("--threads", type=int, default=defaults.threads, help="torch threads")
-    parser.add_argument(
-        "--no-prototype", action="store_true", help="skip the 'ours + prototype' arm of the DPO run"
-    )
     args = parser.parse_args(argv)
     if args.rounds < 1:
         parser.error("--rounds must be >= 1")
@@ -60,9 +59,8 @@ def main(argv: list[str] | None = None) -> int:
     start = time.perf_counter()
 
     if "dpo" in sections:
-        arms = tuple(a for a in dpo.ARMS if not (args.no_prototype and a == "ours-proto"))
-        print(f"DPO vs TRL: {workload}, {args.rounds} rounds of {', '.join(arms)}", flush=True)
-        payload["dpo"] = dpo.compare(workload, args.rounds, arms=arms)
+        print(f"DPO vs TRL: {workload}, {args.rounds} rounds of {', '.join(dpo.ARMS)}", flush=True)
+        payload["dpo"] = dpo.compare(workload, args.rounds)
         tables.append(dpo.markdown(payload["dpo"]))
     if "techniques" in sections:
         print(f"techniques: {workload.model}, {args.rounds} alternating rounds", flush=True)

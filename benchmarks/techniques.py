@@ -2,11 +2,11 @@
 
 The unit of work is the DPO step minus the optimizer: the policy's chosen/rejected log-probs with
 gradients, the reference's without, the `dpo` loss from `direct_alignment.losses.LOSSES` and the
-backward pass, on one batch of the `benchmarks.dpo` workload (same model, pairs, order and batch
-size): the batch of median padded size among the workload's steps. "shipped" is what our trainer
-does (`direct_alignment.reference.pair_logps` = one concatenated forward through
-`rlhf_core.logprobs.causal_lm_token_logprobs`, batches padded to their longest row by
-`collate_pairs`, chunked `token_logprobs`, a frozen reference model).
+backward pass, on one batch of the DPO workload (`benchmarks.workload`: same model, pairs, order and
+batch size): the batch of median padded size among the workload's steps. "shipped" is what our
+trainer does (`direct_alignment.reference.pair_logps` = one concatenated forward through
+`rlhf_core.logprobs.causal_lm_selected_logprobs`, the LM head only on completion positions, batches
+padded to their longest row by `collate_pairs`, chunked `token_logprobs`, a frozen reference model).
 Each other variant changes exactly one thing:
 
   two_forwards      chosen and rejected rows in two forwards (each half of the batch cut to its
@@ -16,10 +16,8 @@ Each other variant changes exactly one thing:
                     chunked logit[y] - logsumexp
   precomputed_ref   reference log-probs looked up from a cache made once by our
                     `precompute_reference` (its one-off cost is reported), no reference model held
-  shifted_head      the prototype `benchmarks.prototype.shifted_pair_logps`: hidden states cut to
-                    positions 0..S-2 before the LM head, so no copy of the logits; not in src/
-  completion_head   the prototype `benchmarks.prototype.completion_pair_logps` (LM head only on
-                    completion positions) for the policy and the reference; not in src/
+  full_lm_head      the LM head on every position of the batch (`causal_lm_token_logprobs`, then
+                    the completion positions picked), instead of shipped's completion-only head
 
 Plus two things outside the step's code. THP: the same worker run again in a process started with
 `THP_MEM_ALLOC_ENABLE=1`, which makes PyTorch's CPU allocator back tensors of 2 MiB and more with
@@ -40,13 +38,13 @@ RSS at its start is its working memory. (Both models stay loaded throughout, so 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import gc
 import tempfile
 import time
 from pathlib import Path
 from typing import Any
 
-from benchmarks.dpo import Workload, model_dir
 from benchmarks.measure import (
     machine,
     median,
@@ -56,6 +54,7 @@ from benchmarks.measure import (
     run_worker,
     write_result_file,
 )
+from benchmarks.workload import Workload, model_dir, prepare
 
 VARIANTS = (
     "shipped",
@@ -63,8 +62,7 @@ VARIANTS = (
     "fixed_padding",
     "full_log_softmax",
     "precomputed_ref",
-    "shifted_head",
-    "completion_head",
+    "full_lm_head",
 )
 #: (technique, variant with it, variant without it, in src?)
 TECHNIQUES = (
@@ -72,8 +70,7 @@ TECHNIQUES = (
     ("padding to the batch's longest row", "shipped", "fixed_padding", "yes"),
     ("chunked selective log-softmax", "shipped", "full_log_softmax", "yes"),
     ("precomputed reference log-probs", "precomputed_ref", "shipped", "yes (reference.mode)"),
-    ("LM head on positions 0..S-2, no logits copy (prototype)", "shifted_head", "shipped", "no"),
-    ("completion-only LM head (prototype)", "completion_head", "shipped", "no"),
+    ("completion-only LM head", "shipped", "full_lm_head", "yes"),
 )
 
 
@@ -154,6 +151,15 @@ class Bench:
         return out[0], out[1]
 
     @staticmethod
+    def full_head_logps(model, batch):
+        from rlhf_core.logprobs import causal_lm_token_logprobs, masked_sum
+
+        token_logps = causal_lm_token_logprobs(model, batch["input_ids"], batch["attention_mask"])
+        seq = masked_sum(token_logps, batch["loss_mask"], dim=-1)
+        half = seq.shape[0] // 2
+        return seq[:half], seq[half:]
+
+    @staticmethod
     def full_softmax_logps(model, batch):
         import torch
 
@@ -186,13 +192,10 @@ class Bench:
     def run(self, variant: str) -> list[float]:
         """The DPO step minus the optimizer on every batch; returns the policy's summed
         log-probs (chosen then rejected of each batch), to check the variants agree."""
-        from benchmarks.prototype import completion_pair_logps, shifted_pair_logps
-
         logps = {
             "shipped": self.shipped_logps, "two_forwards": self.two_forward_logps,
             "fixed_padding": self.shipped_logps, "full_log_softmax": self.full_softmax_logps,
-            "precomputed_ref": self.shipped_logps, "shifted_head": shifted_pair_logps,
-            "completion_head": completion_pair_logps,
+            "precomputed_ref": self.shipped_logps, "full_lm_head": self.full_head_logps,
         }[variant]  # fmt: skip
         logps_out: list[float] = []
         for i, batch in enumerate(self.batches):
@@ -336,7 +339,7 @@ def summarize(m: dict[str, Any], thp: dict[str, Any]) -> dict[str, Any]:
             "cpu_speedup": median(cpu[v]) / median(thp["cpu_times"][v]),
             "working_memory_ratio": thp["working_memory_mb"][v] / memory[v],
         }
-        for v in ("shipped", "completion_head")
+        for v in ("shipped", "full_lm_head")
     }
     adam = m["adamw"]
     out["adamw"] = adam | {"speedup": adam["for_loop_s"] / adam["fused_s"]}
@@ -396,13 +399,64 @@ def markdown(result: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
+def profile(w: Workload, variants: list[str], rows: int) -> None:
+    """Where the time of one DPO step goes: a torch.profiler table per variant (operators with
+    the most self CPU time, one profiled run after a warm-up) and its user/kernel CPU split, on
+    the workload's median batch. Prints; writes nothing to benchmarks/results/."""
+    import os
+
+    from torch.profiler import ProfilerActivity
+    from torch.profiler import profile as torch_profile
+
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    with tempfile.TemporaryDirectory(prefix="rlhf-bench-prof-") as tmp:
+        prepare(w, Path(tmp))
+        bench = Bench(w, Path(tmp))
+    print(
+        f"batch {bench.batch_index + 1}: {bench.tokens} non-pad tokens, "
+        f"{bench.batches[0]['input_ids'].numel()} positions, {w.threads} thread(s)"
+    )
+    for variant in variants:
+        bench.run(variant)  # warm-up
+        before = os.times()
+        with torch_profile(activities=[ProfilerActivity.CPU]) as prof:
+            bench.run(variant)
+        after = os.times()
+        user, system = after.user - before.user, after.system - before.system
+        print(f"\n== {variant}: CPU {user + system:.2f} s ({system / (user + system):.0%} kernel)")
+        print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=rows))
+
+
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(prog="python -m benchmarks.techniques")
-    parser.add_argument("--workload", required=True, help="benchmarks.dpo.Workload as JSON")
-    parser.add_argument("--workdir", required=True, type=Path, help="prepared by benchmarks.dpo")
+    """The worker `compare` starts (`--workload --workdir --result`), or, with `--profile`, a
+    profile of chosen variants on the default workload:
+
+        uv run --group bench python -m benchmarks.techniques --profile [--variants shipped ...]
+    """
+    parser = argparse.ArgumentParser(
+        prog="python -m benchmarks.techniques", description=main.__doc__
+    )
+    parser.add_argument("--workload", help="benchmarks.workload.Workload as JSON")
+    parser.add_argument("--workdir", type=Path, help="prepared by benchmarks.workload.prepare")
     parser.add_argument("--rounds", type=int, default=3)
-    parser.add_argument("--result", required=True, type=Path)
+    parser.add_argument("--result", type=Path)
+    parser.add_argument("--profile", action="store_true", help="print torch.profiler tables")
+    parser.add_argument(
+        "--variants", nargs="+", choices=VARIANTS, default=["shipped", "full_lm_head"]
+    )
+    parser.add_argument("--threads", type=int, default=Workload().threads, help="with --profile")
+    parser.add_argument("--rows", type=int, default=12, help="operators shown per variant")
+    parser.add_argument("--steps", type=int, default=Workload().steps, help="with --profile")
     args = parser.parse_args(argv)
+    if args.profile:
+        w = dataclasses.replace(
+            Workload.from_json(args.workload) if args.workload else Workload(),
+            threads=args.threads, steps=args.steps,
+        )  # fmt: skip
+        profile(w, args.variants, args.rows)
+        return
+    if args.workload is None or args.workdir is None or args.result is None:
+        parser.error("the worker needs --workload, --workdir and --result (or use --profile)")
     out = worker(Workload.from_json(args.workload), args.workdir, args.rounds)
     write_result_file(args.result, out)
 

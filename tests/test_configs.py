@@ -94,3 +94,41 @@ def test_zero3_is_refused_with_a_message(engine, zero_stage, refused):
     else:
         with pytest.raises(ValueError, match=rf"{refused} shards the parameters.*fsdp2"):
             refuse_sharded_parameters(DistributedType[engine], zero_stage)
+
+
+def test_value_loss_named_as_the_policy_loss_is_refused_at_config_time():
+    from policy_gradients.config import PGConfig
+    from rlhf_core.config import ConfigError
+
+    path = REPO / "configs" / "policy_gradients" / "ppo.yaml"
+    with pytest.raises(ConfigError, match="unknown policy loss 'value'"):
+        load_config(PGConfig, path, ["algorithm.loss={name: value}"])
+
+
+def test_one_reference_block_for_direct_alignment_and_policy_gradients():
+    from direct_alignment.config import DAConfig
+    from policy_gradients.config import PGConfig
+    from rlhf_core.config import ConfigError
+
+    pg = REPO / "configs" / "policy_gradients" / "grpo.yaml"
+    assert load_config(PGConfig, pg).reference.mode == "model"
+    with pytest.raises(ConfigError, match="'precomputed' needs fixed completions"):
+        load_config(PGConfig, pg, ["reference.mode=precomputed"])
+    with pytest.raises(ConfigError, match="'adapter' needs LoRA.*use mode 'model' for"):
+        load_config(PGConfig, pg, ["reference.mode=adapter"])
+    with pytest.raises(ConfigError, match="train.reference"):  # the old place is refused
+        load_config(PGConfig, pg, ["train.reference=copy"])
+    da = REPO / "configs" / "direct_alignment" / "dpo.yaml"
+    assert load_config(DAConfig, da, ["reference.mode=precomputed"]).reference.mode == "precomputed"
+    with pytest.raises(ConfigError, match="'adapter' needs LoRA.*'model' or 'precomputed'"):
+        load_config(DAConfig, da, ["reference.mode=adapter"])
+
+
+def test_the_loss_is_a_top_level_spec_in_sft_too():
+    from instruction_tuning.config import SFTConfig
+    from rlhf_core.config import ConfigError
+
+    path = REPO / "configs" / "instruction_tuning" / "tiny_sft.yaml"
+    assert load_config(SFTConfig, path).loss == {"name": "nll"}
+    with pytest.raises(ConfigError, match="train.loss"):
+        load_config(SFTConfig, path, ["train.loss=nll"])

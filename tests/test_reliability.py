@@ -221,7 +221,7 @@ def test_the_printed_resume_command_works_verbatim_and_guards_the_run(tiny_sft_d
         ({"optim": {"lr": float("nan")}}, "finite number"),
         ({"optim": {"betas": [0.9, 1.0]}}, r"betas must each be in \[0, 1\)"),
         ({"train": {"eval_sampled": 1}}, "expected true or false, got the number 1"),
-        ({"train": {"loss": "nope"}}, "unknown SFT loss 'nope'; registered: nll"),
+        ({"loss": {"name": "nope"}}, "unknown SFT loss 'nope'; registered: nll"),
     ],
 )
 def test_config_values_are_not_coerced(tiny_sft_dict, tmp_path, edit, message):
@@ -259,7 +259,7 @@ def test_group_estimators_refuse_groups_of_one():
 
 
 def test_dry_run_catches_what_a_run_would_refuse(tiny_sft_dict, tmp_path):
-    tiny_sft_dict["train"]["loss"] = "nope"
+    tiny_sft_dict["loss"] = {"name": "nope"}
     path = write_yaml(tmp_path / "sft.yaml", tiny_sft_dict)
     out = run_module("instruction_tuning.train", "--config", str(path), "--dry-run", cwd=tmp_path)
     assert out.returncode == 2 and "unknown SFT loss 'nope'" in out.stderr

@@ -7,19 +7,22 @@ checked against the registered class's signature and the resolved config shows e
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Literal
 
-from pydantic import Field, field_validator, model_validator
+from pydantic import Field, model_validator
 
 from rlhf_core.checkpoint import CheckpointConfig
 from rlhf_core.config import StrictModel
 from rlhf_core.data import DataSource, check_heldout_seeds
+from rlhf_core.encoding import MAX_PROMPT_LENGTH_HELP
 from rlhf_core.errors import UserError
 from rlhf_core.loop import LoopConfig
-from rlhf_core.models import ModelConfig
+from rlhf_core.models import ModelConfig, ReferenceConfig
 from rlhf_core.optim import OptimConfig
-from rlhf_core.registry import validate_spec
+from rlhf_core.registry import registered_spec
 from rlhf_core.tracking import TrackingConfig
+
+LossSpec = registered_spec("direct_alignment.losses:LOSSES", where="loss")
 
 
 class PreferenceDataConfig(StrictModel):
@@ -31,23 +34,12 @@ class PreferenceDataConfig(StrictModel):
         "unpaired = {prompt, completion, label} rows for the kto_unpaired loss",
     )
     max_length: int = Field(512, gt=2, description="max prompt + completion tokens")
-    max_prompt_length: int | None = Field(
-        None, gt=0, description="keep the last N prompt tokens; null = max_length // 2"
-    )
+    max_prompt_length: int | None = Field(None, gt=0, description=MAX_PROMPT_LENGTH_HELP)
 
     @model_validator(mode="after")
     def _heldout_is_heldout(self) -> PreferenceDataConfig:
         check_heldout_seeds(self.train, self.eval)
         return self
-
-
-class ReferenceConfig(StrictModel):
-    mode: Literal["model", "adapter", "precomputed"] = Field(
-        "model",
-        description="model: a frozen copy of the starting policy; adapter: the LoRA policy with "
-        "its adapter disabled (no copy); precomputed: one pass before training, cached in the "
-        "run dir, no reference held during training",
-    )
 
 
 class DATrainConfig(LoopConfig):
@@ -67,7 +59,7 @@ class DAConfig(StrictModel):
         description="several policies trained one after another, each in its own run dir",
     )
     data: PreferenceDataConfig = Field(description="training and held-out pairs")
-    loss: dict[str, Any] = Field(
+    loss: LossSpec = Field(
         default_factory=lambda: {"name": "dpo"},
         description="loss name in direct_alignment.losses.LOSSES and its keyword arguments",
     )
@@ -76,13 +68,6 @@ class DAConfig(StrictModel):
     optim: OptimConfig = Field(default_factory=OptimConfig, description="optimizer and schedule")
     checkpoint: CheckpointConfig = Field(default_factory=CheckpointConfig, description="saving")
     tracking: TrackingConfig = Field(default_factory=TrackingConfig, description="logging")
-
-    @field_validator("loss")
-    @classmethod
-    def _loss_spec(cls, spec: dict[str, Any]) -> dict[str, Any]:
-        from direct_alignment.losses import LOSSES
-
-        return validate_spec(LOSSES, spec, where="loss")
 
     @model_validator(mode="after")
     def _unpaired_loss_reads_unpaired_data(self) -> DAConfig:
@@ -103,11 +88,5 @@ class DAConfig(StrictModel):
     def _one_model_source(self) -> DAConfig:
         if (self.model is None) == (not self.models):
             raise UserError("give exactly one of 'model' (one policy) or 'models' (a list)")
-        if self.reference.mode == "adapter":
-            for m in [self.model] if self.model else self.models:
-                if m.lora is None:
-                    raise UserError(
-                        f"reference.mode 'adapter' needs LoRA: model {m.name_or_path!r} has no "
-                        "'lora' block (use mode 'model' or 'precomputed' for full fine-tuning)"
-                    )
+        self.reference.check([self.model] if self.model else self.models, precomputed_ok=True)
         return self

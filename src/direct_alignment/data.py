@@ -9,37 +9,40 @@ Row formats (`data.format`, `auto` picks by columns):
                   user/assistant messages) and the completion (see `split_hh_pair`)
   ultrafeedback   UltraFeedback-binarized: {"prompt": str, "chosen": [messages], "rejected": [...]}
   reasoning_gym   synthetic pairs from a task: chosen = the reference answer, rejected = a
-                  deterministic corruption of it (`corrupt_answer`), for learnable offline tests
+                  wrong answer, the reversed reference (`WRONG_KINDS`), from
+                  `rlhf_core.preference.reasoning_gym_preference_rows`, the builder reward
+                  models use too; for learnable offline tests
   unpaired        KTO's labelled single completions (`build_unpaired_data`):
                   {"prompt": str | messages, "completion": str | messages, "label": bool}, as in
                   trl-lib/kto-mix-14k; from reasoning-gym, two rows per task example (the answer,
-                  label true; its corruption, label false)
+                  label true; a wrong answer, label false)
 
-Prompts are rendered with the tokenizer's chat template; completions end with eos. Truncation
-keeps the end of the prompt (its last `max_prompt_length` tokens, default max_length // 2), then
-cuts completions to fit `max_length`. Pairs whose two completions are identical after truncation
-are dropped and counted. Empty completions (real HH data has a few) are kept as eos alone and
-counted. A malformed row raises naming its index and column.
+Rows are parsed by `rlhf_core.preference.preference_row`. Prompts are rendered with the tokenizer's
+chat template; completions end with eos. Truncation is `rlhf_core.encoding`'s one rule: the prompt
+keeps its last `max_prompt_length` tokens (null: as many as the longer completion leaves room for),
+then both completions are cut to fit `max_length`, after the same prompt tokens. Pairs whose two
+completions are identical after truncation are dropped and counted. Empty completions (real HH data
+has a few) are kept as eos alone and counted. A malformed row raises naming its index and column.
 """
 
 from __future__ import annotations
 
-import random
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
-from rlhf_core.chat import Messages, as_messages, completion_text, render_prompt, split_hh_pair
-from rlhf_core.data import (
-    DataSource,
-    load_rows,
-    reasoning_gym_dataset,
-    report_degenerate,
-    warn_truncated_prompts,
-)
+from rlhf_core.chat import Messages, as_messages, completion_text, render_prompt
+from rlhf_core.data import DataSource, load_rows, reasoning_gym_dataset, warn_truncated_prompts
+from rlhf_core.encoding import encode_pairs
 from rlhf_core.errors import UserError
-from rlhf_core.scalar_head import encode_completions
+from rlhf_core.preference import (
+    column,
+    preference_row,
+    reasoning_gym_labelled_rows,
+    reasoning_gym_preference_rows,
+    report_degenerate_pairs,
+)
 
 
 @dataclass
@@ -64,55 +67,19 @@ class PreferenceData:
     empty_completions: int = 0  # kept: an empty reply is the eos token alone (HH has some)
 
 
-def row_to_triple(
-    row: dict[str, Any], index: int, fmt: str, where: str
-) -> tuple[Messages, str, str]:
-    """(prompt messages, chosen text, rejected text) of one row."""
-    here = f"{where}: row {index}"
-    for column in ("chosen", "rejected"):
-        if row.get(column) is None:
-            raise UserError(f"{here} is missing column {column!r} (columns: {list(row)})")
-    if fmt == "auto":
-        fmt = "preference" if row.get("prompt") is not None else "hh"
-    if fmt == "hh":
-        if not isinstance(row["chosen"], str) or not isinstance(row["rejected"], str):
-            raise UserError(f"{here}: HH rows need string transcripts in 'chosen' and 'rejected'")
-        return split_hh_pair(
-            row["chosen"], row["rejected"], where=f"{here} columns chosen/rejected"
-        )
-    if row.get("prompt") is None:
-        raise UserError(f"{here} is missing column 'prompt' (columns: {list(row)})")
-    prompt = as_messages(row["prompt"], where=f"{here} column 'prompt'")
-    chosen = completion_text(row["chosen"], prompt, f"{here} column 'chosen'")
-    rejected = completion_text(row["rejected"], prompt, f"{here} column 'rejected'")
-    return prompt, chosen, rejected
-
-
-def corrupt_answer(answer: str, seed: int) -> str:
-    """A deterministic wrong answer: the reversed string if that differs, else two swapped chars,
-    else the answer with its last character repeated."""
-    if answer[::-1] != answer:
-        return answer[::-1]
-    chars = list(answer)
-    rng = random.Random(seed)
-    for _ in range(10):
-        i, j = rng.randrange(len(chars)), rng.randrange(len(chars))
-        if chars[i] != chars[j]:
-            chars[i], chars[j] = chars[j], chars[i]
-            return "".join(chars)
-    return answer + answer[-1]
+# The wrong answers of synthetic reasoning-gym pairs: the reversed reference (an answer with no
+# other wrong answer of this kind, a palindrome, yields no pair). Reward models draw from more
+# kinds (`data.builder.wrong_kinds`); a reversal is what the tiny DPO runs were measured on.
+WRONG_KINDS = ("reverse",)
 
 
 def _rows(source: DataSource, where: str) -> tuple[Any, str | None]:
+    """(rows, forced format): a reasoning-gym source becomes synthetic preference rows."""
     if source.reasoning_gym is None:
         return load_rows(source, field=where), None
-    ds = reasoning_gym_dataset(source.reasoning_gym)
-    rows = [
-        {"prompt": e["question"], "chosen": e["answer"],
-         "rejected": corrupt_answer(e["answer"], source.reasoning_gym.seed + i)}
-        for i, e in enumerate(ds)
-    ]  # fmt: skip
-    return rows, "preference"
+    entries = list(reasoning_gym_dataset(source.reasoning_gym))
+    seed = source.reasoning_gym.seed
+    return list(reasoning_gym_preference_rows(entries, kinds=WRONG_KINDS, seed=seed)), "preference"
 
 
 def build_preference_data(
@@ -128,54 +95,41 @@ def build_preference_data(
     """Load, render, tokenize and truncate preference pairs (see the module docstring)."""
     rows, forced = _rows(source, where)
     fmt = forced or fmt
-    triples, empty, empty_chosen, empty_rejected = [], 0, 0, 0
+    prompts, completions, triples, empty = [], [], [], 0
     for index, row in enumerate(rows):
-        prompt, chosen, rejected = row_to_triple(row, index, fmt, where)
+        prompt, chosen, rejected = preference_row(row, index, fmt, where)
+        triples.append((prompt, chosen, rejected))
         empty += (not chosen.strip()) + (not rejected.strip())
-        empty_chosen += not chosen.strip()
-        empty_rejected += not rejected.strip()
-        prompt_text = render_prompt(tokenizer, prompt, where=f"{where}: row {index} prompt")
-        triples.append((prompt_text, chosen, rejected))
-        if limit is not None and len(triples) >= limit:
+        prompts.append(render_prompt(tokenizer, prompt, where=f"{where}: row {index} prompt"))
+        completions.append((chosen, rejected))
+        if limit is not None and len(prompts) >= limit:
             break
-    keep_prompt = max_prompt_length or max_length // 2
+    encoded = encode_pairs(
+        tokenizer, prompts, completions, max_length=max_length, max_prompt_length=max_prompt_length
+    )
     data = PreferenceData(pairs=[], empty_completions=empty)
-    eos = tokenizer.eos_token_id
-    for start in range(0, len(triples), 1024):
-        chunk = triples[start : start + 1024]
-        enc = [
-            tokenizer([t[k] for t in chunk], add_special_tokens=False)["input_ids"]
-            for k in range(3)
-        ]
-        for (prompt_text, _, _), p_ids, c_ids, r_ids in zip(chunk, *enc, strict=True):
-            data.truncated_prompts += len(p_ids) > keep_prompt
-            p_ids = p_ids[-keep_prompt:]
-            room = max(1, max_length - len(p_ids))
-            c_full, r_full = c_ids + [eos], r_ids + [eos]
-            c_ids, r_ids = c_full[:room], r_full[:room]
-            data.truncated += (len(c_ids) < len(c_full)) or (len(r_ids) < len(r_full))
-            if c_ids == r_ids:
-                data.dropped_identical += 1
-                continue
-            data.pairs.append(PreferencePair(p_ids, c_ids, r_ids, prompt_text))
+    for prompt_text, (c, r) in zip(prompts, encoded, strict=True):
+        data.truncated_prompts += c.prompt_truncated
+        data.truncated += c.truncated or r.truncated
+        if c.completion_ids == r.completion_ids:
+            data.dropped_identical += 1
+            continue
+        data.pairs.append(
+            PreferencePair(c.prompt_ids, c.completion_ids, r.completion_ids, prompt_text)
+        )
     if not data.pairs:
         raise UserError(f"{where}: no usable preference pairs in {source.describe()}")
-    report_degenerate(where, len(triples), {
-        "have an empty 'chosen' completion": empty_chosen,
-        "have an empty 'rejected' completion": empty_rejected,
-        "have identical chosen and rejected tokens (dropped)": data.dropped_identical,
-    })  # fmt: skip
+    report_degenerate_pairs(where, triples, data.dropped_identical)
     if data.truncated_prompts:
-        warn_truncated_prompts(where, data.truncated_prompts, len(triples), keep_prompt)
+        warn_truncated_prompts(where, data.truncated_prompts, len(prompts), max_prompt_length)
     return data
 
 
 def unpaired_row(row: dict[str, Any], index: int, where: str) -> tuple[Messages, str, bool]:
     """(prompt messages, completion text, label) of one unpaired row."""
     here = f"{where}: row {index}"
-    for column in ("prompt", "completion", "label"):
-        if row.get(column) is None:
-            raise UserError(f"{here} is missing column {column!r} (columns: {list(row)})")
+    for name in ("prompt", "completion", "label"):
+        column(row, name, here)
     if not isinstance(row["label"], bool):
         raise UserError(
             f"{here} column 'label': expected true/false (is the completion desirable), "
@@ -222,12 +176,10 @@ def build_unpaired_data(
     after this prompt). Truncation as for pairs; nothing is dropped."""
     if source.reasoning_gym is None:
         rows = load_rows(source, field=where)
-    else:
-        rows = []
-        for i, e in enumerate(reasoning_gym_dataset(source.reasoning_gym)):
-            wrong = corrupt_answer(e["answer"], source.reasoning_gym.seed + i)
-            rows += [{"prompt": e["question"], "completion": e["answer"], "label": True},
-                     {"prompt": e["question"], "completion": wrong, "label": False}]  # fmt: skip
+    else:  # per example: the answer (label true) and one wrong answer (false)
+        entries = list(reasoning_gym_dataset(source.reasoning_gym))
+        seed = source.reasoning_gym.seed
+        rows = list(reasoning_gym_labelled_rows(entries, wrong=1, kinds=WRONG_KINDS, seed=seed))
     parsed, empty = [], 0
     for index, row in enumerate(rows):
         prompt, completion, label = unpaired_row(row, index, where)
@@ -240,19 +192,20 @@ def build_unpaired_data(
         raise UserError(f"{where}: no unpaired rows in {source.describe()}")
     prompt_texts, completions = [p[0] for p in parsed], [p[1] for p in parsed]
     partners = mismatched_partners(prompt_texts)
-    lengths = {"max_length": max_length, "max_prompt_length": max_prompt_length}
-    own = encode_completions(tokenizer, prompt_texts, completions, **lengths)
-    kl = encode_completions(tokenizer, prompt_texts, [completions[j] for j in partners], **lengths)
+    with_partner = [(c, completions[j]) for c, j in zip(completions, partners, strict=True)]
+    encoded = encode_pairs(
+        tokenizer, prompt_texts, with_partner,
+        max_length=max_length, max_prompt_length=max_prompt_length,
+    )  # fmt: skip
     data = PreferenceData(pairs=[], empty_completions=empty)
-    for (prompt_text, _, label), e, k in zip(parsed, own, kl, strict=True):
+    for (prompt_text, _, label), (e, k) in zip(parsed, encoded, strict=True):
         data.truncated += e.truncated
         data.truncated_prompts += e.prompt_truncated
         data.pairs.append(
             PreferencePair(e.prompt_ids, e.completion_ids, k.completion_ids, prompt_text, label)
         )
-    keep_prompt = max_prompt_length or max_length // 2
     if data.truncated_prompts:
-        warn_truncated_prompts(where, data.truncated_prompts, len(parsed), keep_prompt)
+        warn_truncated_prompts(where, data.truncated_prompts, len(parsed), max_prompt_length)
     return data
 
 

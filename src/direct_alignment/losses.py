@@ -43,16 +43,14 @@ and skips.
 
 from __future__ import annotations
 
-import inspect
 import math
-from collections.abc import Callable
 from typing import ClassVar
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from rlhf_core.registry import Registry
+from rlhf_core.registry import Configurable, Registry
 
 LOSSES: Registry[type[DirectAlignmentLoss]] = Registry("direct alignment loss")
 
@@ -84,22 +82,13 @@ def loss_inputs(batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     return inputs
 
 
-def _register(name: str) -> Callable[[type[DirectAlignmentLoss]], type[DirectAlignmentLoss]]:
-    """Register a loss class in `LOSSES` and record the name on it (used in error messages)."""
-
-    def decorator(cls: type[DirectAlignmentLoss]) -> type[DirectAlignmentLoss]:
-        cls.name = name
-        return LOSSES.register(name)(cls)
-
-    return decorator
-
-
-class DirectAlignmentLoss(nn.Module):
+class DirectAlignmentLoss(Configurable, nn.Module):
     """Input checks, per-response scores and metrics shared by every direct alignment loss.
 
     A subclass sets `needs_reference` and `needs_lengths` and implements `_losses(chosen,
     rejected)`, which maps the (B,) scores of `scores` to per-pair losses. Configuration is by
-    keyword only, stored under the keyword's own name (so `extra_repr` can show it).
+    keyword only, stored under the keyword's own name (so `extra_repr` can show it); beta
+    defaults to DPO's 0.1, and a loss with only beta declares no constructor.
     """
 
     name: ClassVar[str] = "direct alignment loss"  # replaced by the registered name
@@ -111,18 +100,10 @@ class DirectAlignmentLoss(nn.Module):
     # preference: `forward(..., labels=...)`, data from `data.format: unpaired`.
     unpaired: ClassVar[bool] = False
 
-    def __init__(self, *, beta: float) -> None:
+    def __init__(self, *, beta: float = 0.1) -> None:
         super().__init__()
         self._require(0 < beta < math.inf, "beta", beta, "a positive finite number")
         self.beta = float(beta)
-
-    def _require(self, ok: bool, arg: str, value: object, expected: str) -> None:
-        if not ok:
-            raise ValueError(f"{self.name} loss: {arg} must be {expected}, got {value!r}")
-
-    def extra_repr(self) -> str:
-        params = inspect.signature(type(self).__init__).parameters
-        return ", ".join(f"{p}={getattr(self, p)!r}" for p in params if p != "self")
 
     def forward(
         self,
@@ -257,7 +238,7 @@ def _check_label_smoothing(loss: DirectAlignmentLoss, eps: float, *, upper_inclu
     loss._require(ok, "label_smoothing", eps, "in [0, 0.5]" if upper_inclusive else "in [0, 0.5)")
 
 
-@_register("dpo")
+@LOSSES.register("dpo")
 class DPOLoss(DirectAlignmentLoss):
     """Direct Preference Optimization (Rafailov et al. 2023, arXiv:2305.18290), eq. 7.
 
@@ -270,14 +251,11 @@ class DPOLoss(DirectAlignmentLoss):
     needs_reference = True
     needs_lengths = False
 
-    def __init__(self, *, beta: float = 0.1) -> None:
-        super().__init__(beta=beta)
-
     def _losses(self, chosen: torch.Tensor, rejected: torch.Tensor) -> torch.Tensor:
         return -F.logsigmoid(self.beta * (chosen - rejected))
 
 
-@_register("rpo")
+@LOSSES.register("rpo")
 class RPOLoss(DPOLoss):
     """DPO plus an NLL term on the chosen completion: Iterative Reasoning Preference Optimization
     (Pang et al. 2024, arXiv:2404.19733; TRL calls the weight `rpo_alpha`).
@@ -314,7 +292,7 @@ class RPOLoss(DPOLoss):
         return self.alpha * nll.mean(), {"rpo/nll": nll.detach().mean()}
 
 
-@_register("cdpo")
+@LOSSES.register("cdpo")
 class ConservativeDPOLoss(DirectAlignmentLoss):
     """Conservative DPO / label smoothing (Mitchell 2023, "A note on DPO with noisy preferences
     & relationship to IPO", https://ericmitchell.ai/cdpo.pdf; no arXiv id).
@@ -343,7 +321,7 @@ class ConservativeDPOLoss(DirectAlignmentLoss):
         return -(1 - eps) * F.logsigmoid(x) - eps * F.logsigmoid(-x)
 
 
-@_register("robust")
+@LOSSES.register("robust")
 class RobustDPOLoss(DirectAlignmentLoss):
     """Provably robust DPO (Ray Chowdhury, Kini & Natarajan 2024, arXiv:2403.00409).
 
@@ -371,7 +349,7 @@ class RobustDPOLoss(DirectAlignmentLoss):
         return ((1 - eps) * -F.logsigmoid(x) - eps * -F.logsigmoid(-x)) / (1 - 2 * eps)
 
 
-@_register("ipo")
+@LOSSES.register("ipo")
 class IPOLoss(DirectAlignmentLoss):
     """Identity Preference Optimization (Azar et al. 2023, arXiv:2310.12036), eq. 17.
 
@@ -397,7 +375,7 @@ class IPOLoss(DirectAlignmentLoss):
         return (chosen - rejected - 1 / (2 * self.beta)).square()
 
 
-@_register("hinge")
+@LOSSES.register("hinge")
 class HingeLoss(DirectAlignmentLoss):
     """Hinge loss of SLiC-HF (Zhao et al. 2023, arXiv:2305.10425), on DPO's margin.
 
@@ -412,14 +390,11 @@ class HingeLoss(DirectAlignmentLoss):
     needs_reference = True
     needs_lengths = False
 
-    def __init__(self, *, beta: float = 0.1) -> None:
-        super().__init__(beta=beta)
-
     def _losses(self, chosen: torch.Tensor, rejected: torch.Tensor) -> torch.Tensor:
         return torch.relu(1 - self.beta * (chosen - rejected))
 
 
-@_register("simpo")
+@LOSSES.register("simpo")
 class SimPOLoss(DirectAlignmentLoss):
     """Simple Preference Optimization (Meng, Xia & Chen 2024, arXiv:2405.14734).
 
@@ -450,7 +425,7 @@ def _log_odds(avg_logp: torch.Tensor) -> torch.Tensor:
     return avg_logp - log1mexp(avg_logp)
 
 
-@_register("orpo")
+@LOSSES.register("orpo")
 class ORPOLoss(DirectAlignmentLoss):
     """Odds Ratio Preference Optimization (Hong, Lee & Thorne 2024, arXiv:2403.07691).
 
@@ -466,9 +441,6 @@ class ORPOLoss(DirectAlignmentLoss):
 
     needs_reference = False
     needs_lengths = True
-
-    def __init__(self, *, beta: float = 0.1) -> None:
-        super().__init__(beta=beta)
 
     def _losses(self, chosen: torch.Tensor, rejected: torch.Tensor) -> torch.Tensor:
         return -chosen - self.beta * F.logsigmoid(_log_odds(chosen) - _log_odds(rejected))
@@ -511,7 +483,7 @@ class _KTOBase(DirectAlignmentLoss):
         self.undesirable_weight = float(undesirable_weight)
 
 
-@_register("kto")
+@LOSSES.register("kto")
 class KTOPairLoss(_KTOBase):
     """Kahneman-Tversky Optimization (Ethayarajh et al. 2024, arXiv:2402.01306), paired form.
 
@@ -542,7 +514,7 @@ class KTOPairLoss(_KTOBase):
         return {"kto/kl_chosen": z_chosen, "kto/kl_rejected": z_rejected}
 
 
-@_register("kto_unpaired")
+@LOSSES.register("kto_unpaired")
 class KTOLoss(_KTOBase):
     """Kahneman-Tversky Optimization (Ethayarajh et al. 2024, arXiv:2402.01306), eq. 8, on
     unpaired data: each row is one completion y of prompt x with a binary label (desirable or
@@ -610,7 +582,7 @@ class KTOLoss(_KTOBase):
         return losses.mean(), metrics
 
 
-@_register("apo_zero")
+@LOSSES.register("apo_zero")
 class APOZeroLoss(DirectAlignmentLoss):
     """Anchored Preference Optimization, APO-zero (D'Oosterlinck et al. 2024, arXiv:2408.06266),
     eq. 7.
@@ -625,15 +597,12 @@ class APOZeroLoss(DirectAlignmentLoss):
     needs_reference = True
     needs_lengths = False
 
-    def __init__(self, *, beta: float = 0.1) -> None:
-        super().__init__(beta=beta)
-
     def _losses(self, chosen: torch.Tensor, rejected: torch.Tensor) -> torch.Tensor:
         # 1 - sigmoid(x) written as sigmoid(-x): exact for large x, no cancellation.
         return torch.sigmoid(-self.beta * chosen) + torch.sigmoid(self.beta * rejected)
 
 
-@_register("apo_down")
+@LOSSES.register("apo_down")
 class APODownLoss(DirectAlignmentLoss):
     """Anchored Preference Optimization, APO-down (D'Oosterlinck et al. 2024, arXiv:2408.06266),
     eq. 8.
@@ -647,9 +616,6 @@ class APODownLoss(DirectAlignmentLoss):
 
     needs_reference = True
     needs_lengths = False
-
-    def __init__(self, *, beta: float = 0.1) -> None:
-        super().__init__(beta=beta)
 
     def _losses(self, chosen: torch.Tensor, rejected: torch.Tensor) -> torch.Tensor:
         # 1 - sigmoid(x) written as sigmoid(-x): exact for large x, no cancellation.

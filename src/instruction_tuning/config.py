@@ -4,15 +4,19 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import Field, field_validator, model_validator
+from pydantic import Field, model_validator
 
 from rlhf_core.checkpoint import CheckpointConfig
 from rlhf_core.config import StrictModel
 from rlhf_core.data import DataSource, check_heldout_seeds
+from rlhf_core.encoding import MAX_PROMPT_LENGTH_HELP
 from rlhf_core.loop import LoopConfig
 from rlhf_core.models import ModelConfig
 from rlhf_core.optim import OptimConfig
+from rlhf_core.registry import registered_spec
 from rlhf_core.tracking import TrackingConfig
+
+LossSpec = registered_spec("instruction_tuning.losses:LOSSES", where="loss")
 
 
 class SFTDataConfig(StrictModel):
@@ -24,9 +28,7 @@ class SFTDataConfig(StrictModel):
         "auto", description="row format; auto = 'messages' if that column exists"
     )
     max_length: int = Field(512, gt=1, description="max prompt + completion tokens")
-    max_prompt_length: int | None = Field(
-        None, gt=0, description="cut prompts to their last N tokens; null = max_length - completion"
-    )
+    max_prompt_length: int | None = Field(None, gt=0, description=MAX_PROMPT_LENGTH_HELP)
 
     @model_validator(mode="after")
     def _heldout_is_heldout(self) -> SFTDataConfig:
@@ -37,16 +39,6 @@ class SFTDataConfig(StrictModel):
 class SFTTrainConfig(LoopConfig):
     eval_max_new_tokens: int = Field(32, gt=0, description="generation budget for task accuracy")
     eval_sampled: bool = Field(True, description="also report sampled (T=1) exact match")
-    loss: str = Field("nll", description="loss name in instruction_tuning.losses.LOSSES")
-
-    @field_validator("loss")
-    @classmethod
-    def _registered_loss(cls, name: str) -> str:
-        from instruction_tuning.losses import LOSSES
-
-        if name not in LOSSES:
-            raise ValueError(f"unknown SFT loss {name!r}; registered: {', '.join(LOSSES.names())}")
-        return name
 
 
 class SFTConfig(StrictModel):
@@ -56,6 +48,10 @@ class SFTConfig(StrictModel):
     seed: int = Field(0, description="seed for init, data order and sampling")
     model: ModelConfig = Field(description="policy to fine-tune")
     data: SFTDataConfig = Field(description="training and held-out data")
+    loss: LossSpec = Field(
+        default_factory=lambda: {"name": "nll"},
+        description="loss name in instruction_tuning.losses.LOSSES and its keyword arguments",
+    )
     train: SFTTrainConfig = Field(default_factory=SFTTrainConfig, description="loop settings")
     optim: OptimConfig = Field(default_factory=OptimConfig, description="optimizer and schedule")
     checkpoint: CheckpointConfig = Field(default_factory=CheckpointConfig, description="saving")

@@ -8,9 +8,11 @@ Row formats (`data.format`):
   reasoning_gym       question -> user turn, answer -> completion; the entry is kept for scoring.
 
 Prompt and completion are tokenized separately and concatenated (so the loss mask is exact under
-any tokenizer); the completion ends with the tokenizer's eos. Over-long rows keep the end of the
-prompt (its instruction and generation prompt) and, only if still too long, cut the completion
-(counted and reported). A malformed row raises naming its index and column.
+any tokenizer); the completion ends with the tokenizer's eos. Over-long rows are cut by
+`rlhf_core.encoding`'s one rule: the prompt keeps its end (its instruction and generation prompt;
+its last `max_prompt_length` tokens, or with null as many as the completion leaves room for),
+then the completion is cut to the room left (counted and reported). A malformed row raises naming
+its index and column.
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ import torch
 
 from rlhf_core.chat import as_messages, render_prompt
 from rlhf_core.data import DataSource, load_rows, reasoning_gym_dataset, report_degenerate
+from rlhf_core.encoding import encode_completions
 from rlhf_core.errors import UserError
 
 
@@ -69,22 +72,6 @@ def _split_row(row: dict[str, Any], index: int, fmt: str, where: str) -> tuple[A
     return row["prompt"], completion
 
 
-def fit_lengths(
-    prompt_ids: list[int], completion_ids: list[int], max_length: int, max_prompt_length: int | None
-) -> tuple[list[int], list[int], bool]:
-    """Cut a (prompt, completion + eos) pair to the limits; bool = the completion was cut."""
-    if max_prompt_length is not None:
-        prompt_ids = prompt_ids[-max_prompt_length:]
-    cut = False
-    overflow = len(prompt_ids) + len(completion_ids) - max_length
-    if overflow > 0:  # keep at least one prompt token; prefer cutting the prompt's beginning
-        prompt_ids = prompt_ids[min(overflow, len(prompt_ids) - 1) :]
-        overflow = len(prompt_ids) + len(completion_ids) - max_length
-        if overflow > 0:
-            completion_ids, cut = completion_ids[:-overflow], True
-    return prompt_ids, completion_ids, cut
-
-
 def build_sft_data(
     source: DataSource,
     tokenizer,
@@ -119,22 +106,16 @@ def build_sft_data(
         rendered.append((prompt_text, completion, row.get("_entry")))
         if limit is not None and len(rendered) >= limit:
             break
+    encoded = encode_completions(
+        tokenizer, [r[0] for r in rendered], [r[1] for r in rendered],
+        max_length=max_length, max_prompt_length=max_prompt_length,
+    )  # fmt: skip
     examples, cut_count, tiny_prompts, tiny_completions = [], 0, 0, 0
-    for start in range(0, len(rendered), 2048):  # batched tokenization: ~20x faster than per row
-        chunk = rendered[start : start + 2048]
-        prompts = tokenizer([r[0] for r in chunk], add_special_tokens=False)["input_ids"]
-        completions = tokenizer([r[1] for r in chunk], add_special_tokens=False)["input_ids"]
-        for (prompt_text, completion, entry), p_ids, c_ids in zip(
-            chunk, prompts, completions, strict=True
-        ):
-            full_prompt, full_completion = len(p_ids), len(c_ids) + 1
-            p_ids, c_ids, cut = fit_lengths(
-                p_ids, c_ids + [tokenizer.eos_token_id], max_length, max_prompt_length
-            )
-            cut_count += cut
-            tiny_prompts += len(p_ids) <= 1 < full_prompt
-            tiny_completions += len(c_ids) <= 1 < full_completion
-            examples.append(SFTExample(p_ids, c_ids, prompt_text, completion, entry))
+    for (prompt_text, completion, entry), e in zip(rendered, encoded, strict=True):
+        cut_count += e.truncated
+        tiny_prompts += len(e.prompt_ids) <= 1 and e.prompt_truncated
+        tiny_completions += len(e.completion_ids) <= 1 and e.truncated
+        examples.append(SFTExample(e.prompt_ids, e.completion_ids, prompt_text, completion, entry))
     if not examples:
         raise UserError(f"{where}: no usable rows in {source.describe()}")
     report_degenerate(where, len(examples), {

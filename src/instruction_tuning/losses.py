@@ -16,13 +16,13 @@ import torch
 from torch import nn
 
 from rlhf_core.logprobs import masked_sum
-from rlhf_core.registry import Registry
+from rlhf_core.registry import Configurable, Registry
 
-LOSSES: Registry[type[nn.Module]] = Registry("sft loss")
+LOSSES: Registry[type[nn.Module]] = Registry("SFT loss")
 
 
 @LOSSES.register("nll")
-class CompletionNLLLoss(nn.Module):
+class CompletionNLLLoss(Configurable, nn.Module):
     """Completion-only token NLL summed and divided by a given token count (see module doc)."""
 
     def forward(

@@ -42,6 +42,7 @@ from rlhf_core.loop import (
 from rlhf_core.models import load_policy, load_tokenizer, resolve_model_path
 from rlhf_core.optim import build_optimizer, build_scheduler
 from rlhf_core.policy_model import policy_logprobs
+from rlhf_core.registry import build_from_spec
 from rlhf_core.rundir import managed_run, open_run_dir
 from rlhf_core.runtime import seed_everything
 from rlhf_core.tracking import Tracker
@@ -104,7 +105,7 @@ def train(cfg: SFTConfig, run: RunArgs) -> int:
         run_dir, cfg, cfg.tracking, total_steps=total_steps, resume_step=step if ckpt else None,
         enabled=is_main,
     )  # fmt: skip
-    loss_fn = LOSSES.get(t.loss)()
+    loss_fn = build_from_spec(LOSSES, cfg.loss)
     engine_facts = engine.announce([model], [optimizer])
 
     def run_eval() -> dict[str, float]:

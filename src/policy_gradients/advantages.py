@@ -41,15 +41,13 @@ caller adds them to the dense rewards), and dynamic sampling (the train loop dro
 
 from __future__ import annotations
 
-import inspect
 import math
-from collections.abc import Callable
 from typing import ClassVar, Literal
 
 import torch
 
 from rlhf_core.logprobs import masked_mean, masked_sum
-from rlhf_core.registry import Registry
+from rlhf_core.registry import Configurable, Registry
 
 ADVANTAGES: Registry[type[AdvantageEstimator]] = Registry("advantage estimator")
 
@@ -60,17 +58,7 @@ WHITEN_EPS = 1e-8
 DenseReduction = Literal["sum"] | None
 
 
-def _register(name: str) -> Callable[[type[AdvantageEstimator]], type[AdvantageEstimator]]:
-    """Register an estimator in `ADVANTAGES` and record the name on it (used in messages)."""
-
-    def decorator(cls: type[AdvantageEstimator]) -> type[AdvantageEstimator]:
-        cls.name = name
-        return ADVANTAGES.register(name)(cls)
-
-    return decorator
-
-
-class AdvantageEstimator:
+class AdvantageEstimator(Configurable):
     """Input checks and broadcasting shared by every estimator.
 
     A subclass sets `needs_groups` / `needs_values`, takes its settings as keyword-only
@@ -79,19 +67,12 @@ class AdvantageEstimator:
     """
 
     name: ClassVar[str] = "advantage estimator"  # replaced by the registered name
+    role: ClassVar[str] = "advantage estimator"
     needs_groups: ClassVar[bool] = False
     needs_values: ClassVar[bool] = False
 
     def __repr__(self) -> str:
-        params = inspect.signature(type(self).__init__).parameters
-        shown = ", ".join(f"{p}={getattr(self, p)!r}" for p in params if p != "self")
-        return f"{type(self).__name__}({shown})"
-
-    def _require(self, ok: bool, arg: str, value: object, expected: str) -> None:
-        if not ok:
-            raise ValueError(
-                f"{self.name} advantage estimator: {arg} must be {expected}, got {value!r}"
-            )
+        return f"{type(self).__name__}({self.extra_repr()})"
 
     def __call__(
         self,
@@ -258,7 +239,7 @@ class GroupAdvantageEstimator(AdvantageEstimator):
         raise NotImplementedError
 
 
-@_register("grpo")
+@ADVANTAGES.register("grpo")
 class GRPOAdvantage(GroupAdvantageEstimator):
     """Group Relative Policy Optimization (Shao et al. 2024, DeepSeekMath, arXiv:2402.03300),
     outcome supervision (section 4.1.2):
@@ -292,7 +273,7 @@ class GRPOAdvantage(GroupAdvantageEstimator):
         return advantages
 
 
-@_register("dr_grpo")
+@ADVANTAGES.register("dr_grpo")
 class DrGRPOAdvantage(GroupAdvantageEstimator):
     """Dr. GRPO (Liu et al. 2025, "Understanding R1-Zero-Like Training", arXiv:2503.20783):
 
@@ -308,7 +289,7 @@ class DrGRPOAdvantage(GroupAdvantageEstimator):
         return rewards - total / size
 
 
-@_register("rloo")
+@ADVANTAGES.register("rloo")
 class RLOOAdvantage(GroupAdvantageEstimator):
     """REINFORCE Leave-One-Out (Ahmadian et al. 2024, "Back to Basics", arXiv:2402.14740;
     Kool et al. 2019):
@@ -332,7 +313,7 @@ class RLOOAdvantage(GroupAdvantageEstimator):
 # ---------------------------------------------------------------------- batch estimators
 
 
-@_register("reinforce")
+@ADVANTAGES.register("reinforce")
 class ReinforceAdvantage(AdvantageEstimator):
     """REINFORCE (Williams 1992, "Simple statistical gradient-following algorithms"):
 
@@ -396,7 +377,7 @@ def last_token_rewards(rewards: torch.Tensor, mask: torch.Tensor) -> torch.Tenso
     )
 
 
-@_register("gae")
+@ADVANTAGES.register("gae")
 class GAEAdvantage(AdvantageEstimator):
     """Generalized Advantage Estimation (Schulman et al. 2015, arXiv:1506.02438), as used by PPO
     for language models (one completion = one episode, one token = one step):

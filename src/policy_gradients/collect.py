@@ -15,7 +15,7 @@ from __future__ import annotations
 import json
 import time
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from accelerate.utils import gather_object
@@ -33,6 +33,23 @@ from rlhf_core.data import EpochSampler
 from rlhf_core.kl import kl_estimate
 from rlhf_core.logprobs import masked_mean
 from rlhf_core.models import ReferencePolicy
+
+if TYPE_CHECKING:
+    from policy_gradients.config import PGConfig
+
+# Seeds of a prompt's samples mix (run seed, step, round, place in the global batch) with these
+# primes, so no two (step, round, place) triples of a run share a seed (for rounds < 1_009 and
+# places < 100_003) and the rollouts do not depend on the number of processes.
+STEP_PRIME = 1_000_003
+ROUND_PRIME = 1_009
+PLACE_PRIME = 100_003
+# Group ids are unique over a run: step * GROUP_ID_STRIDE + the group's place in the step.
+GROUP_ID_STRIDE = 100_000
+
+
+def sample_seed(seed: int, step: int, round_: int, place: int) -> int:
+    """The generation seed of the prompt at global `place` in round `round_` of `step`."""
+    return ((seed * STEP_PRIME + step) * ROUND_PRIME + round_) * PLACE_PRIME + place
 
 
 @dataclass
@@ -96,7 +113,7 @@ def experience_of(
     reference: ReferencePolicy | None,
     value_model: torch.nn.Module | None,
     estimator: Any,
-    cfg: Any,
+    cfg: PGConfig,
 ) -> tuple[Experience, float]:
     """The `Experience` of some rows of one round's rollouts: old/reference log-probs, values,
     the KL-in-reward penalty and advantages; and the seconds the extra forwards took."""
@@ -153,7 +170,7 @@ def collect_experience(
     prompts_per_step: int,
     rank: int,
     world: int,
-    cfg: Any,  # PGConfig
+    cfg: PGConfig,
     reward_fn: CombinedReward,
     estimator: Any,
     value_model: torch.nn.Module | None = None,
@@ -173,7 +190,7 @@ def collect_experience(
         positions = list(range(prompts_per_step))[rank::world]
         indices = sampler.next_batch(prompts_per_step)[rank::world]
         items = [prompts.items[i] for i in indices]
-        seeds = [((cfg.seed * 1_000_003 + step) * 1_009 + round_) * 100_003 + p for p in positions]
+        seeds = [sample_seed(cfg.seed, step, round_, p) for p in positions]
         t0 = time.perf_counter()
         ro = generate_rollouts(
             policy, tokenizer, [it["prompt"] for it in items], group_size=r.group_size,
@@ -192,7 +209,8 @@ def collect_experience(
         total, parts = reward_fn(rin)
         t_score += time.perf_counter() - t1
         t_gen += t1 - t0
-        group_ids = torch.arange(len(items)).repeat_interleave(r.group_size) + step * 100_000
+        group_ids = torch.arange(len(items)).repeat_interleave(r.group_size)
+        group_ids = group_ids + step * GROUP_ID_STRIDE
 
         keep = torch.ones(len(items), dtype=torch.bool)
         if alg.dynamic_sampling:

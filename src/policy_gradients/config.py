@@ -17,17 +17,25 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import Field, ValidationInfo, field_validator, model_validator
+from pydantic import Field, field_validator, model_validator
 
 from rlhf_core.checkpoint import CheckpointConfig
 from rlhf_core.config import StrictModel
 from rlhf_core.data import DataSource, check_heldout_seeds
-from rlhf_core.distributed import EngineSettings
 from rlhf_core.errors import UserError
-from rlhf_core.models import ModelConfig
+from rlhf_core.loop import BaseLoopConfig
+from rlhf_core.models import ModelConfig, ReferenceConfig
 from rlhf_core.optim import OptimConfig
-from rlhf_core.registry import validate_spec
+from rlhf_core.registry import registered_spec, validate_spec
 from rlhf_core.tracking import TrackingConfig
+
+AdvantageSpec = registered_spec(
+    "policy_gradients.advantages:ADVANTAGES", where="algorithm.advantage"
+)
+PolicyLossSpec = registered_spec("policy_gradients.losses:LOSSES", where="algorithm.loss")
+ValueLossSpec = registered_spec(
+    "policy_gradients.losses:VALUE_LOSSES", where="algorithm.value_loss"
+)
 
 
 class KLRewardConfig(StrictModel):
@@ -37,12 +45,12 @@ class KLRewardConfig(StrictModel):
 
 class AlgorithmConfig(StrictModel):
     name: str = Field(description="label of this combination, e.g. grpo")
-    advantage: dict[str, Any] = Field(description="advantage estimator name and keywords")
-    loss: dict[str, Any] = Field(description="per-token policy loss name and keywords")
+    advantage: AdvantageSpec = Field(description="advantage estimator name and keywords")
+    loss: PolicyLossSpec = Field(description="per-token policy loss name and keywords")
     kl_in_reward: KLRewardConfig = Field(
         default_factory=KLRewardConfig, description="KL penalty folded into the reward"
     )
-    value_loss: dict[str, Any] | None = Field(None, description="value loss (PPO), name + keywords")
+    value_loss: ValueLossSpec | None = Field(None, description="value loss (PPO), name + keywords")
     value_coef: float = Field(0.5, ge=0, description="weight of the value loss")
     ppo_epochs: int = Field(1, ge=1, description="passes over each rollout batch")
     mini_batches: int = Field(
@@ -54,24 +62,6 @@ class AlgorithmConfig(StrictModel):
         False, description="DAPO: drop groups whose rewards are all equal, resample to fill"
     )
     max_sampling_rounds: int = Field(4, ge=1, description="cap on dynamic-sampling generations")
-
-    @field_validator("advantage")
-    @classmethod
-    def _advantage(cls, spec: dict[str, Any]) -> dict[str, Any]:
-        from policy_gradients.advantages import ADVANTAGES
-
-        return validate_spec(ADVANTAGES, spec, where="algorithm.advantage")
-
-    @field_validator("loss", "value_loss")
-    @classmethod
-    def _loss(cls, spec: dict[str, Any] | None, info: ValidationInfo) -> dict[str, Any] | None:
-        from policy_gradients.losses import LOSSES
-
-        return (
-            None
-            if spec is None
-            else validate_spec(LOSSES, spec, where=f"algorithm.{info.field_name}")
-        )
 
 
 class PromptDataConfig(StrictModel):
@@ -98,16 +88,9 @@ class RolloutConfig(StrictModel):
     min_p: float = Field(0.0, ge=0, lt=1, description="min-p sampling; 0 = off")
 
 
-class PGTrainConfig(EngineSettings):
+class PGTrainConfig(BaseLoopConfig):
     max_steps: int = Field(100, gt=0, description="rollout + update steps")
     micro_batch_size: int = Field(16, gt=0, description="completions per forward/backward")
-    eval_every: int = Field(0, ge=0, description="held-out eval every k steps (and at the end)")
-    eval_size: int | None = Field(None, gt=0, description="held-out prompts; null = all")
-    reference: Literal["copy", "adapter"] = Field(
-        "copy", description="pi_ref: a frozen copy, or (LoRA) the policy with adapter disabled"
-    )
-    threads: int | None = Field(None, gt=0, description="CPU threads; null = free cores")
-    device: Literal["auto", "cpu", "cuda"] = Field("auto", description="auto = cuda if available")
 
 
 class PGConfig(StrictModel):
@@ -122,6 +105,9 @@ class PGConfig(StrictModel):
     data: PromptDataConfig = Field(description="prompts")
     rewards: list[dict[str, Any]] = Field(description="reward components with weights")
     algorithm: AlgorithmConfig = Field(description="estimator + loss + KL placement")
+    reference: ReferenceConfig = Field(
+        default_factory=ReferenceConfig, description="pi_ref (used when a KL term needs it)"
+    )
     rollout: RolloutConfig = Field(default_factory=RolloutConfig, description="sampling")
     train: PGTrainConfig = Field(default_factory=PGTrainConfig, description="loop settings")
     optim: OptimConfig = Field(default_factory=OptimConfig, description="optimizer and schedule")
@@ -146,8 +132,7 @@ class PGConfig(StrictModel):
 
     @model_validator(mode="after")
     def _consistent(self) -> PGConfig:
-        if self.train.reference == "adapter" and self.model.lora is None:
-            raise UserError("train.reference 'adapter' needs model.lora")
+        self.reference.check([self.model], precomputed_ok=False)
         uses_gae = self.algorithm.advantage["name"] == "gae"
         if uses_gae != (self.algorithm.value_loss is not None):
             raise UserError("the 'gae' advantage needs algorithm.value_loss, and only it does")

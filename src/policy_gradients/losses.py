@@ -1,4 +1,4 @@
-"""Per-token policy-gradient losses and PPO's value loss, chosen by name from `LOSSES`.
+"""Per-token policy-gradient losses (registry `LOSSES`) and PPO's value loss (`VALUE_LOSSES`).
 
 Every loss reads the current policy's per-token log-probs `log_probs` (B, T) over completion
 tokens and an `Experience` (B rows) holding, aligned with them, the sampling policy's log-probs
@@ -44,9 +44,7 @@ device sync): a non-finite loss is the train loop's to count and skip.
 
 from __future__ import annotations
 
-import inspect
 import math
-from collections.abc import Callable
 from typing import ClassVar
 
 import torch
@@ -55,29 +53,22 @@ from torch import nn
 from policy_gradients.experience import Experience
 from rlhf_core.kl import KLEstimator, kl_estimate
 from rlhf_core.logprobs import AGGREGATION_MODES, AggregationMode, aggregate, masked_mean
-from rlhf_core.registry import Registry
+from rlhf_core.registry import Configurable, Registry
 
-LOSSES: Registry[type[PolicyGradientLoss]] = Registry("policy loss")
+LOSSES: Registry[type[PolicyLoss]] = Registry("policy loss")
+# PPO's value loss trains the value model, not the policy: its own registry, so a value loss named
+# as `algorithm.loss` (or a policy loss as `algorithm.value_loss`) is refused when the config loads.
+VALUE_LOSSES: Registry[type[ValueLoss]] = Registry("value loss")
 
 Metrics = dict[str, torch.Tensor]
-
-
-def _register(name: str) -> Callable[[type[PolicyGradientLoss]], type[PolicyGradientLoss]]:
-    """Register a loss class in `LOSSES` and record the name on it (used in error messages)."""
-
-    def decorator(cls: type[PolicyGradientLoss]) -> type[PolicyGradientLoss]:
-        cls.name = name
-        return LOSSES.register(name)(cls)
-
-    return decorator
 
 
 def _zero_outside(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     return torch.where(mask, x, torch.zeros_like(x))
 
 
-class PolicyGradientLoss(nn.Module):
-    """Aggregation settings, input checks and repr shared by every loss in `LOSSES`."""
+class PolicyGradientLoss(Configurable, nn.Module):
+    """Aggregation settings and input checks shared by the policy and value losses."""
 
     name: ClassVar[str] = "policy loss"  # replaced by the registered name
     needs_values: ClassVar[bool] = False
@@ -108,14 +99,6 @@ class PolicyGradientLoss(nn.Module):
             )
         self.aggregation = aggregation
         self.normalizer = None if normalizer is None else float(normalizer)
-
-    def _require(self, ok: bool, arg: str, value: object, expected: str) -> None:
-        if not ok:
-            raise ValueError(f"{self.name} loss: {arg} must be {expected}, got {value!r}")
-
-    def extra_repr(self) -> str:
-        params = inspect.signature(type(self).__init__).parameters
-        return ", ".join(f"{p}={getattr(self, p)!r}" for p in params if p != "self")
 
     def _aggregate(
         self,
@@ -189,10 +172,6 @@ class PolicyLoss(PolicyGradientLoss):
         self.kl_estimator = kl_estimator
         self.entropy_coef = float(entropy_coef)
         self.needs_reference = self.kl_beta > 0
-
-    def _check_clip(self, eps_low: float, eps_high: float) -> None:
-        self._require(0 <= eps_low <= 1, "eps_low", eps_low, "in [0, 1] (lower bound 1 - eps_low)")
-        self._require(0 <= eps_high < math.inf, "eps_high", eps_high, "a finite number >= 0")
 
     def forward(
         self,
@@ -277,7 +256,7 @@ def _ppo_clip(
     return loss, binds.detach()
 
 
-@_register("pg")
+@LOSSES.register("pg")
 class VanillaPolicyGradientLoss(PolicyLoss):
     """Vanilla policy gradient / REINFORCE (Williams 1992):
 
@@ -291,25 +270,19 @@ class VanillaPolicyGradientLoss(PolicyLoss):
         return -advantages * logp, log_ratio.exp(), None
 
 
-@_register("clipped")
-class ClippedSurrogateLoss(PolicyLoss):
-    """PPO's clipped surrogate (Schulman et al. 2017, arXiv:1707.06347, eq. 7), with DAPO's
-    decoupled clip range "clip-higher" (Yu et al. 2025, arXiv:2503.14476):
+class ClippedPolicyLoss(PolicyLoss):
+    """A policy loss with a trust region on the importance ratio: [1 - eps_low, 1 + eps_high].
 
-        rho_t  = exp(logp_t - logp_old_t)
-        loss_t = -min(rho_t A_t, clip(rho_t, 1 - eps_low, 1 + eps_high) A_t)
-
-    Defaults eps_low = eps_high = 0.2 (PPO); DAPO uses eps_high = 0.28. GRPO is this loss with
-    group advantages, seq-mean-token-mean aggregation and a k3 KL in the loss. clip_fraction is
-    the fraction of tokens whose clip binds (rho < 1 - eps_low with A < 0, or rho > 1 + eps_high
-    with A > 0), i.e. whose gradient is zeroed.
+    Holds and checks the clip range for `clipped`, `gspo` and `cispo`, which differ in what they
+    clip (`_policy_term`) and in their papers' defaults (each sets `defaults`). eps_low is in
+    [0, 1] (the lower bound 1 - eps_low stays >= 0); eps_high is any finite number >= 0.
     """
 
     def __init__(
         self,
         *,
-        eps_low: float = 0.2,
-        eps_high: float = 0.2,
+        eps_low: float,
+        eps_high: float,
         aggregation: AggregationMode = "token-mean",
         normalizer: float | None = None,
         kl_beta: float = 0.0,
@@ -323,9 +296,27 @@ class ClippedSurrogateLoss(PolicyLoss):
             kl_estimator=kl_estimator,
             entropy_coef=entropy_coef,
         )
-        self._check_clip(eps_low, eps_high)
+        self._require(0 <= eps_low <= 1, "eps_low", eps_low, "in [0, 1] (lower bound 1 - eps_low)")
+        self._require(0 <= eps_high < math.inf, "eps_high", eps_high, "a finite number >= 0")
         self.eps_low = float(eps_low)
         self.eps_high = float(eps_high)
+
+
+@LOSSES.register("clipped")
+class ClippedSurrogateLoss(ClippedPolicyLoss):
+    """PPO's clipped surrogate (Schulman et al. 2017, arXiv:1707.06347, eq. 7), with DAPO's
+    decoupled clip range "clip-higher" (Yu et al. 2025, arXiv:2503.14476):
+
+        rho_t  = exp(logp_t - logp_old_t)
+        loss_t = -min(rho_t A_t, clip(rho_t, 1 - eps_low, 1 + eps_high) A_t)
+
+    Defaults eps_low = eps_high = 0.2 (PPO); DAPO uses eps_high = 0.28. GRPO is this loss with
+    group advantages, seq-mean-token-mean aggregation and a k3 KL in the loss. clip_fraction is
+    the fraction of tokens whose clip binds (rho < 1 - eps_low with A < 0, or rho > 1 + eps_high
+    with A > 0), i.e. whose gradient is zeroed.
+    """
+
+    defaults = {"eps_low": 0.2, "eps_high": 0.2}
 
     def _policy_term(self, logp, log_ratio, advantages, mask):
         ratio = log_ratio.exp()
@@ -333,8 +324,8 @@ class ClippedSurrogateLoss(PolicyLoss):
         return loss, ratio, binds
 
 
-@_register("gspo")
-class GSPOLoss(PolicyLoss):
+@LOSSES.register("gspo")
+class GSPOLoss(ClippedPolicyLoss):
     """Group Sequence Policy Optimization (Zheng et al. 2025, arXiv:2507.18071), GSPO-token form:
 
         s_i     = exp( mean_{t in y_i} (logp_t - logp_old_t) )        the sequence ratio
@@ -350,27 +341,7 @@ class GSPOLoss(PolicyLoss):
     it equals `clipped`. clip_fraction counts tokens whose (sequence) clip binds.
     """
 
-    def __init__(
-        self,
-        *,
-        eps_low: float = 3e-4,
-        eps_high: float = 4e-4,
-        aggregation: AggregationMode = "seq-mean-token-mean",
-        normalizer: float | None = None,
-        kl_beta: float = 0.0,
-        kl_estimator: KLEstimator = "k3",
-        entropy_coef: float = 0.0,
-    ) -> None:
-        super().__init__(
-            aggregation=aggregation,
-            normalizer=normalizer,
-            kl_beta=kl_beta,
-            kl_estimator=kl_estimator,
-            entropy_coef=entropy_coef,
-        )
-        self._check_clip(eps_low, eps_high)
-        self.eps_low = float(eps_low)
-        self.eps_high = float(eps_high)
+    defaults = {"eps_low": 3e-4, "eps_high": 4e-4, "aggregation": "seq-mean-token-mean"}
 
     def _policy_term(self, logp, log_ratio, advantages, mask):
         log_s = masked_mean(log_ratio, mask, dim=-1)  # fully masked row: 0, i.e. s = 1
@@ -379,8 +350,8 @@ class GSPOLoss(PolicyLoss):
         return loss, ratio, binds
 
 
-@_register("cispo")
-class CISPOLoss(PolicyLoss):
+@LOSSES.register("cispo")
+class CISPOLoss(ClippedPolicyLoss):
     """Clipped IS-weight Policy Optimization (MiniMax-M1, MiniMax 2025, arXiv:2506.13585, eq. 4):
 
         rho_t  = exp(logp_t - logp_old_t)
@@ -395,27 +366,7 @@ class CISPOLoss(PolicyLoss):
     aggregation token-mean (the default). clip_fraction counts tokens whose weight is truncated.
     """
 
-    def __init__(
-        self,
-        *,
-        eps_low: float = 1.0,
-        eps_high: float = 4.0,
-        aggregation: AggregationMode = "token-mean",
-        normalizer: float | None = None,
-        kl_beta: float = 0.0,
-        kl_estimator: KLEstimator = "k3",
-        entropy_coef: float = 0.0,
-    ) -> None:
-        super().__init__(
-            aggregation=aggregation,
-            normalizer=normalizer,
-            kl_beta=kl_beta,
-            kl_estimator=kl_estimator,
-            entropy_coef=entropy_coef,
-        )
-        self._check_clip(eps_low, eps_high)
-        self.eps_low = float(eps_low)
-        self.eps_high = float(eps_high)
+    defaults = {"eps_low": 1.0, "eps_high": 4.0}
 
     def _policy_term(self, logp, log_ratio, advantages, mask):
         ratio = log_ratio.exp()
@@ -424,7 +375,7 @@ class CISPOLoss(PolicyLoss):
         return -weight * advantages * logp, ratio, truncated.detach()
 
 
-@_register("value")
+@VALUE_LOSSES.register("value")
 class ValueLoss(PolicyGradientLoss):
     """PPO's clipped value loss (Schulman et al. 2017, arXiv:1707.06347; the clipped form of
     OpenAI baselines' PPO2, as in InstructGPT/TRL PPO):

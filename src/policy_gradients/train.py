@@ -26,7 +26,7 @@ from policy_gradients.collect import collect_experience, merge_rollout_metrics
 from policy_gradients.config import PGConfig
 from policy_gradients.evaluate import evaluate_policy
 from policy_gradients.experience import ReplayBuffer
-from policy_gradients.losses import LOSSES
+from policy_gradients.losses import LOSSES, VALUE_LOSSES
 from policy_gradients.rewards import CombinedReward
 from policy_gradients.rollout import (
     RolloutLog,
@@ -123,7 +123,7 @@ def train(cfg: PGConfig, run: RunArgs) -> int:
     reward_fn = CombinedReward(cfg.rewards)
     estimator = build_from_spec(ADVANTAGES, alg.advantage)
     loss_fn = build_from_spec(LOSSES, alg.loss)
-    value_loss_fn = build_from_spec(LOSSES, alg.value_loss) if alg.value_loss else None
+    value_loss_fn = build_from_spec(VALUE_LOSSES, alg.value_loss) if alg.value_loss else None
     needs_reference = loss_fn.needs_reference or alg.kl_in_reward.beta > 0
     run_dir, ckpt = open_run_dir(accelerator, run, package=PACKAGE, name=cfg.name)
 
@@ -132,7 +132,7 @@ def train(cfg: PGConfig, run: RunArgs) -> int:
             "model": f"{cfg.model.name_or_path} -> {resolve_model_path(cfg.model.name_or_path)}",
             "tokenizer": f"{type(tokenizer).__name__}, vocab {len(tokenizer)}",
             "algorithm": f"{alg.name}: {type(estimator).__name__} + {type(loss_fn).__name__}",
-            "reference": t.reference if needs_reference else "none (no KL term)",
+            "reference": cfg.reference.mode if needs_reference else "none (no KL term)",
             "rewards": ", ".join(f"{r['weight']} x {r['label']}" for r in cfg.rewards),
             "train prompts": f"{len(train_prompts.items)} ({d.train.describe()})",
             "eval prompts": len(eval_prompts.items) if eval_prompts else 0,
@@ -147,7 +147,7 @@ def train(cfg: PGConfig, run: RunArgs) -> int:
     policy = engine.prepare(load_policy(cfg.model, device, weights_from=ckpt).train())
     reference = None
     if needs_reference:
-        if t.reference == "adapter":
+        if cfg.reference.mode == "adapter":
             reference = ReferencePolicy(policy, "adapter")
         else:  # the starting weights, never the resumed ones
             start = load_policy(cfg.model.model_copy(update={"lora": None}), device)

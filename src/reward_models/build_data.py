@@ -26,8 +26,10 @@ result R. Corruptions of one calculation:
                  (a transcription error; checkable by comparing the two numbers)
 
 reasoning-gym answers: wrong ones are perturbed numbers, or reversed / swapped / replaced /
-another example's text (`wrong_answers`); a PRM spells the answer one character per step and
-one step writes a letter the answer does not contain (`reasoning_gym_prm_rows`).
+another example's text (`rlhf_core.preference.wrong_answers`, which also builds the preference
+pairs of reasoning-gym sources, for reward models and direct alignment alike); a PRM spells the
+answer one character per step and one step writes a letter the answer does not contain
+(`reasoning_gym_prm_rows`).
 """
 
 from __future__ import annotations
@@ -42,75 +44,18 @@ from pathlib import Path
 from typing import Any, Literal
 
 from rlhf_core.errors import UserError, UserFileNotFound
+from rlhf_core.preference import (
+    WRONG_KINDS,
+    reasoning_gym_labelled_rows,
+    seeded_rng,
+    wrong_number,
+)
 
 CALC = re.compile(r"<<([^<>=]*)=([^<>]*)>>(\$?)(-?[\d,]*\.?\d+)")
 FINAL = re.compile(r"^####\s*(.+)$")
 
 Corruption = Literal["arithmetic", "copy"]
 AfterError = Literal["drop", "negative"]
-
-
-def _rng(seed: int, index: int) -> random.Random:
-    return random.Random(f"{seed}:{index}")
-
-
-# ----------------------------------------------------------------------------- wrong values
-
-
-def wrong_number(text: str, rng: random.Random) -> str:
-    """A different number written like `text` (same decimals, no sign flip of non-negatives)."""
-    clean = text.replace(",", "")
-    decimals = len(clean.split(".")[1]) if "." in clean else 0
-    value = float(clean)
-    step = 10.0**-decimals
-    while True:
-        delta = rng.choice([-3, -2, -1, 1, 2, 3, 5, 10]) * step
-        new = value + delta
-        if new != value and (value < 0 or new >= 0):
-            return f"{new:.{decimals}f}"
-
-
-WRONG_KINDS = ("reverse", "swap", "replace", "other")
-WrongKind = Literal["reverse", "swap", "replace", "other"]
-
-
-def wrong_answers(
-    answer: str,
-    rng: random.Random,
-    k: int,
-    *,
-    others: list[str],
-    kinds: tuple[str, ...] = WRONG_KINDS,
-) -> list[str]:
-    """Up to `k` distinct wrong versions of a short answer. A number is perturbed (`wrong_number`);
-    text is, by a kind drawn from `kinds`: reversed, two neighbouring characters swapped, one
-    character replaced by another letter, or another example's answer (from `others`)."""
-    found: list[str] = []
-    for _ in range(50 * k):
-        if len(found) >= k:
-            break
-        if re.fullmatch(r"-?[\d,]*\.?\d+", answer.strip()):
-            candidate = wrong_number(answer.strip(), rng)
-        else:
-            candidate = _wrong_text(answer, rng, others, rng.choice(kinds))
-        if candidate != answer and candidate not in found and candidate.strip():
-            found.append(candidate)
-    return found
-
-
-def _wrong_text(answer: str, rng: random.Random, others: list[str], how: str) -> str:
-    chars = list(answer)
-    if how == "reverse":
-        return answer[::-1]
-    if how == "swap" and len(chars) > 1:
-        i = rng.randrange(len(chars) - 1)
-        chars[i], chars[i + 1] = chars[i + 1], chars[i]
-        return "".join(chars)
-    if how == "replace" and chars:
-        i = rng.randrange(len(chars))
-        chars[i] = rng.choice([c for c in "abcdefghijklmnopqrstuvwxyz" if c != chars[i]])
-        return "".join(chars)
-    return rng.choice(others) if others else answer[::-1]
 
 
 # ----------------------------------------------------------------------------- GSM8K
@@ -161,7 +106,7 @@ def gsm8k_orm_rows(
         match = list(CALC.finditer(steps[last]))[-1]
         if match.group(4).replace(",", "") != final:
             continue
-        rng, seen = _rng(seed, index), set()
+        rng, seen = seeded_rng(seed, index), set()
         for _ in range(10 * wrong):
             new = wrong_number(match.group(4), rng)
             if new in seen:
@@ -195,7 +140,7 @@ def gsm8k_prm_rows(
         candidates = [i for i, s in enumerate(steps) if CALC.search(s)]
         if not candidates:
             continue
-        rng = _rng(seed, index)
+        rng = seeded_rng(seed, index)
         j = rng.choice(candidates)
         bad = corrupt_step(steps[j], rng, corruption)
         kept = steps[:j] + [bad] + (steps[j + 1 :] if after_error == "negative" else [])
@@ -204,39 +149,6 @@ def gsm8k_prm_rows(
 
 
 # ----------------------------------------------------------------------------- reasoning-gym
-
-
-def reasoning_gym_orm_rows(
-    entries: list[dict[str, Any]],
-    *,
-    wrong: int = 3,
-    kinds: tuple[str, ...] = WRONG_KINDS,
-    seed: int = 0,
-) -> Iterator[dict[str, Any]]:
-    """Per reasoning-gym example: the reference answer (label true) and up to `wrong` wrong
-    answers (`wrong_answers` of `kinds`; label false), each a row with the example's question."""
-    answers = [str(e["answer"]) for e in entries]
-    for index, entry in enumerate(entries):
-        rng = _rng(seed, index)
-        others = [a for a in rng.sample(answers, min(len(answers), 8)) if a != answers[index]]
-        yield {"prompt": entry["question"], "completion": answers[index], "label": True}
-        for bad in wrong_answers(answers[index], rng, wrong, others=others, kinds=kinds):
-            yield {"prompt": entry["question"], "completion": bad, "label": False}
-
-
-def reasoning_gym_preference_rows(
-    entries: list[dict[str, Any]], *, kinds: tuple[str, ...] = WRONG_KINDS, seed: int = 0
-) -> Iterator[dict[str, Any]]:
-    """Per reasoning-gym example: chosen = the reference answer, rejected = one wrong answer."""
-    for row in reasoning_gym_orm_rows(entries, wrong=1, kinds=kinds, seed=seed):
-        if row["label"]:
-            good = row
-        else:
-            yield {
-                "prompt": good["prompt"],
-                "chosen": good["completion"],
-                "rejected": row["completion"],
-            }
 
 
 def reasoning_gym_prm_rows(
@@ -255,7 +167,7 @@ def reasoning_gym_prm_rows(
         steps = list(str(entry["answer"]))
         if gold:
             yield {"prompt": entry["question"], "steps": steps, "labels": [1] * len(steps)}
-        rng = _rng(seed, index)
+        rng = seeded_rng(seed, index)
         absent = [c for c in "abcdefghijklmnopqrstuvwxyz" if c not in entry["answer"].lower()]
         letters = [k for k, c in enumerate(steps) if c.isalpha()]
         if not absent or not letters:
@@ -341,7 +253,7 @@ def main(argv: list[str] | None = None) -> int:
                                     config=args.task_config)  # fmt: skip
         entries = list(reasoning_gym_dataset(source))
         if args.command == "orm-reasoning-gym":
-            rows = reasoning_gym_orm_rows(
+            rows = reasoning_gym_labelled_rows(
                 entries, wrong=args.wrong, kinds=tuple(args.wrong_kinds), seed=args.seed
             )
         else:

@@ -8,23 +8,27 @@ trains a preference model, `orm_bce` an outcome model, `prm_ce` a process model.
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Literal
 
-from pydantic import Field, field_validator, model_validator
+from pydantic import Field, model_validator
 
 from rlhf_core.checkpoint import CheckpointConfig
 from rlhf_core.config import StrictModel
 from rlhf_core.data import DataSource, check_heldout_seeds
+from rlhf_core.encoding import MAX_PROMPT_LENGTH_HELP
 from rlhf_core.errors import UserError
 from rlhf_core.loop import LoopConfig
 from rlhf_core.models import ModelConfig
 from rlhf_core.optim import OptimConfig
-from rlhf_core.registry import validate_spec
+from rlhf_core.registry import registered_spec
 from rlhf_core.tracking import TrackingConfig
 
 FORMAT_NAMES = Literal[
     "auto", "preference", "ultrafeedback", "hh", "orm", "prm", "prm800k", "gsm8k", "segments"
 ]
+
+
+LossSpec = registered_spec("reward_models.losses:LOSSES", where="loss")
 
 
 class BuilderConfig(StrictModel):
@@ -59,9 +63,7 @@ class RMDataConfig(StrictModel):
         "suit the loss's kind",
     )
     max_length: int = Field(1024, gt=2, description="max prompt + completion tokens")
-    max_prompt_length: int | None = Field(
-        None, gt=0, description="keep the last N prompt tokens; null = max_length // 2"
-    )
+    max_prompt_length: int | None = Field(None, gt=0, description=MAX_PROMPT_LENGTH_HELP)
     margin_column: str | list[str] | None = Field(
         None,
         description="preference margins (loss use_margin): a numeric column, or [a, b] for "
@@ -119,7 +121,7 @@ class RMConfig(StrictModel):
     model: ModelConfig = Field(description="the backbone: tiny preset, local dir or hub id")
     freeze_backbone: bool = Field(False, description="train the head only (not with LoRA)")
     data: RMDataConfig = Field(description="training and held-out rows")
-    loss: dict[str, Any] = Field(
+    loss: LossSpec = Field(
         default_factory=lambda: {"name": "bradley_terry"},
         description="loss name in reward_models.losses.LOSSES and its keyword arguments",
     )
@@ -127,13 +129,6 @@ class RMConfig(StrictModel):
     optim: OptimConfig = Field(default_factory=OptimConfig, description="optimizer and schedule")
     checkpoint: CheckpointConfig = Field(default_factory=CheckpointConfig, description="saving")
     tracking: TrackingConfig = Field(default_factory=TrackingConfig, description="logging")
-
-    @field_validator("loss")
-    @classmethod
-    def _loss_spec(cls, spec: dict[str, Any]) -> dict[str, Any]:
-        from reward_models.losses import LOSSES
-
-        return validate_spec(LOSSES, spec, where="loss")
 
     @property
     def kind(self) -> str:

@@ -26,49 +26,51 @@ Row formats (`data.format`; `auto` picks by columns):
                    through each step's completions (see `prm800k_row`)
     gsm8k          GSM8K rows, one step corrupted on the fly (`build_data.gsm8k_prm_rows`)
 A reasoning-gym source builds preference pairs (chosen = the answer, rejected = a wrong one) or
-ORM rows (the answer and wrong ones) on the fly; see `build_data`.
+ORM rows (the answer and wrong ones) on the fly (`rlhf_core.preference`), PRM rows by
+`build_data`. Preference rows are parsed by `rlhf_core.preference.preference_row`.
 
 Prompts are rendered with the chat template; completions end with eos; PRM completions are the
-steps, each followed by the one-token `step_separator`. Truncation is `rlhf_core.scalar_head`'s
-(the same as at scoring time). Preference pairs identical after truncation are dropped and
-counted. A malformed row raises naming its index and column.
+steps, each followed by the one-token `step_separator`. Truncation is `rlhf_core.encoding`'s one
+rule (the same at scoring time); a pair's two completions follow the same prompt tokens.
+Preference pairs identical after truncation are dropped and counted. A malformed row raises
+naming its index and column.
 """
 
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
-from reward_models.build_data import (
-    gsm8k_orm_rows,
-    gsm8k_prm_rows,
-    reasoning_gym_orm_rows,
-    reasoning_gym_preference_rows,
-    reasoning_gym_prm_rows,
-)
+from reward_models.build_data import gsm8k_orm_rows, gsm8k_prm_rows, reasoning_gym_prm_rows
 from reward_models.losses import IGNORE_INDEX
-from rlhf_core.chat import Messages, as_messages, completion_text, render_prompt, split_hh_pair
-from rlhf_core.data import (
-    DataSource,
-    load_rows,
-    reasoning_gym_dataset,
-    report_degenerate,
-    warn_truncated_prompts,
-)
-from rlhf_core.errors import UserError
-from rlhf_core.scalar_head import (
+from rlhf_core.chat import Messages, as_messages, completion_text, render_prompt
+from rlhf_core.data import DataSource, load_rows, reasoning_gym_dataset, warn_truncated_prompts
+from rlhf_core.encoding import (
     encode_completions,
+    encode_pairs,
     encode_segments,
     encode_steps,
     pad_sequences,
 )
+from rlhf_core.errors import UserError
+from rlhf_core.preference import (
+    PREFERENCE_FORMATS,
+    column,
+    preference_row,
+    reasoning_gym_labelled_rows,
+    reasoning_gym_preference_rows,
+    report_degenerate_pairs,
+)
+
+if TYPE_CHECKING:
+    from reward_models.config import RMDataConfig
 from rlhf_core.segmentation import segment
 
 FORMATS = {
-    "preference": ("auto", "preference", "ultrafeedback", "hh"),
+    "preference": PREFERENCE_FORMATS,
     "orm": ("auto", "orm", "gsm8k"),
     "prm": ("auto", "prm", "prm800k", "gsm8k"),
     "segment": ("auto", "segments"),
@@ -117,40 +119,14 @@ class RewardData:
 # ----------------------------------------------------------------------------- row parsing
 
 
-def _column(row: dict[str, Any], column: str, here: str) -> Any:
-    if row.get(column) is None:
-        raise UserError(f"{here} is missing column {column!r} (columns: {list(row)})")
-    return row[column]
-
-
-def preference_row(
-    row: dict[str, Any], index: int, fmt: str, where: str
-) -> tuple[Messages, str, str]:
-    """(prompt messages, chosen text, rejected text) of one preference row."""
-    here = f"{where}: row {index}"
-    chosen, rejected = _column(row, "chosen", here), _column(row, "rejected", here)
-    if fmt == "auto":
-        fmt = "preference" if row.get("prompt") is not None else "hh"
-    if fmt == "hh":
-        if not isinstance(chosen, str) or not isinstance(rejected, str):
-            raise UserError(f"{here}: HH rows need string transcripts in 'chosen' and 'rejected'")
-        return split_hh_pair(chosen, rejected, where=f"{here} columns chosen/rejected")
-    prompt = as_messages(_column(row, "prompt", here), where=f"{here} column 'prompt'")
-    return (
-        prompt,
-        completion_text(chosen, prompt, f"{here} column 'chosen'"),
-        completion_text(rejected, prompt, f"{here} column 'rejected'"),
-    )
-
-
 def row_margin(row: dict[str, Any], spec: str | list[str], here: str) -> float:
     """The Llama 2 margin of a row: one numeric column, or the difference of two."""
     columns = [spec] if isinstance(spec, str) else list(spec)
     values = []
-    for column in columns:
-        value = _column(row, column, here)
+    for name in columns:
+        value = column(row, name, here)
         if isinstance(value, bool) or not isinstance(value, int | float) or math.isnan(value):
-            raise UserError(f"{here} column {column!r}: expected a number, got {value!r}")
+            raise UserError(f"{here} column {name!r}: expected a number, got {value!r}")
         values.append(float(value))
     return values[0] if len(values) == 1 else values[0] - values[1]
 
@@ -158,11 +134,11 @@ def row_margin(row: dict[str, Any], spec: str | list[str], here: str) -> float:
 def outcome_row(row: dict[str, Any], index: int, where: str) -> tuple[Messages, str, float]:
     """(prompt messages, completion text, label in [0, 1]) of one ORM row."""
     here = f"{where}: row {index}"
-    prompt = as_messages(_column(row, "prompt", here), where=f"{here} column 'prompt'")
+    prompt = as_messages(column(row, "prompt", here), where=f"{here} column 'prompt'")
     completion = completion_text(
-        _column(row, "completion", here), prompt, f"{here} column 'completion'"
+        column(row, "completion", here), prompt, f"{here} column 'completion'"
     )
-    label = _column(row, "label", here)
+    label = column(row, "label", here)
     if isinstance(label, bool):
         return prompt, completion, float(label)
     if isinstance(label, int | float) and 0 <= label <= 1:
@@ -187,7 +163,7 @@ def prm800k_row(row: dict[str, Any], here: str) -> dict[str, Any]:
     """A PRM800K row as {"prompt", "steps", "labels"}: at each step the labeller's chosen
     completion (its rating), or their own written step (`human_completion`, counted +1); where
     labelling stopped with no continuation, the first -1 completion is kept as the last step."""
-    question, label = _column(row, "question", here), _column(row, "label", here)
+    question, label = column(row, "question", here), column(row, "label", here)
     if not isinstance(question, dict) or not isinstance(label, dict) or "steps" not in label:
         raise UserError(f"{here}: not a PRM800K row (question.problem, label.steps expected)")
     steps, ratings = [], []
@@ -219,8 +195,8 @@ def process_row(
     here = f"{where}: row {index}"
     if fmt == "prm800k" or (fmt == "auto" and isinstance(row.get("label"), dict)):
         row = prm800k_row(row, here)
-    prompt = as_messages(_column(row, "prompt", here), where=f"{here} column 'prompt'")
-    steps, labels = _column(row, "steps", here), _column(row, "labels", here)
+    prompt = as_messages(column(row, "prompt", here), where=f"{here} column 'prompt'")
+    steps, labels = column(row, "steps", here), column(row, "labels", here)
     if not isinstance(steps, list) or not all(isinstance(s, str) for s in steps) or not steps:
         raise UserError(f"{here} column 'steps': expected a non-empty list of strings")
     if not isinstance(labels, list) or len(labels) != len(steps):
@@ -240,11 +216,11 @@ def segment_row(
 ) -> tuple[Messages, str, list[int]]:
     """(prompt messages, completion text, one class per segment) of one segment row."""
     here = f"{where}: row {index}"
-    prompt = as_messages(_column(row, "prompt", here), where=f"{here} column 'prompt'")
+    prompt = as_messages(column(row, "prompt", here), where=f"{here} column 'prompt'")
     completion = completion_text(
-        _column(row, "completion", here), prompt, f"{here} column 'completion'"
+        column(row, "completion", here), prompt, f"{here} column 'completion'"
     )
-    labels = _column(row, "labels", here)
+    labels = column(row, "labels", here)
     count = len(segment(completion, level))
     if not isinstance(labels, list) or len(labels) != count:
         raise ValueError(
@@ -276,7 +252,7 @@ def source_rows(source: DataSource, kind: str, fmt: str, builder: Any, where: st
             rows = reasoning_gym_preference_rows(entries, kinds=kinds, seed=builder.seed)
             return list(rows), "preference"
         if kind == "orm":
-            rows = reasoning_gym_orm_rows(
+            rows = reasoning_gym_labelled_rows(
                 entries, wrong=builder.wrong, kinds=kinds, seed=builder.seed
             )
             return list(rows), "orm"
@@ -305,7 +281,7 @@ def build_reward_data(
     tokenizer: Any,
     *,
     kind: str,
-    data_cfg: Any,
+    data_cfg: RMDataConfig,
     num_classes: int = 3,
     where: str,
     limit: int | None = None,
@@ -350,24 +326,18 @@ def build_reward_data(
     if not data.examples:
         raise UserError(f"{where}: no usable {kind} examples in {source.describe()}")
     if kind == "preference":
-        report_degenerate(where, len(parsed), {
-            "have an empty 'chosen' completion": sum(not p[1].strip() for p in parsed),
-            "have an empty 'rejected' completion": sum(not p[2].strip() for p in parsed),
-            "have identical chosen and rejected tokens (dropped)":
-                data.counts["dropped_identical"],
-        })  # fmt: skip
+        report_degenerate_pairs(where, parsed, data.counts["dropped_identical"])
     if data.counts.get("truncated_prompts"):
-        kept = data_cfg.max_prompt_length or data_cfg.max_length // 2
-        warn_truncated_prompts(where, data.counts["truncated_prompts"], len(parsed), kept)
+        cut = data.counts["truncated_prompts"]
+        warn_truncated_prompts(where, cut, len(parsed), data_cfg.max_prompt_length)
     return data
 
 
 def _preference_examples(tokenizer, prompts, parsed, lengths) -> RewardData:
-    chosen = encode_completions(tokenizer, prompts, [p[1] for p in parsed], **lengths)
-    rejected = encode_completions(tokenizer, prompts, [p[2] for p in parsed], **lengths)
+    encoded = encode_pairs(tokenizer, prompts, [(p[1], p[2]) for p in parsed], **lengths)
     data = RewardData([], {"dropped_identical": 0, "truncated": 0, "truncated_prompts": 0,
                            "empty_completions": 0})  # fmt: skip
-    for item, c, r in zip(parsed, chosen, rejected, strict=True):
+    for item, (c, r) in zip(parsed, encoded, strict=True):
         data.counts["empty_completions"] += (not item[1].strip()) + (not item[2].strip())
         data.counts["truncated"] += c.truncated or r.truncated
         data.counts["truncated_prompts"] += c.prompt_truncated

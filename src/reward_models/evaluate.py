@@ -26,7 +26,7 @@ import torch
 from reward_models.data import RewardData, collate_outcomes, collate_pairs, collate_steps
 from reward_models.losses import IGNORE_INDEX, RewardLoss
 from reward_models.models import compute_loss
-from rlhf_core.scalar_head import last_token_index
+from rlhf_core.encoding import last_token_index
 
 COLLATE = {
     "preference": collate_pairs, "orm": collate_outcomes, "prm": collate_steps,

@@ -26,24 +26,22 @@ jointly; we do not), listwise (Plackett-Luce) rankings of more than two response
 
 from __future__ import annotations
 
-import inspect
-from collections.abc import Callable
 from typing import ClassVar
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from rlhf_core.encoding import last_token_index
 from rlhf_core.logprobs import aggregate, masked_mean
-from rlhf_core.registry import Registry
-from rlhf_core.scalar_head import last_token_index
+from rlhf_core.registry import Configurable, Registry
 
 LOSSES: Registry[type[RewardLoss]] = Registry("reward model loss")
 
 IGNORE_INDEX = -100  # step_labels at positions that are not a step end
 
 
-class RewardLoss(nn.Module):
+class RewardLoss(Configurable, nn.Module):
     """What every reward loss declares; configuration is by keyword only."""
 
     name: ClassVar[str] = "reward loss"  # replaced by the registered name
@@ -54,29 +52,13 @@ class RewardLoss(nn.Module):
     def head_dim(self) -> int:
         return 1
 
-    def _require(self, ok: bool, arg: str, value: object, expected: str) -> None:
-        if not ok:
-            raise ValueError(f"{self.name} loss: {arg} must be {expected}, got {value!r}")
-
-    def extra_repr(self) -> str:
-        params = inspect.signature(type(self).__init__).parameters
-        return ", ".join(f"{p}={getattr(self, p)!r}" for p in params if p != "self")
-
-
-def _register(name: str) -> Callable[[type[RewardLoss]], type[RewardLoss]]:
-    def decorator(cls: type[RewardLoss]) -> type[RewardLoss]:
-        cls.name = name
-        return LOSSES.register(name)(cls)
-
-    return decorator
-
 
 def _shape_error(name: str, expected: str, **tensors: torch.Tensor) -> ValueError:
     got = ", ".join(f"{k} {tuple(v.shape)}" for k, v in tensors.items())
     return ValueError(f"{name} loss: expected {expected}; got {got}")
 
 
-@_register("bradley_terry")
+@LOSSES.register("bradley_terry")
 class BradleyTerryLoss(RewardLoss):
     """Bradley-Terry pairwise loss on scalar rewards (the InstructGPT / Llama 2 reward model).
 
@@ -158,7 +140,7 @@ class BradleyTerryLoss(RewardLoss):
         return total.mean(), metrics
 
 
-@_register("orm_bce")
+@LOSSES.register("orm_bce")
 class OutcomeBCELoss(RewardLoss):
     """Outcome reward model (verifier): binary cross-entropy of the solution's correctness.
 
@@ -227,7 +209,7 @@ def first_error_step(negative: torch.Tensor, step_mask: torch.Tensor) -> torch.T
     return flagged.min(-1).values if flagged.shape[-1] else count
 
 
-@_register("prm_ce")
+@LOSSES.register("prm_ce")
 class ProcessCELoss(RewardLoss):
     """Process reward model: cross-entropy of each step's rating, read at step-separator tokens.
 
@@ -289,7 +271,7 @@ class ProcessCELoss(RewardLoss):
         return loss, metrics
 
 
-@_register("segment_ce")
+@LOSSES.register("segment_ce")
 class SegmentCELoss(RewardLoss):
     """Token-level (segment) reward model: cross-entropy of each segment's class, read at the token
     that ends the segment (a sentence or a sub-sentence).

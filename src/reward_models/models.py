@@ -4,8 +4,10 @@ or process reward model.
 All of the machinery (backbone loading, per-token scores, last-token pooling, the saved directory,
 `score`) is `rlhf_core.scalar_head.ScalarHeadModel`, so that `policy_gradients` can load a reward
 model from its directory without importing this package. This module adds what only training
-needs: building the model for a config, running a collated batch through it into the loss of its
-kind (`compute_loss`), and the sequence-classification export of preference models.
+needs: building the model for a config, the two forwards that encode each pair's prompt once
+(packed rows with a 4D mask, or a shared prefix through the KV cache), running a collated batch
+through it into the loss of its kind (`compute_loss`), and the sequence-classification export of
+preference models.
 
     kind         head_dim      read at                       trained by
     preference   1             the last token (eos)          bradley_terry
@@ -34,6 +36,97 @@ from rlhf_core.scalar_head import (
 class BaseRewardModel(ScalarHeadModel):
     """A reward model: `forward(input_ids, attention_mask) -> (B, T, head_dim)` scores; the loss
     never lives in `forward`. See `rlhf_core.scalar_head.ScalarHeadModel`."""
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        attention_mask: torch.Tensor,
+        *,
+        position_ids: torch.Tensor | None = None,
+        prefix_ids: torch.Tensor | None = None,
+        prefix_mask: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """Scores of every position, (B, T, head_dim), float32. Padding positions hold garbage.
+
+        Packed rows: `attention_mask` may be a 4D boolean mask (B, 1, T, T), True where a query
+        may attend to a key, with explicit `position_ids` (B, T); several sequences then share
+        one row (SDPA and eager attention; flash-attention 2 takes 2D masks only). A preference
+        pair packs as [prompt | chosen | rejected] with the rejected tokens blind to the chosen
+        ones and positions restarting after the prompt (`reward_models.data.pack_pairs`).
+
+        Shared prefix: with `prefix_ids` / `prefix_mask` (Bp, P), left-padded, the rows of
+        `input_ids` (B = Bp x r, right-padded) are continuations of those prefixes, r per prefix
+        and grouped (rows b*r ... b*r + r - 1 continue prefix b). The prefix runs once, its keys
+        and values are repeated for the r continuations, and the continuations attend to them
+        through the KV cache; gradients flow through the cache into the prefix. The scores are
+        those of the continuation tokens only, equal (up to float rounding; tested) to scoring
+        prefix + continuation as one row. A preference batch shares each prompt between its
+        chosen and rejected completions this way (Wang et al. 2024, "Accelerating Direct
+        Preference Optimization with Prefix Sharing"), so the prompt is encoded once, not twice.
+
+        Otherwise it is `ScalarHeadModel.forward`.
+        """
+        if attention_mask.dim() == 4:
+            return self._packed_forward(input_ids, attention_mask, position_ids)
+        if prefix_ids is not None:
+            return self._shared_prefix_forward(input_ids, attention_mask, prefix_ids, prefix_mask)
+        return super().forward(input_ids, attention_mask)
+
+    def _packed_forward(
+        self, input_ids: torch.Tensor, allowed: torch.Tensor, position_ids: torch.Tensor | None
+    ) -> torch.Tensor:
+        if position_ids is None:
+            raise ValueError("a 4D attention mask (packed rows) needs explicit position_ids")
+        with self._grad_context():
+            hidden = self.backbone(
+                input_ids=input_ids, attention_mask=self.additive_mask(allowed),
+                position_ids=position_ids, use_cache=False,
+            ).last_hidden_state  # fmt: skip
+        return self.head(hidden.to(self.head.weight.dtype))
+
+    def additive_mask(self, allowed: torch.Tensor) -> torch.Tensor:
+        """A 4D boolean mask (True = may attend) as the additive mask transformers passes on
+        untouched: 0 where allowed, the dtype's minimum elsewhere, in the backbone's dtype.
+        Eager attention adds the mask to the scores (a boolean one would add 0/1: wrong), and
+        SDPA would otherwise convert a boolean mask in every layer's forward and backward."""
+        dtype = self.backbone.get_input_embeddings().weight.dtype
+        mask = torch.zeros(allowed.shape, dtype=dtype, device=allowed.device)
+        return mask.masked_fill_(~allowed.bool(), torch.finfo(dtype).min)
+
+    def _shared_prefix_forward(
+        self,
+        input_ids: torch.Tensor,
+        attention_mask: torch.Tensor,
+        prefix_ids: torch.Tensor,
+        prefix_mask: torch.Tensor | None,
+    ) -> torch.Tensor:
+        if prefix_mask is None or input_ids.shape[0] % prefix_ids.shape[0]:
+            raise ValueError(
+                f"shared prefix: need prefix_mask and a row count ({input_ids.shape[0]}) that is "
+                f"a multiple of the prefixes' ({prefix_ids.shape[0]})"
+            )
+        repeats = input_ids.shape[0] // prefix_ids.shape[0]
+        prefix_mask = prefix_mask.long()
+        prefix_positions = (prefix_mask.cumsum(-1) - 1).clamp(min=0)
+        starts = prefix_mask.sum(-1, keepdim=True).repeat_interleave(repeats, 0)
+        positions = starts + (attention_mask.long().cumsum(-1) - 1).clamp(min=0)
+        mask = torch.cat([prefix_mask.repeat_interleave(repeats, 0), attention_mask.long()], 1)
+        with self._grad_context():
+            # one embedding lookup for both passes: a second one would cost a second dense
+            # (vocab x hidden) embedding gradient in the backward
+            embed = self.backbone.get_input_embeddings()
+            both = embed(torch.cat([prefix_ids.reshape(-1), input_ids.reshape(-1)]))
+            n = prefix_ids.numel()
+            cache = self.backbone(
+                inputs_embeds=both[:n].view(*prefix_ids.shape, -1), attention_mask=prefix_mask,
+                position_ids=prefix_positions, use_cache=True,
+            ).past_key_values  # fmt: skip
+            cache.batch_repeat_interleave(repeats)
+            hidden = self.backbone(
+                inputs_embeds=both[n:].view(*input_ids.shape, -1), attention_mask=mask,
+                position_ids=positions, past_key_values=cache, use_cache=True,
+            ).last_hidden_state  # fmt: skip
+        return self.head(hidden.to(self.head.weight.dtype))
 
     @classmethod
     def for_config(

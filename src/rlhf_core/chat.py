@@ -65,11 +65,6 @@ def render_prompt(tokenizer: Any, prompt: str | Messages, *, where: str = "promp
     )
 
 
-def completion_suffix(tokenizer: Any) -> str:
-    """What ends an assistant turn in training targets: the tokenizer's eos token."""
-    return tokenizer.eos_token
-
-
 # ------------------------------------------------------------------ preference rows
 
 

@@ -231,14 +231,19 @@ class EpochSampler:
         return self.epoch + self.offset / self.num_items
 
 
-def warn_truncated_prompts(where: str, cut: int, total: int, kept: int) -> None:
+def warn_truncated_prompts(where: str, cut: int, total: int, max_prompt_length: int | None) -> None:
     """Say when prompts lost their start: a cut prompt is a different question at training time
-    than at generation time, and the default budget (max_length // 2) cuts silently otherwise."""
+    than at generation time, and would otherwise be cut silently (rule: `rlhf_core.encoding`)."""
     import warnings
 
+    how = (
+        f"to their last {max_prompt_length} tokens (data.max_prompt_length)"
+        if max_prompt_length is not None
+        else "to leave room for their completions (data.max_prompt_length: null)"
+    )
     warnings.warn(
-        f"{where}: {cut} of {total} prompts were cut to their last {kept} tokens "
-        "(data.max_prompt_length; null = max_length // 2): raise it if the start matters",
+        f"{where}: {cut} of {total} prompts were cut {how}: raise it (or data.max_length) if "
+        "the start matters",
         stacklevel=2,
     )
 

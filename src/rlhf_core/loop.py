@@ -38,7 +38,16 @@ from rlhf_core.optim import EmbeddingGradBuffer
 from rlhf_core.runtime import configure_threads, quiet_libraries
 
 
-class LoopConfig(EngineSettings):
+class BaseLoopConfig(EngineSettings):
+    """Loop settings every trainer shares (its `train:` block extends this)."""
+
+    eval_every: int = Field(0, ge=0, description="evaluate every k steps (and at the end); 0 = end")
+    eval_size: int | None = Field(None, gt=0, description="held-out rows to use; null = all")
+    threads: int | None = Field(None, gt=0, description="CPU threads; null = free cores")
+    device: Literal["auto", "cpu", "cuda"] = Field("auto", description="auto = cuda if available")
+
+
+class LoopConfig(BaseLoopConfig):
     """Loop settings shared by the supervised trainers (SFT, reward models, direct alignment)."""
 
     batch_size: int = Field(32, gt=0, description="rows per optimizer step (global)")
@@ -47,10 +56,6 @@ class LoopConfig(EngineSettings):
     )
     max_steps: int | None = Field(None, gt=0, description="optimizer steps; null = from epochs")
     epochs: float = Field(1.0, gt=0, description="passes over the data when max_steps is null")
-    eval_every: int = Field(0, ge=0, description="evaluate every k steps (and at the end); 0 = end")
-    eval_size: int | None = Field(None, gt=0, description="held-out rows to use; null = all")
-    threads: int | None = Field(None, gt=0, description="CPU threads; null = free cores")
-    device: Literal["auto", "cpu", "cuda"] = Field("auto", description="auto = cuda if available")
 
 
 def start_engine(loop: Any) -> tuple[Accelerator, Engine, int]:
@@ -60,10 +65,9 @@ def start_engine(loop: Any) -> tuple[Accelerator, Engine, int]:
     return accelerator, Engine(accelerator, loop.engine, loop.fsdp), threads
 
 
-def start_accelerator(loop: Any) -> tuple[Accelerator, int]:
-    """Quiet the libraries, set CPU threads, and create the accelerate `Accelerator`.
-
-    `loop` is any config block with `threads` and `device` (e.g. `LoopConfig`)."""
+def start_accelerator(loop: BaseLoopConfig) -> tuple[Accelerator, int]:
+    """Quiet the libraries, set CPU threads, and create the accelerate `Accelerator` (`loop`:
+    the config's `train:` block)."""
     quiet_libraries()
     threads = configure_threads(loop.threads)
     use_cpu = loop.device == "cpu" or not torch.cuda.is_available()

@@ -218,6 +218,34 @@ def is_peft_model(model) -> bool:
     return isinstance(model, PeftModel)
 
 
+class ReferenceConfig(StrictModel):
+    """The `reference:` block of the trainers with a reference policy pi_ref (direct alignment,
+    policy gradients)."""
+
+    mode: Literal["model", "adapter", "precomputed"] = Field(
+        "model",
+        description="model: a frozen copy of the starting policy; adapter: the LoRA policy with "
+        "its adapter disabled (no copy); precomputed (direct alignment only): one pass before "
+        "training, cached in the run dir, no reference held during training",
+    )
+
+    def check(self, models: list[ModelConfig], *, precomputed_ok: bool) -> None:
+        """A config error for a mode these policies (or this trainer) cannot use."""
+        if self.mode == "precomputed" and not precomputed_ok:
+            raise UserError(
+                "reference.mode 'precomputed' needs fixed completions to score once; this "
+                "trainer samples new ones every step: use 'model' or 'adapter'"
+            )
+        if self.mode == "adapter":
+            other = "'model' or 'precomputed'" if precomputed_ok else "'model'"
+            for m in models:
+                if m.lora is None:
+                    raise UserError(
+                        f"reference.mode 'adapter' needs LoRA: model {m.name_or_path!r} has no "
+                        f"'lora' block (use mode {other} for full fine-tuning)"
+                    )
+
+
 class ReferencePolicy:
     """The frozen reference pi_ref: a deep copy (mode "copy") or the LoRA policy with its adapter
     disabled (mode "adapter", no second copy of the weights)."""

@@ -8,6 +8,11 @@
     loss_cls = LOSSES.get("dpo")
 
 Registering a name twice raises; asking for an unknown name raises and lists the registered names.
+A registered class gets its name as the class attribute `name` (used in its error messages).
+
+`Configurable` is the small base every registered loss and estimator shares: keyword checks whose
+message names the class (`_require`), a repr listing its keywords, and `defaults`, with which a
+subclass changes some of its parent's keyword defaults without repeating the constructor.
 
 Configs name a registered class and its keyword arguments together, `{name: dpo, beta: 0.1}`;
 `validate_spec` checks such a spec against the class's `__init__` signature (so a newly registered
@@ -16,12 +21,14 @@ loss is configurable with no config code) and `build_from_spec` instantiates it.
 
 from __future__ import annotations
 
+import functools
+import importlib
 import inspect
 import typing
 from collections.abc import Callable, Iterator, Mapping
-from typing import Any, Generic, TypeVar
+from typing import Annotated, Any, Generic, TypeVar
 
-from pydantic import ConfigDict, ValidationError, create_model
+from pydantic import AfterValidator, ConfigDict, ValidationError, create_model
 
 from rlhf_core.config import check_scalar_kind
 
@@ -55,6 +62,8 @@ class Registry(Generic[T]):
                     f"{self.kind}: the name {name!r} is already registered "
                     f"(by {self._entries[name]!r}); choose another name"
                 )
+            if isinstance(obj, type):
+                obj.name = name  # type: ignore[attr-defined]
             self._entries[name] = obj
             return obj
 
@@ -84,6 +93,66 @@ class Registry(Generic[T]):
         return f"Registry({self.kind!r}, names={self.names()})"
 
 
+class Configurable:
+    """What every registered loss and estimator shares.
+
+    `name` is set by `Registry.register` (an unregistered subclass keeps its base's label);
+    `role` completes error messages ("dpo loss: beta must be ..."). Settings are keyword-only
+    `__init__` arguments stored under their own names, so `extra_repr` (nn.Module's repr hook)
+    can list them. A subclass that only changes defaults sets `defaults = {"eps_low": 3e-4}`
+    instead of repeating its parent's constructor; its signature then shows the new defaults,
+    which is what `validate_spec` and the generated configuration reference read.
+    """
+
+    name: typing.ClassVar[str] = "(unregistered)"
+    role: typing.ClassVar[str] = "loss"
+    defaults: typing.ClassVar[dict[str, Any]] = {}
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        if "defaults" in cls.__dict__:
+            cls.__init__ = _with_defaults(cls.__init__, cls.defaults, cls.__qualname__)  # type: ignore[method-assign]
+
+    def _require(self, ok: bool, arg: str, value: object, expected: str) -> None:
+        if not ok:
+            raise ValueError(f"{self.name} {self.role}: {arg} must be {expected}, got {value!r}")
+
+    def extra_repr(self) -> str:
+        return ", ".join(f"{p}={getattr(self, p)!r}" for p in keywords(type(self)))
+
+
+def keywords(cls: type) -> dict[str, inspect.Parameter]:
+    """The keyword arguments of `cls.__init__` a config may set (no self, *args, **kwargs)."""
+    return {
+        p.name: p
+        for p in inspect.signature(cls.__init__).parameters.values()
+        if p.name != "self" and p.kind in (p.KEYWORD_ONLY, p.POSITIONAL_OR_KEYWORD)
+    }
+
+
+def _with_defaults(init: Callable, defaults: dict[str, Any], owner: str) -> Callable:
+    """`init` with some keyword defaults replaced (see `Configurable.defaults`)."""
+    signature = inspect.signature(init)
+    unknown = sorted(set(defaults) - set(signature.parameters) - {"self"})
+    if unknown:
+        raise TypeError(f"{owner}.defaults: {', '.join(unknown)} are not keywords of its __init__")
+    signature = signature.replace(
+        parameters=[
+            p.replace(default=defaults.get(p.name, p.default))
+            for p in signature.parameters.values()
+        ]
+    )
+
+    @functools.wraps(init)
+    def __init__(self: Any, *args: Any, **kwargs: Any) -> None:
+        bound = signature.bind(self, *args, **kwargs)
+        bound.apply_defaults()
+        init(*bound.args, **bound.kwargs)
+
+    __init__.__signature__ = signature  # type: ignore[attr-defined]
+    return __init__
+
+
 def validate_spec(registry: Registry, spec: Mapping[str, Any], *, where: str) -> dict[str, Any]:
     """Check a `{name: ..., **keyword arguments}` spec against the registered class's __init__.
 
@@ -98,11 +167,7 @@ def validate_spec(registry: Registry, spec: Mapping[str, Any], *, where: str) ->
         cls = registry.get(name)
     except RegistryError as exc:  # pydantic validators turn ValueErrors into config errors
         raise ValueError(f"{where}: {exc}") from None
-    params = {
-        p.name: p
-        for p in inspect.signature(cls.__init__).parameters.values()
-        if p.name != "self" and p.kind in (p.KEYWORD_ONLY, p.POSITIONAL_OR_KEYWORD)
-    }
+    params = keywords(cls)
     unknown = sorted(set(spec) - set(params) - {"name"})
     if unknown:
         raise ValueError(
@@ -134,6 +199,21 @@ def validate_spec(registry: Registry, spec: Mapping[str, Any], *, where: str) ->
         )
         raise ValueError(f"{where} ({registry.kind} {name!r}): {problems}") from None
     return {"name": name, **values.model_dump()}
+
+
+def registered_spec(registry: str, *, where: str) -> Any:
+    """The type of a config field that holds a `{name: ..., **keywords}` spec of `registry`
+    ("module:NAME"), checked by `validate_spec` when the config is validated. The registry is
+    imported then, so a config module need not import its package's losses.
+
+        loss: registered_spec("direct_alignment.losses:LOSSES", where="loss") = Field(...)
+    """
+
+    def check(spec: dict[str, Any]) -> dict[str, Any]:
+        module, name = registry.split(":")
+        return validate_spec(getattr(importlib.import_module(module), name), spec, where=where)
+
+    return Annotated[dict[str, Any], AfterValidator(check)]
 
 
 def build_from_spec(registry: Registry, spec: Mapping[str, Any]) -> Any:

@@ -27,10 +27,11 @@ A saved model is a directory that plain transformers/peft can read:
 `ScalarHeadModel.from_pretrained(dir)` loads that, or a transformers `...ForSequenceClassification`
 directory (as kind "preference"); `export_sequence_classification` writes the latter.
 
-Text is scored exactly as it was trained on (`encode_completions`, `encode_steps`): the prompt is
-rendered with the chat template and keeps its last `max_prompt_length` tokens, the completion ends
-with eos and is cut to fit `max_length`; a PRM completion is its steps, each followed by the
-one-token step separator, and is scored at the separators. What `score` returns per row:
+Text is scored exactly as it was trained on (`rlhf_core.encoding`: `encode_completions`,
+`encode_steps`): the prompt is rendered with the chat template and cut by the one truncation rule
+(`max_length`, `max_prompt_length` recorded in `scalar_head.json`), the completion ends with eos;
+a PRM completion is its steps, each followed by the one-token step separator, and is scored at
+the separators. What `score` returns per row:
 
     preference, value   the head's scalar at the last token
     orm                 P(correct) = sigmoid(the logit at the last token)
@@ -40,8 +41,9 @@ one-token step separator, and is scored at the separators. What `score` returns 
                         that ends each sentence or sub-sentence (`rlhf_core.segmentation`;
                         class 0 = no error), Fine-Grained RLHF's token-level reward models
 
-Not here: losses (each package owns its own), sequence packing, multi-objective heads beyond
-`pooled_scores`.
+Not here: losses (each package owns its own), the packed-rows and shared-prefix forwards of
+reward-model training (`reward_models.models`), text encoding (`rlhf_core.encoding`),
+multi-objective heads beyond `pooled_scores`.
 """
 
 from __future__ import annotations
@@ -58,6 +60,14 @@ from torch import nn
 
 from rlhf_core.chat import Messages, render_prompt
 from rlhf_core.checkpoint import is_sharded_checkpoint
+from rlhf_core.encoding import (
+    EncodedCompletion,
+    encode_completions,
+    encode_segments,
+    encode_steps,
+    last_token_index,
+    pad_sequences,
+)
 from rlhf_core.models import (
     ModelConfig,
     apply_lora,
@@ -67,7 +77,6 @@ from rlhf_core.models import (
     resolve_dtype,
     resolve_model_path,
 )
-from rlhf_core.segmentation import segment, segment_end_tokens
 
 KINDS = ("preference", "orm", "prm", "segment", "value")
 HEAD_WEIGHTS = "scalar_head.safetensors"
@@ -79,19 +88,6 @@ HEAD_INIT_STD = 0.02
 # ----------------------------------------------------------------------------- pooling
 
 
-def last_token_index(attention_mask: torch.Tensor) -> torch.Tensor:
-    """(B,) index of each row's last position whose mask is set; right or left padding alike.
-
-    `attention_mask` is (B, T), bool or 0/1. A row with no set position gets index 0.
-    """
-    if attention_mask.dim() != 2:
-        raise ValueError(
-            f"last_token_index: expected a (B, T) mask, got shape {tuple(attention_mask.shape)}"
-        )
-    positions = torch.arange(attention_mask.shape[1], device=attention_mask.device)
-    return (positions * attention_mask.ne(0)).argmax(-1)
-
-
 def pool_last_token(values: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
     """values (B, T, ...) at each row's last set mask position -> (B, ...)."""
     if values.shape[:2] != attention_mask.shape:
@@ -101,162 +97,6 @@ def pool_last_token(values: torch.Tensor, attention_mask: torch.Tensor) -> torch
         )
     rows = torch.arange(values.shape[0], device=values.device)
     return values[rows, last_token_index(attention_mask).to(values.device)]
-
-
-# ----------------------------------------------------------------------------- encoding
-
-
-@dataclass
-class EncodedCompletion:
-    """Token ids of one prompt and its completion (ending with eos unless truncated)."""
-
-    prompt_ids: list[int]
-    completion_ids: list[int]
-    truncated: bool  # the completion lost tokens to max_length
-    prompt_truncated: bool = False  # the prompt lost its start to max_prompt_length
-
-
-@dataclass
-class EncodedSteps:
-    """Token ids of one prompt and a step-by-step completion: each step, then the separator."""
-
-    prompt_ids: list[int]
-    completion_ids: list[int]
-    step_ends: list[int]  # index in completion_ids of each kept step's separator token
-    dropped_steps: int  # steps that did not fit in max_length (a cut first step counts too)
-
-
-def tokenize_texts(tokenizer: Any, texts: list[str], chunk: int = 1024) -> list[list[int]]:
-    """Token ids of each text, no special tokens added, in batches of `chunk`."""
-    out: list[list[int]] = []
-    for start in range(0, len(texts), chunk):
-        out.extend(tokenizer(texts[start : start + chunk], add_special_tokens=False)["input_ids"])
-    return out
-
-
-def _prompt_budget(max_length: int, max_prompt_length: int | None) -> int:
-    return max_prompt_length or max_length // 2
-
-
-def encode_completions(
-    tokenizer: Any,
-    prompt_texts: list[str],
-    completions: list[str],
-    *,
-    max_length: int,
-    max_prompt_length: int | None = None,
-) -> list[EncodedCompletion]:
-    """Tokenize rendered prompts and completions (+ eos) and truncate.
-
-    The prompt keeps its last `max_prompt_length` tokens (default max_length // 2); the completion
-    is then cut to the room left (at least one token). Both cuts are flagged per example.
-    """
-    if len(prompt_texts) != len(completions):
-        raise ValueError(f"{len(prompt_texts)} prompts but {len(completions)} completions")
-    keep = _prompt_budget(max_length, max_prompt_length)
-    eos = tokenizer.eos_token_id
-    out = []
-    for p_ids, c_ids in zip(
-        tokenize_texts(tokenizer, prompt_texts), tokenize_texts(tokenizer, completions), strict=True
-    ):
-        cut = len(p_ids) > keep
-        p_ids = p_ids[-keep:]
-        room = max(1, max_length - len(p_ids))
-        full = c_ids + [eos]
-        out.append(EncodedCompletion(p_ids, full[:room], len(full) > room, cut))
-    return out
-
-
-def separator_token_id(tokenizer: Any, separator: str) -> int:
-    """The id of a step separator, which must be exactly one token under `tokenizer`."""
-    ids = tokenizer(separator, add_special_tokens=False)["input_ids"]
-    if len(ids) != 1:
-        raise ValueError(
-            f"step separator {separator!r} is {len(ids)} tokens {ids} under this tokenizer; it "
-            "must be exactly one token (choose e.g. '\\n' or a special token)"
-        )
-    return ids[0]
-
-
-def encode_steps(
-    tokenizer: Any,
-    prompt_texts: list[str],
-    steps: list[list[str]],
-    *,
-    separator: str,
-    max_length: int,
-    max_prompt_length: int | None = None,
-) -> list[EncodedSteps]:
-    """Tokenize rendered prompts and step lists: completion = step_1 sep step_2 sep ... step_n sep.
-
-    Each step is tokenized on its own, so every separator is exactly one token at a known place.
-    The prompt keeps its last `max_prompt_length` tokens; whole steps are kept while they fit in
-    `max_length`; if even the first does not fit it is cut (and counted as dropped).
-    """
-    if len(prompt_texts) != len(steps):
-        raise ValueError(f"{len(prompt_texts)} prompts but {len(steps)} step lists")
-    sep = separator_token_id(tokenizer, separator)
-    keep = _prompt_budget(max_length, max_prompt_length)
-    flat = tokenize_texts(tokenizer, [s for row in steps for s in row])
-    out, cursor = [], 0
-    for p_ids in tokenize_texts(tokenizer, prompt_texts):
-        n = len(steps[len(out)])
-        row_steps, cursor = flat[cursor : cursor + n], cursor + n
-        p_ids = p_ids[-keep:]
-        room = max(2, max_length - len(p_ids))
-        ids: list[int] = []
-        ends: list[int] = []
-        for step_ids in row_steps:
-            if len(ids) + len(step_ids) + 1 > room:
-                break
-            ids.extend(step_ids + [sep])
-            ends.append(len(ids) - 1)
-        dropped = n - len(ends)
-        if not ends and row_steps:  # the first step alone is too long: keep its start
-            ids = row_steps[0][: room - 1] + [sep]
-            ends = [len(ids) - 1]
-        out.append(EncodedSteps(p_ids, ids, ends, dropped))
-    return out
-
-
-def encode_segments(
-    tokenizer: Any,
-    prompt_texts: list[str],
-    completions: list[str],
-    *,
-    level: str,
-    max_length: int,
-    max_prompt_length: int | None = None,
-) -> list[EncodedSteps]:
-    """Tokenize rendered prompts and completions (+ eos) and find the token that ends each
-    sentence or sub-sentence of the completion (`rlhf_core.segmentation`, pysbd); truncation as
-    `encode_completions`, and segments whose end was cut off are dropped (counted)."""
-    encoded = encode_completions(
-        tokenizer, prompt_texts, completions, max_length=max_length,
-        max_prompt_length=max_prompt_length,
-    )  # fmt: skip
-    out = []
-    for text, e in zip(completions, encoded, strict=True):
-        segs = segment(text, level)
-        full = tokenize_texts(tokenizer, [text])[0]
-        ends = segment_end_tokens(tokenizer, full, segs) if segs else []
-        kept = [end for end in ends if end < len(e.completion_ids)]
-        out.append(EncodedSteps(e.prompt_ids, e.completion_ids, kept, len(ends) - len(kept)))
-    return out
-
-
-def pad_sequences(
-    sequences: list[list[int]], pad_id: int, *, side: Literal["left", "right"] = "right"
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """(input_ids, attention_mask), both (B, T_max), padded on `side`."""
-    longest = max(len(s) for s in sequences)
-    input_ids = torch.full((len(sequences), longest), pad_id, dtype=torch.long)
-    attention_mask = torch.zeros((len(sequences), longest), dtype=torch.long)
-    for b, seq in enumerate(sequences):
-        cols = slice(0, len(seq)) if side == "right" else slice(longest - len(seq), longest)
-        input_ids[b, cols] = torch.tensor(seq, dtype=torch.long)
-        attention_mask[b, cols] = 1
-    return input_ids, attention_mask
 
 
 # ----------------------------------------------------------------------------- the model
@@ -476,89 +316,25 @@ class ScalarHeadModel(nn.Module):
     def backbone_frozen(self) -> bool:
         return not any(p.requires_grad for p in self.backbone.parameters())
 
-    def additive_mask(self, allowed: torch.Tensor) -> torch.Tensor:
-        """A 4D boolean mask (True = may attend) as the additive mask transformers passes on
-        untouched: 0 where allowed, the dtype's minimum elsewhere, in the backbone's dtype.
-        Eager attention adds the mask to the scores (a boolean one would add 0/1: wrong), and
-        SDPA would otherwise convert a boolean mask in every layer's forward and backward."""
-        dtype = self.backbone.get_input_embeddings().weight.dtype
-        mask = torch.zeros(allowed.shape, dtype=dtype, device=allowed.device)
-        return mask.masked_fill_(~allowed.bool(), torch.finfo(dtype).min)
-
-    def forward(
-        self,
-        input_ids: torch.Tensor,
-        attention_mask: torch.Tensor,
-        *,
-        position_ids: torch.Tensor | None = None,
-        prefix_ids: torch.Tensor | None = None,
-        prefix_mask: torch.Tensor | None = None,
-    ) -> torch.Tensor:
+    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
         """Scores of every position, (B, T, head_dim), float32. Padding positions hold garbage.
 
-        Packed rows: `attention_mask` may be a 4D boolean mask (B, 1, T, T), True where a query
-        may attend to a key, with explicit `position_ids` (B, T); several sequences then share
-        one row (SDPA and eager attention; flash-attention 2 takes 2D masks only). A preference
-        pair packs as [prompt | chosen | rejected] with the rejected tokens blind to the chosen
-        ones and positions restarting after the prompt (`reward_models.data.pack_pairs`).
-
-        Shared prefix: with `prefix_ids` / `prefix_mask` (Bp, P), left-padded, the rows of
-        `input_ids` (B = Bp x r, right-padded) are continuations of those prefixes, r per prefix
-        and grouped (rows b*r ... b*r + r - 1 continue prefix b). The prefix runs once, its keys
-        and values are repeated for the r continuations, and the continuations attend to them
-        through the KV cache; gradients flow through the cache into the prefix. The scores are
-        those of the continuation tokens only, equal (up to float rounding; tested) to scoring
-        prefix + continuation as one row. A preference batch shares each prompt between its
-        chosen and rejected completions this way (Wang et al. 2024, "Accelerating Direct
-        Preference Optimization with Prefix Sharing"), so the prompt is encoded once, not twice.
-        """
-        grad = torch.no_grad() if self.backbone_frozen else nullcontext()
-        if attention_mask.dim() == 4:
-            if position_ids is None:
-                raise ValueError("a 4D attention mask (packed rows) needs explicit position_ids")
-            with grad:
-                hidden = self.backbone(
-                    input_ids=input_ids, attention_mask=self.additive_mask(attention_mask),
-                    position_ids=position_ids, use_cache=False,
-                ).last_hidden_state  # fmt: skip
-            return self.head(hidden.to(self.head.weight.dtype))
-        if prefix_ids is None:
-            position_ids = (attention_mask.long().cumsum(-1) - 1).clamp(min=0)
-            with grad:
-                hidden = self.backbone(
-                    input_ids=input_ids,
-                    attention_mask=attention_mask,
-                    position_ids=position_ids,
-                    use_cache=False,
-                ).last_hidden_state
-            return self.head(hidden.to(self.head.weight.dtype))
-        if prefix_mask is None or input_ids.shape[0] % prefix_ids.shape[0]:
-            raise ValueError(
-                f"shared prefix: need prefix_mask and a row count ({input_ids.shape[0]}) that is "
-                f"a multiple of the prefixes' ({prefix_ids.shape[0]})"
-            )
-        repeats = input_ids.shape[0] // prefix_ids.shape[0]
-        prefix_mask = prefix_mask.long()
-        prefix_positions = (prefix_mask.cumsum(-1) - 1).clamp(min=0)
-        starts = prefix_mask.sum(-1, keepdim=True).repeat_interleave(repeats, 0)
-        positions = starts + (attention_mask.long().cumsum(-1) - 1).clamp(min=0)
-        mask = torch.cat([prefix_mask.repeat_interleave(repeats, 0), attention_mask.long()], 1)
-        with grad:
-            # one embedding lookup for both passes: a second one would cost a second dense
-            # (vocab x hidden) embedding gradient in the backward
-            embed = self.backbone.get_input_embeddings()
-            both = embed(torch.cat([prefix_ids.reshape(-1), input_ids.reshape(-1)]))
-            n = prefix_ids.numel()
-            cache = self.backbone(
-                inputs_embeds=both[:n].view(*prefix_ids.shape, -1), attention_mask=prefix_mask,
-                position_ids=prefix_positions, use_cache=True,
-            ).past_key_values  # fmt: skip
-            cache.batch_repeat_interleave(repeats)
+        Position ids come from the attention mask, so left or right padding scores the same.
+        (`reward_models.models.BaseRewardModel` adds the packed and shared-prefix forwards that
+        reward-model training uses.)"""
+        position_ids = (attention_mask.long().cumsum(-1) - 1).clamp(min=0)
+        with self._grad_context():
             hidden = self.backbone(
-                inputs_embeds=both[n:].view(*input_ids.shape, -1), attention_mask=mask,
-                position_ids=positions, past_key_values=cache, use_cache=True,
-            ).last_hidden_state  # fmt: skip
+                input_ids=input_ids,
+                attention_mask=attention_mask,
+                position_ids=position_ids,
+                use_cache=False,
+            ).last_hidden_state
         return self.head(hidden.to(self.head.weight.dtype))
+
+    def _grad_context(self) -> Any:
+        """No autograd graph through a frozen backbone (only the head trains)."""
+        return torch.no_grad() if self.backbone_frozen else nullcontext()
 
     # --- scoring text
 

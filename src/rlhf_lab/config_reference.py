@@ -1,6 +1,7 @@
 """Generate `docs/configuration.md`, the configuration reference, from the Pydantic config classes:
 every key of every trainer's YAML with its type, default and description (the `Field`
-descriptions in the code are the single source).
+descriptions in the code are the single source), the truncation rule (`rlhf_core.encoding`'s
+docstring), and every registered loss, estimator and reward with its constructor keywords.
 
     uv run python -m rlhf_lab.config_reference            # rewrite docs/configuration.md
     uv run python -m rlhf_lab.config_reference --check    # exit 1 if it is out of date
@@ -29,6 +30,16 @@ ROOTS = [
     ("rlhf-lab compare", "rlhf_lab.compare:CompareConfig", None),
 ]
 TARGET = Path(__file__).resolve().parents[2] / "docs" / "configuration.md"
+#: (config key, registry) of every `{name: ..., keyword: value}` spec a config holds.
+REGISTRIES = [
+    ("loss (instruction_tuning)", "instruction_tuning.losses:LOSSES"),
+    ("loss (reward_models)", "reward_models.losses:LOSSES"),
+    ("loss (direct_alignment)", "direct_alignment.losses:LOSSES"),
+    ("algorithm.advantage (policy_gradients)", "policy_gradients.advantages:ADVANTAGES"),
+    ("algorithm.loss (policy_gradients)", "policy_gradients.losses:LOSSES"),
+    ("algorithm.value_loss (policy_gradients)", "policy_gradients.losses:VALUE_LOSSES"),
+    ("rewards[] (policy_gradients)", "policy_gradients.rewards:REWARDS"),
+]
 
 
 def _load(spec: str) -> type[BaseModel]:
@@ -92,6 +103,59 @@ def _rows(model: type[BaseModel], prefix: str, seen: list[tuple[str, type[BaseMo
     return rows
 
 
+def _truncation_rule() -> list[str]:
+    """`data.max_length` / `data.max_prompt_length`: the rule from `rlhf_core.encoding`'s
+    docstring, its single source."""
+    import rlhf_core.encoding
+
+    doc = rlhf_core.encoding.__doc__ or ""
+    rule = doc[doc.index("The truncation rule") : doc.index("Both cuts")].strip().splitlines()
+    return [
+        "## Token limits (every package)",
+        "",
+        "SFT, reward-model and preference data, and the scoring of a saved reward model, all cut",
+        "over-long examples by one rule (`rlhf_core.encoding.fit_lengths`):",
+        "",
+        "```",
+        *[line.rstrip() for line in rule],
+        "```",
+        "",
+    ]
+
+
+def _registered() -> list[str]:
+    """Every registered class and the keywords its spec accepts, read from `__init__`."""
+    from rlhf_core.registry import keywords
+
+    lines = [
+        "## Registered losses, estimators and rewards",
+        "",
+        "A spec is `{name: <registered name>, <keyword>: <value>, ...}`; the keywords are the "
+        "class's constructor arguments (unknown keys and wrong types are errors; defaults are "
+        "filled in and shown in the resolved config). Where the loss sits: top-level `loss:` in "
+        "the packages whose method is its loss (SFT, reward models, direct alignment), and "
+        "`algorithm.loss` in policy gradients, where an algorithm combines the loss with an "
+        "advantage estimator.",
+        "",
+    ]
+    for key, spec in REGISTRIES:
+        registry = _load(spec)
+        lines += [f"### `{key}`", "", "| name | class | keywords (default) |"]
+        lines.append("| --- | --- | --- |")
+        for name in registry.names():
+            cls = registry.get(name)
+            hints = typing.get_type_hints(cls.__init__)
+            params = [
+                f"`{p}`: {_type_name(hints.get(p, Any))}"
+                + ("" if param.default is param.empty else f" = `{param.default!r}`")
+                for p, param in keywords(cls).items()
+            ]
+            shown = "; ".join(params) or "(none)"  # _type_name escapes its "|"
+            lines.append(f"| `{name}` | `{cls.__name__}` | {shown} |")
+        lines.append("")
+    return lines
+
+
 def render() -> str:
     lines = [
         "# Configuration reference",
@@ -101,6 +165,7 @@ def render() -> str:
         "Every trainer reads one YAML file (`--config`), rejects unknown keys, and accepts "
         "`--set key.path=value` overrides (list items by index: `rewards.0.weight=0.5`).",
         "",
+        *_truncation_rule(),
     ]
     for title, spec, module in ROOTS:
         root = _load(spec)
@@ -120,6 +185,7 @@ def render() -> str:
             lines += _rows(model, f"{prefix}." if prefix else "", nested)
             lines.append("")
             queue += nested
+    lines += _registered()
     return "\n".join(lines).rstrip() + "\n"
 
 

@@ -11,7 +11,6 @@ from direct_alignment.data import (
     build_preference_data,
     build_unpaired_data,
     collate_pairs,
-    corrupt_answer,
     mismatched_partners,
 )
 from rlhf_core.chat import split_hh_pair
@@ -121,12 +120,18 @@ def test_collate_concatenates_chosen_then_rejected(char_tok, tmp_path):
     assert torch.equal(batch["loss_mask"].sum(-1), batch["lengths"])
 
 
-def test_synthetic_rejected_answers_are_wrong_and_deterministic():
-    assert corrupt_answer("olleh", 0) == "hello"
-    assert corrupt_answer("abba", 3) != "abba" and corrupt_answer("abba", 3) == corrupt_answer(
-        "abba", 3
+def test_synthetic_rejected_answers_are_wrong_and_deterministic(char_tok):
+    # reasoning-gym pairs come from rlhf_core.preference (the reward models' builder too)
+    source = DataSource.model_validate(
+        {"reasoning_gym": {"task": "spell_backward", "size": 6, "seed": 3}}
     )
-    assert corrupt_answer("aaa", 0) == "aaaa"
+    first, again = build(char_tok, source), build(char_tok, source)
+    assert len(first.pairs) == 6
+    for a, b in zip(first.pairs, again.pairs, strict=True):
+        assert a.chosen_ids != a.rejected_ids
+        assert (a.prompt_ids, a.chosen_ids, a.rejected_ids) == (
+            b.prompt_ids, b.chosen_ids, b.rejected_ids,
+        )  # fmt: skip
 
 
 def test_prompts_cut_to_the_prompt_budget_are_counted_and_warned_about(char_tok, tmp_path):
@@ -134,9 +139,15 @@ def test_prompts_cut_to_the_prompt_budget_are_counted_and_warned_about(char_tok,
     rows.append({"prompt": "short", "chosen": "good", "rejected": "bad"})
     source = write_jsonl(tmp_path / "p.jsonl", rows)
     with pytest.warns(UserWarning, match=r"data.train: 3 of 4 prompts were cut to their last 40"):
-        data = build(char_tok, source, max_length=80)  # default prompt budget 80 // 2
+        data = build(char_tok, source, max_length=80, max_prompt_length=40)
     assert data.truncated_prompts == 3
     assert all(len(p.prompt_ids) <= 40 for p in data.pairs)
+    # null: each prompt keeps what its longer completion leaves of max_length
+    with pytest.warns(UserWarning, match=r"3 of 4 prompts were cut to leave room"):
+        data = build(char_tok, source, max_length=40)
+    assert data.truncated_prompts == 3
+    for p in data.pairs:
+        assert len(p.prompt_ids) + max(len(p.chosen_ids), len(p.rejected_ids)) <= 40
     roomy = build(char_tok, source, max_length=200, max_prompt_length=150)
     assert roomy.truncated_prompts == 0
 

@@ -7,7 +7,7 @@ import json
 import pytest
 import torch
 
-from instruction_tuning.data import build_sft_data, collate, fit_lengths
+from instruction_tuning.data import build_sft_data, collate
 from rlhf_core.data import DataSource
 from rlhf_core.models import ModelConfig, load_tokenizer
 
@@ -57,16 +57,6 @@ def test_collate_masks_exactly_the_completion_targets(tokenizer, tmp_path):
         n = len(ex.prompt_ids) + len(ex.completion_ids)
         assert batch["attention_mask"][b].sum() == n
         assert (batch["input_ids"][b, n:] == tokenizer.pad_token_id).all()
-
-
-def test_fit_lengths_keeps_the_end_of_the_prompt():
-    prompt, completion = list(range(10)), [100, 101, 102]
-    p, c, cut = fit_lengths(prompt, completion, max_length=8, max_prompt_length=None)
-    assert p == [5, 6, 7, 8, 9] and c == completion and not cut
-    p, c, cut = fit_lengths(prompt, completion, max_length=3, max_prompt_length=None)
-    assert p == [9] and c == [100, 101] and cut
-    p, c, cut = fit_lengths(prompt, completion, max_length=100, max_prompt_length=4)
-    assert p == [6, 7, 8, 9] and not cut
 
 
 def test_row_missing_a_column_names_row_and_column(tokenizer, tmp_path):

@@ -15,13 +15,19 @@ import torch
 import rlhf_core.kl
 from policy_gradients import losses as pg_losses
 from policy_gradients.experience import Experience
-from policy_gradients.losses import LOSSES
+from policy_gradients.losses import LOSSES, VALUE_LOSSES
 from rlhf_core.registry import RegistryError, build_from_spec, validate_spec
 
 F64 = torch.float64
 TOL = {"rtol": 1e-9, "atol": 1e-10}
 MODES = ["token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm"]
 POLICY_LOSSES = ["pg", "clipped", "gspo", "cispo"]
+
+
+def loss_cls(name: str) -> type:
+    """A policy loss from `LOSSES`, or PPO's value loss from its own registry."""
+    return VALUE_LOSSES.get(name) if name == "value" else LOSSES.get(name)
+
 
 # B = 6, T = 5: full rows, a fully masked row (2), a length-1 row (3).
 MASK = [
@@ -81,7 +87,7 @@ def leaf(rows) -> torch.Tensor:
 
 def make(name: str, mode: str = "token-mean", **kwargs):
     normalizer = 7.0 if mode == "seq-mean-token-sum-norm" else None
-    return LOSSES.get(name)(aggregation=mode, normalizer=normalizer, **kwargs)
+    return loss_cls(name)(aggregation=mode, normalizer=normalizer, **kwargs)
 
 
 # ---------------------------------------------------------------- float64 references
@@ -254,7 +260,7 @@ def test_kl_in_loss_is_rlhf_core_kl():
 def test_value_loss_and_gradient_match_reference(eps_value, mode):
     d = random_batch(2)
     values = leaf(d["values"])
-    fn = LOSSES.get("value")(
+    fn = loss_cls("value")(
         eps_value=eps_value, aggregation=mode, normalizer=7.0 if "norm" in mode else None
     )
     loss, metrics = fn(None, experience(d), values=values)
@@ -289,7 +295,7 @@ def test_metrics_match_reference_and_are_detached():
         assert metrics["pg_loss"].item() == pytest.approx(pg_loss, rel=1e-9)
         if name != "gspo":
             assert metrics["ratio_mean"].item() == pytest.approx(sum(rhos) / n, rel=1e-9)
-    _, metrics = LOSSES.get("value")()(None, exp, values=leaf(d["values"]))
+    _, metrics = loss_cls("value")()(None, exp, values=leaf(d["values"]))
     assert set(metrics) == {"value_loss", "value_clip_fraction", "value_mean"}
     assert not any(v.requires_grad for v in metrics.values())
 
@@ -336,7 +342,7 @@ def test_sum_norm_with_normalizer_T_equals_token_mean_on_full_rows(name):
     out = []
     for mode, normalizer in [("token-mean", None), ("seq-mean-token-sum-norm", float(T))]:
         logp, values = leaf(d["logp"]), leaf(d["values"])
-        fn = LOSSES.get(name)(aggregation=mode, normalizer=normalizer)
+        fn = loss_cls(name)(aggregation=mode, normalizer=normalizer)
         loss, _ = fn(logp, experience(d, full), values=values)
         loss.backward()
         out.append((loss, logp.grad if name != "value" else values.grad))
@@ -378,7 +384,7 @@ def test_garbage_in_padding_is_ignored(name):
             torch.tensor(d["entropy"], dtype=F64) if fill is None else dirty(d["entropy"], fill)
         )
         kwargs = {} if name == "value" else {"kl_beta": 0.1, "entropy_coef": 0.01}
-        loss, metrics = LOSSES.get(name)(**kwargs)(
+        loss, metrics = loss_cls(name)(**kwargs)(
             logp, experience(d, **over), entropy=entropy, values=values
         )
         loss.backward()
@@ -469,7 +475,7 @@ def test_gradcheck(name, kind, kwargs, mode):
 def test_gradcheck_value_loss(mode):
     d = random_batch(13)
     exp = experience(d)
-    fn = LOSSES.get("value")(aggregation=mode, normalizer=7.0 if "norm" in mode else None)
+    fn = loss_cls("value")(aggregation=mode, normalizer=7.0 if "norm" in mode else None)
     assert torch.autograd.gradcheck(
         lambda v: fn(None, exp, values=v)[0], (leaf(d["values"]),), eps=1e-6, atol=1e-8
     )
@@ -500,7 +506,7 @@ def test_entropy_bonus_needs_entropy(name):
 
 def test_value_loss_needs_values_and_targets():
     d = random_batch()
-    fn = LOSSES.get("value")()
+    fn = loss_cls("value")()
     assert fn.needs_values is True and not fn.needs_reference
     assert not any(LOSSES.get(n).needs_values for n in POLICY_LOSSES)
     with pytest.raises(ValueError, match="value loss needs values"):
@@ -546,7 +552,7 @@ def test_shape_errors_name_the_argument():
 )
 def test_bad_settings_raise(name, kwargs, match):
     with pytest.raises(ValueError, match=f"{name} loss: {match}"):
-        LOSSES.get(name)(**kwargs)
+        loss_cls(name)(**kwargs)
 
 
 def test_defaults_follow_the_papers():
@@ -555,23 +561,32 @@ def test_defaults_follow_the_papers():
     assert (gspo.eps_low, gspo.eps_high, gspo.aggregation) == (3e-4, 4e-4, "seq-mean-token-mean")
     cispo = LOSSES.get("cispo")()
     assert (cispo.eps_low, cispo.eps_high, cispo.aggregation) == (1.0, 4.0, "token-mean")
-    assert LOSSES.get("value")().eps_value == 0.2
+    assert loss_cls("value")().eps_value == 0.2
     for name in POLICY_LOSSES:
-        fn = LOSSES.get(name)()
+        fn = loss_cls(name)()
         assert (fn.kl_beta, fn.kl_estimator, fn.entropy_coef) == (0.0, "k3", 0.0)
 
 
 def test_registry_lists_names():
-    assert LOSSES.names() == ["cispo", "clipped", "gspo", "pg", "value"]
-    with pytest.raises(RegistryError, match="registered: cispo, clipped, gspo, pg, value"):
+    assert LOSSES.names() == ["cispo", "clipped", "gspo", "pg"]
+    with pytest.raises(RegistryError, match="registered: cispo, clipped, gspo, pg"):
         LOSSES.get("ppo")
+    assert VALUE_LOSSES.names() == ["value"]
+
+
+def test_value_and_policy_losses_are_not_interchangeable():
+    with pytest.raises(ValueError, match="unknown policy loss 'value'"):
+        validate_spec(LOSSES, {"name": "value"}, where="algorithm.loss")
+    with pytest.raises(ValueError, match="unknown value loss 'clipped'"):
+        validate_spec(VALUE_LOSSES, {"name": "clipped"}, where="algorithm.value_loss")
 
 
 @pytest.mark.parametrize("name", [*POLICY_LOSSES, "value"])
 def test_configurable_from_spec(name):
-    spec = validate_spec(LOSSES, {"name": name}, where="loss")
-    fn = build_from_spec(LOSSES, spec)
-    assert type(fn) is LOSSES.get(name)
+    registry = VALUE_LOSSES if name == "value" else LOSSES
+    spec = validate_spec(registry, {"name": name}, where="loss")
+    fn = build_from_spec(registry, spec)
+    assert type(fn) is loss_cls(name)
     assert name != "gspo" or spec["eps_high"] == 4e-4
     with pytest.raises(ValueError, match="unknown key"):
-        validate_spec(LOSSES, {"name": name, "beta": 0.1}, where="loss")
+        validate_spec(registry, {"name": name, "beta": 0.1}, where="loss")

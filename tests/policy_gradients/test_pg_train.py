@@ -100,7 +100,7 @@ def test_eval_and_kl_reporting(sft_checkpoint, tmp_path):
 def test_lora_policy_with_adapter_reference(sft_checkpoint, tmp_path):
     data = tiny_pg_dict(sft_checkpoint, **algorithm_of("grpo"))
     data["model"]["lora"] = {"r": 4, "alpha": 8}
-    data["train"]["reference"] = "adapter"
+    data["reference"] = {"mode": "adapter"}
     data["data"]["eval"] = None
     assert run_cfg(data, tmp_path / "run") == 0
     assert (tmp_path / "run" / "final" / "adapter_model.safetensors").is_file()

@@ -12,9 +12,7 @@ from reward_models.build_data import (
     gsm8k_orm_rows,
     gsm8k_prm_rows,
     main,
-    reasoning_gym_orm_rows,
     reasoning_gym_prm_rows,
-    wrong_answers,
 )
 from reward_models.config import RMDataConfig
 from reward_models.data import (
@@ -27,6 +25,7 @@ from reward_models.data import (
 from reward_models.losses import IGNORE_INDEX
 from rlhf_core.data import DataSource
 from rlhf_core.models import ModelConfig, load_tokenizer
+from rlhf_core.preference import reasoning_gym_labelled_rows, wrong_answers
 
 HH = "data/hh-rlhf/harmless-base-test.jsonl.gz"
 GSM8K = "data/gsm8k/train-2000.jsonl"
@@ -268,7 +267,7 @@ def test_gsm8k_prm_rows_corrupt_one_step(corruption, after_error):
 def test_reasoning_gym_orm_rows_and_wrong_answers():
     entries = [{"question": f"Spell backward: {w}", "answer": w[::-1]}
                for w in ("cat", "horse", "banana", "kiwi")]  # fmt: skip
-    rows = list(reasoning_gym_orm_rows(entries, wrong=3, seed=0))
+    rows = list(reasoning_gym_labelled_rows(entries, wrong=3, seed=0))
     assert [r["label"] for r in rows[:4]] == [True, False, False, False]
     assert len({r["completion"] for r in rows[:4]}) == 4
     import random
@@ -313,10 +312,17 @@ def test_prompts_cut_to_the_prompt_budget_are_counted_and_warned_about(tok):
     with pytest.warns(
         UserWarning, match=r"data.train: \d+ of 40 prompts were cut to their last 64"
     ):
+        data = build(tok, HH, "preference", limit=40, max_length=128, max_prompt_length=64)
+    assert data.counts["truncated_prompts"] > 0
+    for pair in data.examples:
+        assert len(pair.prompt_ids) <= 64
+    # null: a prompt keeps what the longer completion leaves of max_length (at least 1 token)
+    with pytest.warns(UserWarning, match=r"cut to leave room for their completions"):
         data = build(tok, HH, "preference", limit=40, max_length=128)
     assert data.counts["truncated_prompts"] > 0
     for pair in data.examples:
-        assert len(pair.prompt_ids) <= 64  # the default budget: max_length // 2
+        longer = max(len(pair.chosen_ids), len(pair.rejected_ids))
+        assert len(pair.prompt_ids) + longer <= 128 or len(pair.prompt_ids) == 1
     import warnings
 
     with warnings.catch_warnings():

@@ -10,16 +10,9 @@ import torch
 from transformers import AutoModel, AutoModelForSequenceClassification
 
 from reward_models.models import BaseRewardModel
+from rlhf_core.encoding import last_token_index, pad_sequences
 from rlhf_core.models import LoraConfig, ModelConfig, load_tokenizer
-from rlhf_core.scalar_head import (
-    HEAD_CONFIG,
-    ScalarHeadInfo,
-    ScalarHeadModel,
-    encode_steps,
-    last_token_index,
-    pad_sequences,
-    pool_last_token,
-)
+from rlhf_core.scalar_head import HEAD_CONFIG, ScalarHeadInfo, ScalarHeadModel, pool_last_token
 
 PROMPTS = ["Spell this word backward: cat", "hi", [{"role": "user", "content": "Reverse: abcdef"}]]
 COMPLETIONS = ["tac", "a much longer completion than the others", "fedcba"]
@@ -160,15 +153,3 @@ def test_orm_and_prm_scores(tok, tmp_path):
     prm.save_pretrained(tmp_path / "prm")
     again = ScalarHeadModel.from_pretrained(tmp_path / "prm").step_scores(PROMPTS, steps)
     assert all(torch.equal(a, b) for a, b in zip(again, per_step, strict=True))
-
-
-def test_step_encoding_keeps_whole_steps_and_one_token_separators(tok):
-    enc = encode_steps(tok, ["p"], [["abc", "de", "fghij"]], separator="\n", max_length=8,
-                       max_prompt_length=1)  # fmt: skip
-    assert tok.decode(enc[0].completion_ids) == "abc\nde\n" and enc[0].dropped_steps == 1
-    assert enc[0].step_ends == [3, 6]
-    cut = encode_steps(tok, ["p"], [["abcdefghij"]], separator="\n", max_length=5,
-                       max_prompt_length=1)  # fmt: skip
-    assert tok.decode(cut[0].completion_ids) == "abc\n" and cut[0].dropped_steps == 1
-    with pytest.raises(ValueError, match="must be exactly one token"):
-        encode_steps(tok, ["p"], [["a"]], separator="<step>", max_length=8)

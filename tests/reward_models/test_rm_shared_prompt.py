@@ -8,9 +8,9 @@ import pytest
 import torch
 
 from reward_models.data import PreferencePair, batch_tokens, collate_pairs, pack_pairs
-from reward_models.models import preference_rewards
+from reward_models.models import BaseRewardModel, preference_rewards
 from rlhf_core.models import ModelConfig
-from rlhf_core.scalar_head import ScalarHeadInfo, ScalarHeadModel
+from rlhf_core.scalar_head import ScalarHeadInfo
 
 
 def random_pairs(lengths, seed=0):
@@ -22,9 +22,9 @@ def random_pairs(lengths, seed=0):
     return [PreferencePair(ids(p), ids(c), ids(r)) for p, c, r in lengths]
 
 
-def build_model(attention: str = "sdpa") -> ScalarHeadModel:
+def build_model(attention: str = "sdpa") -> BaseRewardModel:
     torch.manual_seed(0)
-    return ScalarHeadModel.from_config(
+    return BaseRewardModel.from_config(
         ModelConfig(name_or_path="tiny-qwen3", attention=attention),
         ScalarHeadInfo(kind="preference"),
         "cpu",

@@ -166,8 +166,9 @@ def test_lora_and_frozen_backbones_train_what_they_should(pref_dict, tmp_path):
 
 def test_sigkill_then_resume_reproduces_the_uninterrupted_run(pref_dict, tmp_path):
     # pairs written to a file, so the three trainer processes need not import reasoning-gym
-    from reward_models.build_data import reasoning_gym_preference_rows, write_jsonl
+    from reward_models.build_data import write_jsonl
     from rlhf_core.data import ReasoningGymSource, reasoning_gym_dataset
+    from rlhf_core.preference import reasoning_gym_preference_rows
 
     entries = list(reasoning_gym_dataset(ReasoningGymSource(**SPELL, size=64, seed=1)))
     pairs = write_jsonl(reasoning_gym_preference_rows(entries), tmp_path / "pairs.jsonl")

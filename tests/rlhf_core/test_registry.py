@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import inspect
+
 import pytest
 
-from rlhf_core.registry import Registry, RegistryError
+from rlhf_core.registry import Configurable, Registry, RegistryError, validate_spec
 
 
 def make_registry() -> Registry:
@@ -111,3 +113,48 @@ def test_invalid_name_raises(bad):
     reg: Registry = Registry("x")
     with pytest.raises(ValueError):
         reg.register(bad)
+
+
+def test_registering_a_class_sets_its_name():
+    reg: Registry = Registry("losses")
+
+    @reg.register("mine")
+    class Mine(Configurable):
+        def __init__(self, *, beta: float = 0.1) -> None:
+            self._require(beta > 0, "beta", beta, "positive")
+            self.beta = beta
+
+    assert Mine.name == "mine"
+    with pytest.raises(ValueError, match="mine loss: beta must be positive, got -1"):
+        Mine(beta=-1)
+    assert Mine(beta=0.5).extra_repr() == "beta=0.5"
+
+
+def test_defaults_change_the_parents_defaults_and_signature():
+    class Parent(Configurable):
+        def __init__(self, *, eps_low: float, eps_high: float = 0.2) -> None:
+            self.eps_low, self.eps_high = eps_low, eps_high
+
+    class Child(Parent):
+        defaults = {"eps_low": 3e-4, "eps_high": 4e-4}
+
+    child = Child()
+    assert (child.eps_low, child.eps_high) == (3e-4, 4e-4)
+    assert (Child(eps_high=1.0).eps_low, Child(eps_high=1.0).eps_high) == (3e-4, 1.0)
+    params = inspect.signature(Child.__init__).parameters
+    assert (params["eps_low"].default, params["eps_high"].default) == (3e-4, 4e-4)
+    assert validate_spec(_registry_of(Child), {"name": "c"}, where="x") == {
+        "name": "c", "eps_low": 3e-4, "eps_high": 4e-4,
+    }  # fmt: skip
+    with pytest.raises(TypeError, match="unexpected keyword"):
+        Child(beta=1.0)
+    with pytest.raises(TypeError, match="gamma are not keywords"):
+
+        class Bad(Parent):
+            defaults = {"gamma": 1.0}
+
+
+def _registry_of(cls: type) -> Registry:
+    reg: Registry = Registry("losses")
+    reg.register("c")(cls)
+    return reg
