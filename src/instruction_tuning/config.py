@@ -7,7 +7,7 @@ from typing import Literal
 from pydantic import Field, model_validator
 
 from rlhf_core.checkpoint import CheckpointConfig
-from rlhf_core.config import StrictModel
+from rlhf_core.config import RunConfig, StrictModel
 from rlhf_core.data import DataSource, check_heldout_seeds
 from rlhf_core.loop import LoopConfig
 from rlhf_core.models import ModelConfig
@@ -40,7 +40,7 @@ class SFTTrainConfig(LoopConfig):
     loss: str = Field("nll", description="loss name in instruction_tuning.losses.LOSSES")
 
 
-class SFTConfig(StrictModel):
+class SFTConfig(RunConfig):
     name: str = Field(
         "sft", description="run name (the run dir is outputs/instruction_tuning/<name>-<time>)"
     )

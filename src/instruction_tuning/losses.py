@@ -18,7 +18,7 @@ from torch import nn
 from rlhf_core.logprobs import masked_sum
 from rlhf_core.registry import Registry
 
-LOSSES: Registry[type[nn.Module]] = Registry("sft loss")
+LOSSES: Registry[type[nn.Module]] = Registry("sft loss", base=nn.Module)
 
 
 @LOSSES.register("nll")

@@ -20,7 +20,7 @@ from typing import Any, Literal
 from pydantic import Field, ValidationInfo, field_validator, model_validator
 
 from rlhf_core.checkpoint import CheckpointConfig
-from rlhf_core.config import StrictModel
+from rlhf_core.config import RunConfig, StrictModel
 from rlhf_core.data import DataSource, check_heldout_seeds
 from rlhf_core.models import ModelConfig
 from rlhf_core.optim import OptimConfig
@@ -108,7 +108,7 @@ class PGTrainConfig(StrictModel):
     device: Literal["auto", "cpu", "cuda"] = Field("auto", description="auto = cuda if available")
 
 
-class PGConfig(StrictModel):
+class PGConfig(RunConfig):
     name: str = Field(
         "grpo", description="run name (run dir outputs/policy_gradients/<name>-<time>)"
     )

@@ -155,6 +155,9 @@ class PolicyGradientLoss(nn.Module):
         return mask.bool()
 
 
+LOSSES.base = PolicyGradientLoss  # what a "module:Class" name in a config must subclass
+
+
 class PolicyLoss(PolicyGradientLoss):
     """The shared body of the policy losses: a subclass implements `_policy_term`; this class
     adds the KL and entropy terms, aggregates, and reports metrics.

@@ -13,7 +13,7 @@ from typing import Any, Literal
 from pydantic import Field, field_validator, model_validator
 
 from rlhf_core.checkpoint import CheckpointConfig
-from rlhf_core.config import StrictModel
+from rlhf_core.config import RunConfig, StrictModel
 from rlhf_core.data import DataSource, check_heldout_seeds
 from rlhf_core.loop import LoopConfig
 from rlhf_core.models import ModelConfig
@@ -105,7 +105,7 @@ class RMTrainConfig(LoopConfig):
     )
 
 
-class RMConfig(StrictModel):
+class RMConfig(RunConfig):
     name: str = Field(
         "reward_model", description="run name (run dir outputs/reward_models/<name>-<time>)"
     )

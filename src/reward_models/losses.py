@@ -61,6 +61,9 @@ class RewardLoss(nn.Module):
         return ", ".join(f"{p}={getattr(self, p)!r}" for p in params if p != "self")
 
 
+LOSSES.base = RewardLoss  # what a "module:Class" name in a config must subclass
+
+
 def _register(name: str) -> Callable[[type[RewardLoss]], type[RewardLoss]]:
     def decorator(cls: type[RewardLoss]) -> type[RewardLoss]:
         cls.name = name

@@ -7,7 +7,9 @@ Every package's `train.py` does
 which reads `--config FILE`, applies each `--set key.path=value` (the value parsed as a YAML scalar,
 so `--set optim.lr=3e-4` and `--set model.lora=null` do what they say), validates against the
 Pydantic model (`extra="forbid"` everywhere) and returns the config plus the run options
-(`--output-dir`, `--resume [auto|PATH]`, `--dry-run`).
+(`--output-dir`, `--resume [auto|PATH]`, `--dry-run`). `--import MODULE` (repeatable) adds to the
+config's top-level `imports:` list: user modules imported before the config is validated, so the
+losses, estimators and rewards they register can be named in it (see docs/extending/).
 
 Errors name the file, the key path and what was expected:
   unknown key   -> the key path, the file, and the keys allowed at that level
@@ -25,9 +27,10 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 import yaml
-from pydantic import BaseModel, ConfigDict, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
 from rlhf_core.errors import UserError
+from rlhf_core.registry import import_modules
 
 C = TypeVar("C", bound=BaseModel)
 
@@ -36,6 +39,23 @@ class StrictModel(BaseModel):
     """Base for every config block: unknown keys are errors, values are validated on assignment."""
 
     model_config = ConfigDict(extra="forbid", validate_assignment=True, protected_namespaces=())
+
+
+class RunConfig(StrictModel):
+    """Base of every trainer's top-level config. `imports` is its first field, so the user modules
+    are imported before any loss, estimator or reward spec is checked against its registry."""
+
+    imports: list[str] = Field(
+        default_factory=list,
+        description="user modules imported before the config is validated (their registered "
+        "losses, estimators and rewards become usable by name); --import MODULE adds one",
+    )
+
+    @field_validator("imports")
+    @classmethod
+    def _import_user_modules(cls, modules: list[str]) -> list[str]:
+        import_modules(modules)
+        return modules
 
 
 class ConfigError(UserError):
@@ -120,6 +140,9 @@ def _list_index(node: list, part: str, item: str, where: str) -> int:
 
 def validate_config(cls: type[C], data: dict[str, Any], source: str = "<config>") -> C:
     """Validate `data` against `cls`, turning pydantic's errors into one readable ConfigError."""
+    imports = data.get("imports")
+    if isinstance(imports, list):  # first, so a missing module is its own one-line error
+        import_modules(imports, where=f"{source}: imports")
     try:
         return cls.model_validate(data)
     except ValidationError as exc:
@@ -127,9 +150,16 @@ def validate_config(cls: type[C], data: dict[str, Any], source: str = "<config>"
         raise ConfigError(f"{source}: invalid config\n  " + "\n  ".join(lines)) from None
 
 
-def load_config(cls: type[C], path: str | Path, overrides: list[str] | None = None) -> C:
-    """Read YAML at `path`, apply overrides, validate as `cls`."""
+def load_config(
+    cls: type[C],
+    path: str | Path,
+    overrides: list[str] | None = None,
+    imports: list[str] | None = None,
+) -> C:
+    """Read YAML at `path`, apply overrides, add `imports` (--import), validate as `cls`."""
     data = apply_overrides(read_yaml(path), list(overrides or []))
+    if imports:
+        data["imports"] = [*(data.get("imports") or []), *imports]
     source = str(path) + (f" (with --set {', '.join(overrides)})" if overrides else "")
     return validate_config(cls, data, source)
 
@@ -152,6 +182,15 @@ def build_arg_parser(prog: str, description: str) -> argparse.ArgumentParser:
         default=[],
         metavar="KEY.PATH=VALUE",
         help="override a config value (repeatable); VALUE is parsed as YAML",
+    )
+    parser.add_argument(
+        "--import",
+        dest="imports",
+        action="append",
+        default=[],
+        metavar="MODULE",
+        help="import a module of your own before the config is validated (repeatable), so the "
+        "losses, estimators or rewards it registers can be named in the config",
     )
     parser.add_argument("--output-dir", type=Path, default=None, help="run directory to use")
     parser.add_argument(
@@ -182,7 +221,7 @@ def parse_run_args(
         resume=args.resume,
         dry_run=args.dry_run,
     )
-    return load_config(cls, run.config_path, run.overrides), run
+    return load_config(cls, run.config_path, run.overrides, args.imports), run
 
 
 # ----------------------------------------------------------------------------- error messages
@@ -286,6 +325,8 @@ def _describe_error(cls: type[BaseModel], err: dict[str, Any]) -> str:
         return f"unknown key '{path}'; allowed keys here: {allowed}"
     if kind == "missing":
         return f"missing required key '{path}'"
+    if kind == "value_error":  # a validator's own message already says what was expected
+        return f"field '{path}': {err.get('msg', '').removeprefix('Value error, ')}"
     expected = f"expected {_type_name(annotation)}" if annotation is not None else "invalid value"
     given = err.get("input")
     given_repr = f"{given!r} ({type(given).__name__})"
