@@ -236,7 +236,10 @@ class ProcessCELoss(RewardLoss):
     predicts the rating of every step at the last token of the step (here: the one-token step
     separator that follows it), trained with cross-entropy on those positions only:
 
-        loss = mean_{t : c_t != -100} CE(softmax(logits_t), c_t)
+        loss = mean_b [ mean_{t : c_bt != -100} CE(softmax(logits_bt), c_bt) ]
+
+    a per-example mean over its steps, then the mean over the batch (an example without steps
+    contributes 0 and still counts), so each solution weighs the same however many steps it has.
 
     logits (B, T, C); classes c (B, T) hold -100 everywhere but step ends. C = num_classes:
     3 = PRM800K's ratings -1 / 0 / +1 as classes 0 / 1 / 2; 2 = binary (0 = the step is an error,

@@ -47,6 +47,7 @@ from rlhf_core.models import load_tokenizer, resolve_model_path
 from rlhf_core.optim import build_optimizer, build_scheduler, maybe_embedding_grad_buffer
 from rlhf_core.registry import build_from_spec
 from rlhf_core.runtime import seed_everything
+from rlhf_core.scalar_head import check_sequence_classification_export
 from rlhf_core.tracking import Tracker, new_run_dir, resolve_resume
 
 PACKAGE = "reward_models"
@@ -75,6 +76,8 @@ def train(cfg: RMConfig, run: RunArgs) -> int:
     kind, collate = loss_fn.kind, COLLATE[loss_fn.kind]
     tokenizer = load_tokenizer(cfg.model, padding_side="right")
     d, t = cfg.data, cfg.train
+    if t.export_sequence_classification:  # fail now, not after training
+        check_sequence_classification_export(tokenizer, where=f"model {cfg.model.name_or_path}")
     classes = loss_fn.head_dim
     train_data = build_reward_data(
         d.train, tokenizer, kind=kind, data_cfg=d, num_classes=classes, where="data.train"
