@@ -632,11 +632,12 @@ def check_sequence_classification_export(tokenizer: Any, *, where: str = "") -> 
         )
     if tokenizer.pad_token_id == tokenizer.eos_token_id:
         raise UserError(
-            f"{prefix}export_sequence_classification: the tokenizer's pad token is its eos token (pad = eos = "
-            f"({tokenizer.eos_token!r}); transformers' sequence classifiers pool at the last "
-            "non-pad token, which would be the token before each sequence's final eos. Use a "
-            "tokenizer with a distinct pad token, or set train.export_sequence_classification: "
-            "false (the reward model directory itself is unaffected)."
+            f"{prefix}export_sequence_classification: the tokenizer's pad token is its eos token "
+            f"(pad = eos = {tokenizer.eos_token!r}); transformers' sequence classifiers pool at "
+            "the last non-pad token, which would be the token before each sequence's final eos. "
+            "Use a tokenizer with a distinct pad token, or set "
+            "train.export_sequence_classification: false (the reward model directory itself is "
+            "unaffected)."
         )
 
 

@@ -6,8 +6,8 @@ from __future__ import annotations
 import warnings
 
 import pytest
-
 from conftest import REPO
+
 from reward_models.train import main
 from rlhf_core.errors import UserError
 
@@ -24,5 +24,5 @@ def test_pad_equals_eos_export_is_refused_before_the_first_step(tmp_path):
         warnings.simplefilter("ignore")  # the tokenizer loader warns that pad falls back to eos
         with pytest.raises(UserError, match=r"model tiny-qwen3-gpt2: .*pad = eos") as info:
             main(argv)
-    assert "export_sequence_classification: false" in str(info.value)
+    assert "train.export_sequence_classification: false" in str(info.value)
     assert not run_dir.exists()  # nothing was trained or written
