@@ -16,6 +16,7 @@ import sys
 import traceback
 import warnings
 from contextlib import nullcontext
+from dataclasses import replace
 from functools import partial
 
 import torch
@@ -34,6 +35,7 @@ from direct_alignment.reference import (
 from rlhf_core.checkpoint import StopSignal
 from rlhf_core.config import RunArgs, parse_run_args
 from rlhf_core.data import EpochSampler
+from rlhf_core.errors import UserError
 from rlhf_core.loop import (
     announce_stop,
     check_engine_accumulation,
@@ -262,16 +264,30 @@ def train(cfg: DAConfig, run: RunArgs) -> int:
 
 
 def train_all(cfg: DAConfig, run: RunArgs) -> int:
-    """Train `cfg.model`, or each of `cfg.models` in turn (continuing after a failure)."""
+    """Train `cfg.model`, or each of `cfg.models` in turn (continuing after a failure), or with
+    `--model-index N` only `cfg.models[N]` (same run-dir label as in the list run)."""
     if cfg.model is not None:
+        if run.model_index is not None:
+            raise UserError("--model-index: the config has one 'model', not a 'models:' list")
         return train(cfg, run)
+    indices = range(len(cfg.models))
+    if run.model_index is not None:
+        if not 0 <= run.model_index < len(cfg.models):
+            raise UserError(
+                f"--model-index {run.model_index}: the config's 'models:' list has "
+                f"{len(cfg.models)} entries (0..{len(cfg.models) - 1})"
+            )
+        indices = [run.model_index]
     failed: list[str] = []
-    for i, model in enumerate(cfg.models):
+    for i in indices:
+        model = cfg.models[i]
         label = f"{cfg.name}-{i}-{model.name_or_path.replace('/', '_')}"
         one = cfg.model_copy(update={"model": model, "models": [], "name": label})
         out = run.output_dir / label if run.output_dir is not None else None
+        if run.model_index is not None:  # one model: its failure is the command's own
+            return train(one, replace(run, output_dir=out, model_index=None))
         try:
-            code = train(one, RunArgs(run.config_path, run.overrides, out, run.resume, run.dry_run))
+            code = train(one, replace(run, output_dir=out))
         except Exception:  # report and go on with the next model
             traceback.print_exc()
             code = 1

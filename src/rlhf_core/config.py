@@ -71,6 +71,7 @@ class RunArgs:
     output_dir: Path | None = None
     resume: str | None = None  # None, "auto", or a path
     dry_run: bool = False
+    model_index: int | None = None  # configs with a `models:` list: train only this entry
 
 
 # ----------------------------------------------------------------------------- loading
@@ -202,6 +203,13 @@ def build_arg_parser(prog: str, description: str) -> argparse.ArgumentParser:
         help="resume from the newest checkpoint (auto) or from a checkpoint/run directory",
     )
     parser.add_argument(
+        "--model-index",
+        type=int,
+        default=None,
+        metavar="N",
+        help="configs with a 'models:' list: train only entry N (0-based), e.g. one per job",
+    )
+    parser.add_argument(
         "--dry-run",
         action="store_true",
         help="validate and resolve the config, load the tokenizer, print the plan; train nothing",
@@ -220,7 +228,10 @@ def parse_run_args(
         output_dir=args.output_dir,
         resume=args.resume,
         dry_run=args.dry_run,
+        model_index=args.model_index,
     )
+    if run.model_index is not None and "models" not in cls.model_fields:
+        raise ConfigError(f"--model-index: {prog} has no 'models:' list to index")
     return load_config(cls, run.config_path, run.overrides, args.imports), run
 
 
