@@ -61,16 +61,13 @@ PLAN: dict[str, str] = {
     "--config configs/policy_gradients/grpo.yaml": "a hub model on GPUs",
     "uv run torchrun --nproc_per_node 2 -m direct_alignment.train "
     "--config configs/direct_alignment/tiny_dpo.yaml --set train.micro_batch_size=4": RUN,
-    "uv run python -m direct_alignment.train "
-    "--config configs/direct_alignment/tiny_dpo.yaml": RUN,
+    "uv run python -m direct_alignment.train --config configs/direct_alignment/tiny_dpo.yaml": RUN,
     "uv run python -m direct_alignment.train "
     "--config configs/direct_alignment/dpo.yaml": "a hub model (network)",
-    "uv run python -m reward_models.train "
-    "--config configs/reward_models/tiny_preference.yaml": RUN,
+    "uv run python -m reward_models.train --config configs/reward_models/tiny_preference.yaml": RUN,
     "uv run python -m instruction_tuning.train --config configs/instruction_tuning/tiny_sft.yaml "
     "--output-dir outputs/tiny_sft": RUN,
-    "uv run python -m policy_gradients.train "
-    "--config configs/policy_gradients/tiny_grpo.yaml": RUN,
+    "uv run python -m policy_gradients.train --config configs/policy_gradients/tiny_grpo.yaml": RUN,
     'sqlite3 outputs/policy_gradients/tiny_grpo-*/rollouts.sqlite "SELECT step, AVG(reward) '
     'FROM rollouts GROUP BY step"': RUN,
     "uv run ruff check . && uv run ruff format --check .": RUN,
@@ -154,8 +151,8 @@ def test_readme_commands_run(tmp_path):
             if trainer:
                 argv += ["--set", "train.max_steps=2"]
             result = _run(argv, cwd=tmp_path)
-            assert result.returncode == 0, f"{command}\n{result.stdout[-2000:]}\n" + (
-                result.stderr[-4000:]
+            assert result.returncode == 0, (
+                f"{command}\n{result.stdout[-2000:]}\n" + (result.stderr[-4000:])
             )
         else:
             continue
