@@ -52,6 +52,7 @@ from rlhf_core.models import ReferencePolicy, load_causal_lm, load_tokenizer, re
 from rlhf_core.optim import build_optimizer, build_scheduler
 from rlhf_core.registry import build_from_spec
 from rlhf_core.runtime import seed_everything
+from rlhf_core.selection import ModelSelector
 from rlhf_core.tracking import Tracker, new_run_dir, resolve_resume
 
 PACKAGE = "direct_alignment"
@@ -163,11 +164,18 @@ def train(cfg: DAConfig, run: RunArgs) -> int:
     policy, optimizer = accelerator.prepare(policy, optimizer)
     sampler = EpochSampler(len(train_data.pairs), cfg.seed)
     step, skipped = 0, 0
+    selector = ModelSelector(
+        cfg.checkpoint.best,
+        run_dir,
+        accelerator,
+        periodic_eval=bool(t.eval_every) and eval_data is not None,
+    )
     if ckpt is not None:
         step, state = restore_checkpoint(
             ckpt, optimizer=optimizer, scheduler=scheduler, sampler=sampler
         )
         skipped = state["skipped_steps"]
+        selector.load_state_dict(state.get("best"))
     tracker = Tracker(
         run_dir, cfg, cfg.tracking, total_steps=total_steps, resume_step=step if ckpt else None,
         enabled=is_main,
@@ -185,7 +193,8 @@ def train(cfg: DAConfig, run: RunArgs) -> int:
     def save() -> None:
         save_training_state(
             accelerator, run_dir, step, model=policy, tokenizer=tokenizer, optimizer=optimizer,
-            scheduler=scheduler, state={"sampler": sampler.state_dict(), "skipped_steps": skipped},
+            scheduler=scheduler, state={"sampler": sampler.state_dict(), "skipped_steps": skipped,
+                                        "best": selector.state_dict()},
             keep_last=cfg.checkpoint.keep_last,
         )  # fmt: skip
 
@@ -229,7 +238,10 @@ def train(cfg: DAConfig, run: RunArgs) -> int:
                     "train/skipped_steps": skipped, **{f"train/{k}": v for k, v in reduced.items()},
                 })  # fmt: skip
             if t.eval_every and step % t.eval_every == 0 and step < total_steps:
-                tracker.log(step, run_eval())
+                evaluation = run_eval()
+                tracker.log(step, evaluation)
+                if selector.observe(step, evaluation, policy, tokenizer):
+                    break  # early stop: the final evaluation and final/ follow
             if t.samples_every and step % t.samples_every == 0 and eval_data and is_main:
                 write_samples(
                     accelerator.unwrap_model(policy), tokenizer, eval_data.pairs[: t.num_samples],
@@ -249,10 +261,12 @@ def train(cfg: DAConfig, run: RunArgs) -> int:
     final_eval = run_eval()
     if final_eval:
         tracker.log(step, final_eval)
+    selector.observe(step, final_eval, policy, tokenizer)
     if cfg.checkpoint.save_final:
         save_final(accelerator, policy, tokenizer, run_dir / "final")
     summary = tracker.finish({
         "steps": step, "skipped_steps": skipped, "threads": threads, "processes": world,
+        **selector.summary(),
         "loss": cfg.loss, "reference": ref_mode, "train_pairs": len(train_data.pairs),
         "dropped_identical_pairs": train_data.dropped_identical,
         "truncated_pairs": train_data.truncated, "final_train_loss": step_loss.item(),

@@ -43,6 +43,7 @@ from rlhf_core.loop import (
 from rlhf_core.models import load_causal_lm, load_tokenizer, resolve_model_path
 from rlhf_core.optim import build_optimizer, build_scheduler
 from rlhf_core.runtime import seed_everything
+from rlhf_core.selection import ModelSelector
 from rlhf_core.tracking import Tracker, new_run_dir, resolve_resume
 
 PACKAGE = "instruction_tuning"
@@ -95,11 +96,18 @@ def train(cfg: SFTConfig, run: RunArgs) -> int:
     model, optimizer = accelerator.prepare(model, optimizer)
     sampler = EpochSampler(len(train_data.examples), cfg.seed)
     step, skipped = 0, 0
+    selector = ModelSelector(
+        cfg.checkpoint.best,
+        run_dir,
+        accelerator,
+        periodic_eval=bool(t.eval_every) and eval_data is not None,
+    )
     if ckpt is not None:
         step, state = restore_checkpoint(
             ckpt, optimizer=optimizer, scheduler=scheduler, sampler=sampler
         )
         skipped = state["skipped_steps"]
+        selector.load_state_dict(state.get("best"))
     tracker = Tracker(
         run_dir, cfg, cfg.tracking, total_steps=total_steps, resume_step=step if ckpt else None,
         enabled=is_main,
@@ -117,7 +125,8 @@ def train(cfg: SFTConfig, run: RunArgs) -> int:
     def save() -> None:
         save_training_state(
             accelerator, run_dir, step, model=model, tokenizer=tokenizer, optimizer=optimizer,
-            scheduler=scheduler, state={"sampler": sampler.state_dict(), "skipped_steps": skipped},
+            scheduler=scheduler, state={"sampler": sampler.state_dict(), "skipped_steps": skipped,
+                                        "best": selector.state_dict()},
             keep_last=cfg.checkpoint.keep_last,
         )  # fmt: skip
 
@@ -160,7 +169,10 @@ def train(cfg: SFTConfig, run: RunArgs) -> int:
                     "train/tokens": num_tokens.item(), "train/skipped_steps": skipped,
                 })  # fmt: skip
             if t.eval_every and step % t.eval_every == 0 and step < total_steps:
-                tracker.log(step, run_eval())
+                evaluation = run_eval()
+                tracker.log(step, evaluation)
+                if selector.observe(step, evaluation, model, tokenizer):
+                    break  # early stop: the final evaluation and final/ follow
             if cfg.checkpoint.save_every and step % cfg.checkpoint.save_every == 0:
                 save()
             if stop.requested:
@@ -174,10 +186,12 @@ def train(cfg: SFTConfig, run: RunArgs) -> int:
     final_eval = run_eval()
     if final_eval:
         tracker.log(step, final_eval)
+    selector.observe(step, final_eval, model, tokenizer)
     if cfg.checkpoint.save_final:
         save_final(accelerator, model, tokenizer, run_dir / "final")
     summary = tracker.finish({
         "steps": step, "skipped_steps": skipped, "threads": threads, "processes": world,
+        **selector.summary(),
         "train_rows": len(train_data.examples),
         "truncated_completions": train_data.truncated_completions,
         "final_train_loss": step_loss.item(), **final_eval,

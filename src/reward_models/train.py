@@ -48,6 +48,7 @@ from rlhf_core.optim import build_optimizer, build_scheduler, maybe_embedding_gr
 from rlhf_core.registry import build_from_spec
 from rlhf_core.runtime import seed_everything
 from rlhf_core.scalar_head import check_sequence_classification_export
+from rlhf_core.selection import ModelSelector
 from rlhf_core.tracking import Tracker, new_run_dir, resolve_resume
 
 PACKAGE = "reward_models"
@@ -124,11 +125,18 @@ def train(cfg: RMConfig, run: RunArgs) -> int:
     model, optimizer = accelerator.prepare(model, optimizer)
     sampler = EpochSampler(len(train_data.examples), cfg.seed)
     step, skipped = 0, 0
+    selector = ModelSelector(
+        cfg.checkpoint.best,
+        run_dir,
+        accelerator,
+        periodic_eval=bool(t.eval_every) and eval_data is not None,
+    )
     if ckpt is not None:
         step, state = restore_checkpoint(
             ckpt, optimizer=optimizer, scheduler=scheduler, sampler=sampler
         )
         skipped = state["skipped_steps"]
+        selector.load_state_dict(state.get("best"))
     tracker = Tracker(
         run_dir, cfg, cfg.tracking, total_steps=total_steps, resume_step=step if ckpt else None,
         enabled=is_main,
@@ -145,7 +153,8 @@ def train(cfg: RMConfig, run: RunArgs) -> int:
     def save() -> None:
         save_training_state(
             accelerator, run_dir, step, model=model, tokenizer=tokenizer, optimizer=optimizer,
-            scheduler=scheduler, state={"sampler": sampler.state_dict(), "skipped_steps": skipped},
+            scheduler=scheduler, state={"sampler": sampler.state_dict(), "skipped_steps": skipped,
+                                        "best": selector.state_dict()},
             keep_last=cfg.checkpoint.keep_last,
         )  # fmt: skip
 
@@ -188,7 +197,10 @@ def train(cfg: RMConfig, run: RunArgs) -> int:
                     "train/skipped_steps": skipped, **{f"train/{k}": v for k, v in reduced.items()},
                 })  # fmt: skip
             if t.eval_every and step % t.eval_every == 0 and step < total_steps:
-                tracker.log(step, run_eval())
+                evaluation = run_eval()
+                tracker.log(step, evaluation)
+                if selector.observe(step, evaluation, model, tokenizer):
+                    break  # early stop: the final evaluation and final/ follow
             if cfg.checkpoint.save_every and step % cfg.checkpoint.save_every == 0:
                 save()
             if stop.requested:
@@ -202,6 +214,7 @@ def train(cfg: RMConfig, run: RunArgs) -> int:
     final_eval = run_eval()
     if final_eval:
         tracker.log(step, final_eval)
+    selector.observe(step, final_eval, model, tokenizer)
     if cfg.checkpoint.save_final:
         save_final(accelerator, model, tokenizer, run_dir / "final")
     if t.export_sequence_classification and is_main:
@@ -210,6 +223,7 @@ def train(cfg: RMConfig, run: RunArgs) -> int:
         )
     summary = tracker.finish({
         "steps": step, "skipped_steps": skipped, "threads": threads, "processes": world,
+        **selector.summary(),
         "kind": kind, "loss": cfg.loss, "train_examples": len(train_data.examples),
         **{f"train_data/{k}": v for k, v in train_data.counts.items()},
         "final_train_loss": step_loss.item(),
