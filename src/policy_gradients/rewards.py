@@ -19,6 +19,8 @@ Components:
                  (or the whole completion with extract: full); partial credit as the task defines
   format         1 if the completion contains exactly one <answer>...</answer> block, else 0
   gsm8k          1 if the last number in the answer equals the reference after '####', else 0
+  exact_match    1 if the completion equals the reference answer (stripped), else 0
+  rouge          ROUGE-L (or -1/-2) F-measure against the reference answer (rouge-score)
   overlong       DAPO's soft overlong punishment (Yu et al. 2025, arXiv:2503.14476)
   reward_model   a reward model directory saved by `reward_models`, see `RewardModelReward`
 """
@@ -123,6 +125,52 @@ def _same_number(a: str, b: str) -> bool:
         return abs(float(a) - float(b)) < 1e-6
     except ValueError:
         return a == b
+
+
+@REWARDS.register("exact_match")
+class ExactMatchReward:
+    """1 if the answer (the <answer> block with extract: answer_tag, else the whole completion)
+    equals the reference answer after stripping whitespace (`rlhf_core.scoring.exact_match`)."""
+
+    def __init__(self, *, extract: Literal["answer_tag", "full"] = "full") -> None:
+        self.extract = extract
+
+    def __call__(self, batch: RewardInput) -> torch.Tensor:
+        from rlhf_core.scoring import exact_match
+
+        texts = [
+            (extract_answer(t) or "") if self.extract == "answer_tag" else t
+            for t in batch.completions
+        ]
+        return torch.tensor(
+            [exact_match(t, str(it["answer"])) for t, it in zip(texts, batch.items, strict=True)]
+        )
+
+
+@REWARDS.register("rouge")
+class RougeReward:
+    """ROUGE F-measure of the completion against the reference answer (Lin 2004), from the
+    rouge-score package (`uv sync --extra eval`): `rouge_type` rougeL (longest common
+    subsequence), rouge1 or rouge2, with Porter stemming. For generation tasks without a
+    verifier."""
+
+    def __init__(self, *, rouge_type: Literal["rougeL", "rouge1", "rouge2"] = "rougeL") -> None:
+        try:
+            from rouge_score import rouge_scorer
+        except ImportError:
+            from rlhf_core.errors import UserError
+
+            raise UserError(
+                "reward 'rouge' needs the rouge-score package: uv sync --extra eval"
+            ) from None
+        self.rouge_type = rouge_type
+        self.scorer = rouge_scorer.RougeScorer([rouge_type], use_stemmer=True)
+
+    def __call__(self, batch: RewardInput) -> torch.Tensor:
+        return torch.tensor([
+            self.scorer.score(str(it["answer"]), text)[self.rouge_type].fmeasure
+            for text, it in zip(batch.completions, batch.items, strict=True)
+        ])  # fmt: skip
 
 
 @REWARDS.register("overlong")
