@@ -5,9 +5,9 @@ reason it is not run here (network, GPU, minutes of CPU, the whole suite), so a 
 or changed in the README without updating this test fails `test_every_readme_command_is_planned`.
 `test_readme_commands_run` runs the offline ones in README order (later ones read earlier ones'
 outputs, as a user would) from a scratch directory that links the repository's configs/ and data/:
-verbatim, except that trainers get `--set train.max_steps=2`, the smoke-run override the README
-itself gives. A Python block whose first line is `# <name>.py` is written there first, as the
-README tells the user to.
+verbatim, except for the smoke-run overrides the README itself gives: trainers get
+`--set train.max_steps=2`, `rlhf-lab pairs` a few prompts per split (`PAIRS_SMOKE`). A Python
+block whose first line is `# <name>.py` is written there first, as the README tells the user to.
 """
 
 from __future__ import annotations
@@ -26,6 +26,11 @@ from conftest import REPO
 
 README = (REPO / "README.md").read_text()
 RUN = "run"  # run it (trainers with --set train.max_steps=2)
+TRAINER_SMOKE = ["--set", "train.max_steps=2"]
+PAIRS_SMOKE = [
+    "--set", "splits.train.prompts.reasoning_gym.size=32",
+    "--set", "splits.eval.prompts.reasoning_gym.size=8",
+]  # fmt: skip
 EXIT_2_WITHOUT_GPU = "exit 2 without a GPU"
 
 PLAN: dict[str, str] = {
@@ -99,6 +104,8 @@ def readme_files(text: str = README) -> dict[str, str]:
 
 def test_every_readme_command_is_planned():
     commands = readme_commands()
+    for smoke in (TRAINER_SMOKE, PAIRS_SMOKE):  # the README gives the overrides the test uses
+        assert " ".join(smoke) in " ".join(README.split())
     assert "uv run python -m benchmarks.gpu" in README  # inline in the README; tested below
     unplanned = [c for c in commands if c not in PLAN]
     stale = [c for c in PLAN if c not in commands and c != "uv run python -m benchmarks.gpu"]
@@ -148,9 +155,8 @@ def test_readme_commands_run(tmp_path):
                 assert result.returncode == 0, part + "\n" + result.stdout[-3000:]
         elif how == RUN:
             argv, trainer = _argv(command)
-            if trainer:
-                argv += ["--set", "train.max_steps=2"]
-            result = _run(argv, cwd=tmp_path)
+            argv += TRAINER_SMOKE if trainer else PAIRS_SMOKE if " pairs " in command else []
+            result = _run(argv, cwd=tmp_path, timeout=600)
             assert result.returncode == 0, (
                 f"{command}\n{result.stdout[-2000:]}\n" + (result.stderr[-4000:])
             )
