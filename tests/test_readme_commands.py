@@ -51,6 +51,9 @@ PLAN: dict[str, str] = {
     "--output-dir outputs/quickstart/rloo_rm": RUN,
     "uv run python -m direct_alignment.train --config configs/quickstart/dpo.yaml "
     "--output-dir outputs/quickstart/dpo": RUN,
+    "uv run rlhf-lab eval --model outputs/quickstart/dpo/final --task spell_backward "
+    """--task-config '{"min_word_len": 3, "max_word_len": 10}' """
+    "--reference outputs/quickstart/sft/final": RUN,
     "uv run python -m instruction_tuning.train "
     "--config configs/instruction_tuning/tiny_sft.yaml": RUN,
     "uv run python -m direct_alignment.train --config configs/direct_alignment/tiny_dpo.yaml "
