@@ -35,8 +35,9 @@ from direct_alignment.reference import (
 from rlhf_core.checkpoint import StopSignal
 from rlhf_core.config import RunArgs, parse_run_args
 from rlhf_core.data import EpochSampler
-from rlhf_core.errors import UserError
+from rlhf_core.errors import UserError, run_main
 from rlhf_core.loop import (
+    SkippedSteps,
     announce_stop,
     check_engine_accumulation,
     optimizer_step,
@@ -45,15 +46,15 @@ from rlhf_core.loop import (
     restore_checkpoint,
     save_final,
     save_training_state,
-    shared_run_dir,
     start_accelerator,
 )
 from rlhf_core.models import ReferencePolicy, load_causal_lm, load_tokenizer, resolve_model_path
 from rlhf_core.optim import build_optimizer, build_scheduler
 from rlhf_core.registry import build_from_spec
+from rlhf_core.rundir import managed_run, open_run_dir
 from rlhf_core.runtime import seed_everything
 from rlhf_core.selection import ModelSelector
-from rlhf_core.tracking import Tracker, new_run_dir, resolve_resume
+from rlhf_core.tracking import Tracker
 
 PACKAGE = "direct_alignment"
 
@@ -79,6 +80,7 @@ def warn_kto_weights(loss_fn, examples) -> None:
         )
 
 
+@managed_run
 def train(cfg: DAConfig, run: RunArgs) -> int:
     """Train one policy (cfg.model); returns the exit code (0, or 130/143 after a signal)."""
     assert cfg.model is not None
@@ -103,10 +105,7 @@ def train(cfg: DAConfig, run: RunArgs) -> int:
     loss_fn = build_from_spec(LOSSES, cfg.loss)
     if loss_fn.unpaired:
         warn_kto_weights(loss_fn, train_data.pairs)
-    run_dir, ckpt = resolve_resume(
-        run.resume, package=PACKAGE, name=cfg.name, output_dir=run.output_dir
-    )
-    run_dir = shared_run_dir(accelerator, run_dir or new_run_dir(PACKAGE, cfg.name, run.output_dir))
+    run_dir, ckpt = open_run_dir(accelerator, run, package=PACKAGE, name=cfg.name)
     ref_mode = cfg.reference.mode if loss_fn.needs_reference else "none (reference-free loss)"
 
     if run.dry_run:
@@ -163,7 +162,7 @@ def train(cfg: DAConfig, run: RunArgs) -> int:
     scheduler = build_scheduler(optimizer, cfg.optim, total_steps)
     policy, optimizer = accelerator.prepare(policy, optimizer)
     sampler = EpochSampler(len(train_data.pairs), cfg.seed)
-    step, skipped = 0, 0
+    step, skips = 0, SkippedSteps(cfg.optim.max_consecutive_skips)
     selector = ModelSelector(
         cfg.checkpoint.best,
         run_dir,
@@ -174,7 +173,7 @@ def train(cfg: DAConfig, run: RunArgs) -> int:
         step, state = restore_checkpoint(
             ckpt, optimizer=optimizer, scheduler=scheduler, sampler=sampler
         )
-        skipped = state["skipped_steps"]
+        skips.total = state["skipped_steps"]
         selector.load_state_dict(state.get("best"))
     tracker = Tracker(
         run_dir, cfg, cfg.tracking, total_steps=total_steps, resume_step=step if ckpt else None,
@@ -193,8 +192,9 @@ def train(cfg: DAConfig, run: RunArgs) -> int:
     def save() -> None:
         save_training_state(
             accelerator, run_dir, step, model=policy, tokenizer=tokenizer, optimizer=optimizer,
-            scheduler=scheduler, state={"sampler": sampler.state_dict(), "skipped_steps": skipped,
-                                        "best": selector.state_dict()},
+            scheduler=scheduler,
+            state={"sampler": sampler.state_dict(), "skipped_steps": skips.total,
+                   "best": selector.state_dict()},
             keep_last=cfg.checkpoint.keep_last,
         )  # fmt: skip
 
@@ -221,11 +221,10 @@ def train(cfg: DAConfig, run: RunArgs) -> int:
                 for key, value in m.items():
                     metrics[key] = metrics.get(key, 0.0) + value * weight
             step_loss = accelerator.reduce(step_loss, reduction="sum")
-            grad_norm, was_skipped = optimizer_step(
+            grad_norm, _ = optimizer_step(
                 accelerator, policy, optimizer, scheduler,
-                max_grad_norm=cfg.optim.max_grad_norm, loss=step_loss,
+                max_grad_norm=cfg.optim.max_grad_norm, loss=step_loss, skips=skips,
             )  # fmt: skip
-            skipped += was_skipped
             step += 1
 
             if step % cfg.tracking.log_every == 0 or step == total_steps:
@@ -235,7 +234,8 @@ def train(cfg: DAConfig, run: RunArgs) -> int:
                 tracker.log(step, {
                     "train/loss": step_loss.item(), "train/grad_norm": grad_norm,
                     "train/lr": scheduler.get_last_lr()[0], "train/epoch": sampler.epoch_float,
-                    "train/skipped_steps": skipped, **{f"train/{k}": v for k, v in reduced.items()},
+                    "train/skipped_steps": skips.total,
+                    **{f"train/{k}": v for k, v in reduced.items()},
                 })  # fmt: skip
             if t.eval_every and step % t.eval_every == 0 and step < total_steps:
                 evaluation = run_eval()
@@ -265,7 +265,7 @@ def train(cfg: DAConfig, run: RunArgs) -> int:
     if cfg.checkpoint.save_final:
         save_final(accelerator, policy, tokenizer, run_dir / "final")
     summary = tracker.finish({
-        "steps": step, "skipped_steps": skipped, "threads": threads, "processes": world,
+        "steps": step, "skipped_steps": skips.total, "threads": threads, "processes": world,
         **selector.summary(),
         "loss": cfg.loss, "reference": ref_mode, "train_pairs": len(train_data.pairs),
         "dropped_identical_pairs": train_data.dropped_identical,
@@ -302,7 +302,10 @@ def train_all(cfg: DAConfig, run: RunArgs) -> int:
             return train(one, replace(run, output_dir=out, model_index=None))
         try:
             code = train(one, replace(run, output_dir=out))
-        except Exception:  # report and go on with the next model
+        except UserError as exc:  # report and go on with the next model
+            print(f"error: {exc}", file=sys.stderr)
+            code = 2
+        except Exception:
             traceback.print_exc()
             code = 1
         if code != 0:
@@ -325,4 +328,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(run_main(main))

@@ -43,7 +43,7 @@ from rlhf_core.config import RunArgs, RunConfig, StrictModel, dump_config, parse
 from rlhf_core.data import DataSource
 from rlhf_core.errors import run_main
 from rlhf_core.models import ModelConfig, load_causal_lm, load_tokenizer
-from rlhf_core.tracking import new_run_dir
+from rlhf_core.rundir import default_run_dir
 
 
 class PairSplit(StrictModel):
@@ -194,7 +194,7 @@ def build_onpolicy_pairs(
 
 
 def run(cfg: PairsConfig, args: RunArgs) -> int:
-    out_dir = new_run_dir("pairs", cfg.name, args.output_dir)
+    out_dir = args.output_dir or default_run_dir("pairs", cfg.name)
     if args.dry_run:
         print(dump_config(cfg))
         print(f"would write: {', '.join(str(out_dir / f'{s}.jsonl') for s in cfg.splits)}")
