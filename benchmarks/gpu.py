@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 import time
 from dataclasses import asdict, dataclass
 from typing import Any
@@ -321,7 +322,15 @@ def main(argv: list[str] | None = None) -> int:
 
     from benchmarks.measure import RESULTS_DIR, timestamp
 
-    device = torch.device("cuda" if torch.cuda.is_available() and not s.smoke else "cpu")
+    if not s.smoke and not torch.cuda.is_available():
+        print(
+            "benchmarks.gpu: no CUDA device here (torch.cuda.is_available() is False); this "
+            "benchmark measures MFU at the Qwen3-0.6B size and would take hours on a CPU. Run it "
+            "on a GPU machine, or add --smoke to check the script with a tiny config on the CPU.",
+            file=sys.stderr,
+        )
+        return 2
+    device = torch.device("cuda" if not s.smoke else "cpu")
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     if device.type == "cuda":
         torch.backends.cuda.matmul.allow_tf32 = True

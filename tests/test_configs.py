@@ -24,6 +24,7 @@ QUICKSTART = {
     "rloo_rm": "policy_gradients.config:PGConfig",
     "dpo": "direct_alignment.config:DAConfig",
     "compare": "rlhf_lab.compare:CompareConfig",
+    "pairs": "rlhf_lab.onpolicy:PairsConfig",
 }
 
 SHIPPED = sorted(p for p in (REPO / "configs").rglob("*.yaml") if p.parent.name != "accelerate")

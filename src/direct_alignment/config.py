@@ -12,7 +12,7 @@ from typing import Literal
 from pydantic import Field, model_validator
 
 from rlhf_core.checkpoint import CheckpointConfig
-from rlhf_core.config import StrictModel
+from rlhf_core.config import RunConfig, StrictModel
 from rlhf_core.data import DataSource, check_heldout_seeds
 from rlhf_core.encoding import MAX_PROMPT_LENGTH_HELP
 from rlhf_core.errors import UserError
@@ -48,7 +48,7 @@ class DATrainConfig(LoopConfig):
     sample_max_new_tokens: int = Field(64, gt=0, description="length budget of those samples")
 
 
-class DAConfig(StrictModel):
+class DAConfig(RunConfig):
     name: str = Field(
         "dpo", description="run name (run dir outputs/direct_alignment/<name>-<time>)"
     )

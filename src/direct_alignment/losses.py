@@ -233,6 +233,9 @@ class DirectAlignmentLoss(Configurable, nn.Module):
         return None, {}
 
 
+LOSSES.base = DirectAlignmentLoss  # what a "module:Class" name in a config must subclass
+
+
 def _check_label_smoothing(loss: DirectAlignmentLoss, eps: float, *, upper_inclusive: bool) -> None:
     ok = 0 <= eps <= 0.5 if upper_inclusive else 0 <= eps < 0.5
     loss._require(ok, "label_smoothing", eps, "in [0, 0.5]" if upper_inclusive else "in [0, 0.5)")

@@ -15,6 +15,7 @@ from __future__ import annotations
 import sys
 import traceback
 import warnings
+from dataclasses import replace
 from functools import partial
 
 import torch
@@ -51,6 +52,7 @@ from rlhf_core.optim import build_optimizer, build_scheduler
 from rlhf_core.registry import build_from_spec
 from rlhf_core.rundir import managed_run, open_run_dir
 from rlhf_core.runtime import seed_everything
+from rlhf_core.selection import ModelSelector
 from rlhf_core.tracking import Tracker
 
 PACKAGE = "direct_alignment"
@@ -159,11 +161,18 @@ def train(cfg: DAConfig, run: RunArgs) -> int:
     scheduler = build_scheduler(optimizer, cfg.optim, total_steps)
     sampler = EpochSampler(len(train_data.pairs), cfg.seed)
     step, skips = 0, SkippedSteps(cfg.optim.max_consecutive_skips)
+    selector = ModelSelector(
+        cfg.checkpoint.best,
+        run_dir,
+        accelerator,
+        periodic_eval=bool(t.eval_every) and eval_data is not None,
+    )
     if ckpt is not None:
         step, state = restore_checkpoint(
             ckpt, optimizer=optimizer, scheduler=scheduler, sampler=sampler, model=policy
         )
         skips.total = state["skipped_steps"]
+        selector.load_state_dict(state.get("best"))
     tracker = Tracker(
         run_dir, cfg, cfg.tracking, total_steps=total_steps, resume_step=step if ckpt else None,
         enabled=is_main,
@@ -189,7 +198,8 @@ def train(cfg: DAConfig, run: RunArgs) -> int:
         save_training_state(
             accelerator, run_dir, step, model=policy, tokenizer=tokenizer, optimizer=optimizer,
             scheduler=scheduler,
-            state={"sampler": sampler.state_dict(), "skipped_steps": skips.total},
+            state={"sampler": sampler.state_dict(), "skipped_steps": skips.total,
+                   "best": selector.state_dict()},
             keep_last=cfg.checkpoint.keep_last,
         )  # fmt: skip
 
@@ -232,7 +242,10 @@ def train(cfg: DAConfig, run: RunArgs) -> int:
                     **{f"train/{k}": v for k, v in reduced.items()},
                 })  # fmt: skip
             if t.eval_every and step % t.eval_every == 0 and step < total_steps:
-                tracker.log(step, run_eval())
+                evaluation = run_eval()
+                tracker.log(step, evaluation)
+                if selector.observe(step, evaluation, policy, tokenizer):
+                    break  # early stop: the final evaluation and final/ follow
             if t.samples_every and step % t.samples_every == 0 and eval_data:
                 with engine.gathered(policy) as whole:  # every process samples; rank 0 writes
                     write_samples(
@@ -253,10 +266,12 @@ def train(cfg: DAConfig, run: RunArgs) -> int:
     final_eval = run_eval()
     if final_eval:
         tracker.log(step, final_eval)
+    selector.observe(step, final_eval, policy, tokenizer)
     if cfg.checkpoint.save_final:
         save_final(accelerator, policy, tokenizer, run_dir / "final")
     summary = tracker.finish({
         "steps": step, "skipped_steps": skips.total, "threads": threads, "processes": world,
+        **selector.summary(),
         "loss": cfg.loss, "reference": ref_mode, "train_pairs": len(train_data.pairs),
         "dropped_identical_pairs": train_data.dropped_identical,
         "truncated_pairs": train_data.truncated, "final_train_loss": step_loss.item(),
@@ -269,17 +284,30 @@ def train(cfg: DAConfig, run: RunArgs) -> int:
 
 
 def train_all(cfg: DAConfig, run: RunArgs) -> int:
-    """Train `cfg.model`, or each of `cfg.models` in turn (continuing after a failure)."""
+    """Train `cfg.model`, or each of `cfg.models` in turn (continuing after a failure), or with
+    `--model-index N` only `cfg.models[N]` (same run-dir label as in the list run)."""
     if cfg.model is not None:
+        if run.model_index is not None:
+            raise UserError("--model-index: the config has one 'model', not a 'models:' list")
         return train(cfg, run)
+    indices = range(len(cfg.models))
+    if run.model_index is not None:
+        if not 0 <= run.model_index < len(cfg.models):
+            raise UserError(
+                f"--model-index {run.model_index}: the config's 'models:' list has "
+                f"{len(cfg.models)} entries (0..{len(cfg.models) - 1})"
+            )
+        indices = [run.model_index]
     failed: list[str] = []
-    for i, model in enumerate(cfg.models):
+    for i in indices:
+        model = cfg.models[i]
         label = f"{cfg.name}-{i}-{model.name_or_path.replace('/', '_')}"
         one = cfg.model_copy(update={"model": model, "models": [], "name": label})
         out = run.output_dir / label if run.output_dir is not None else None
+        if run.model_index is not None:  # one model: its failure is the command's own
+            return train(one, replace(run, output_dir=out, model_index=None))
         try:
-            code = train(one, RunArgs(run.config_path, run.overrides, out, run.resume,
-                                      run.dry_run, run.overwrite))  # fmt: skip
+            code = train(one, replace(run, output_dir=out))
         except UserError as exc:  # report and go on with the next model
             print(f"error: {exc}", file=sys.stderr)
             code = 2

@@ -7,7 +7,7 @@ from typing import Literal
 from pydantic import Field, model_validator
 
 from rlhf_core.checkpoint import CheckpointConfig
-from rlhf_core.config import StrictModel
+from rlhf_core.config import RunConfig, StrictModel
 from rlhf_core.data import DataSource, check_heldout_seeds
 from rlhf_core.encoding import MAX_PROMPT_LENGTH_HELP
 from rlhf_core.loop import LoopConfig
@@ -41,7 +41,7 @@ class SFTTrainConfig(LoopConfig):
     eval_sampled: bool = Field(True, description="also report sampled (T=1) exact match")
 
 
-class SFTConfig(StrictModel):
+class SFTConfig(RunConfig):
     name: str = Field(
         "sft", description="run name (the run dir is outputs/instruction_tuning/<name>-<time>)"
     )

@@ -18,7 +18,7 @@ from torch import nn
 from rlhf_core.logprobs import masked_sum
 from rlhf_core.registry import Configurable, Registry
 
-LOSSES: Registry[type[nn.Module]] = Registry("SFT loss")
+LOSSES: Registry[type[nn.Module]] = Registry("SFT loss", base=nn.Module)
 
 
 @LOSSES.register("nll")

@@ -45,6 +45,7 @@ from rlhf_core.policy_model import policy_logprobs
 from rlhf_core.registry import build_from_spec
 from rlhf_core.rundir import managed_run, open_run_dir
 from rlhf_core.runtime import seed_everything
+from rlhf_core.selection import ModelSelector
 from rlhf_core.tracking import Tracker
 
 PACKAGE = "instruction_tuning"
@@ -96,11 +97,18 @@ def train(cfg: SFTConfig, run: RunArgs) -> int:
     scheduler = build_scheduler(optimizer, cfg.optim, total_steps)
     sampler = EpochSampler(len(train_data.examples), cfg.seed)
     step, skips = 0, SkippedSteps(cfg.optim.max_consecutive_skips)
+    selector = ModelSelector(
+        cfg.checkpoint.best,
+        run_dir,
+        accelerator,
+        periodic_eval=bool(t.eval_every) and eval_data is not None,
+    )
     if ckpt is not None:
         step, state = restore_checkpoint(
             ckpt, optimizer=optimizer, scheduler=scheduler, sampler=sampler, model=model
         )
         skips.total = state["skipped_steps"]
+        selector.load_state_dict(state.get("best"))
     tracker = Tracker(
         run_dir, cfg, cfg.tracking, total_steps=total_steps, resume_step=step if ckpt else None,
         enabled=is_main,
@@ -121,7 +129,8 @@ def train(cfg: SFTConfig, run: RunArgs) -> int:
         save_training_state(
             accelerator, run_dir, step, model=model, tokenizer=tokenizer, optimizer=optimizer,
             scheduler=scheduler,
-            state={"sampler": sampler.state_dict(), "skipped_steps": skips.total},
+            state={"sampler": sampler.state_dict(), "skipped_steps": skips.total,
+                   "best": selector.state_dict()},
             keep_last=cfg.checkpoint.keep_last,
         )  # fmt: skip
 
@@ -162,7 +171,10 @@ def train(cfg: SFTConfig, run: RunArgs) -> int:
                     "train/tokens": num_tokens.item(), "train/skipped_steps": skips.total,
                 })  # fmt: skip
             if t.eval_every and step % t.eval_every == 0 and step < total_steps:
-                tracker.log(step, run_eval())
+                evaluation = run_eval()
+                tracker.log(step, evaluation)
+                if selector.observe(step, evaluation, model, tokenizer):
+                    break  # early stop: the final evaluation and final/ follow
             if cfg.checkpoint.save_every and step % cfg.checkpoint.save_every == 0:
                 save()
             if stop.requested:
@@ -176,10 +188,12 @@ def train(cfg: SFTConfig, run: RunArgs) -> int:
     final_eval = run_eval()
     if final_eval:
         tracker.log(step, final_eval)
+    selector.observe(step, final_eval, model, tokenizer)
     if cfg.checkpoint.save_final:
         save_final(accelerator, model, tokenizer, run_dir / "final")
     summary = tracker.finish({
         "steps": step, "skipped_steps": skips.total, "threads": threads, "processes": world,
+        **selector.summary(),
         "train_rows": len(train_data.examples),
         "truncated_completions": train_data.truncated_completions,
         "final_train_loss": step_loss.item(), **final_eval, **engine_facts,

@@ -194,6 +194,9 @@ class AdvantageEstimator(Configurable):
 # ---------------------------------------------------------------------- group estimators
 
 
+ADVANTAGES.base = AdvantageEstimator  # what a "module:Class" name in a config must subclass
+
+
 def group_statistics(
     rewards: torch.Tensor, group_ids: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

@@ -20,7 +20,7 @@ from typing import Any, Literal
 from pydantic import Field, field_validator, model_validator
 
 from rlhf_core.checkpoint import CheckpointConfig
-from rlhf_core.config import StrictModel
+from rlhf_core.config import RunConfig, StrictModel
 from rlhf_core.data import DataSource, check_heldout_seeds
 from rlhf_core.errors import UserError
 from rlhf_core.loop import BaseLoopConfig
@@ -93,7 +93,7 @@ class PGTrainConfig(BaseLoopConfig):
     micro_batch_size: int = Field(16, gt=0, description="completions per forward/backward")
 
 
-class PGConfig(StrictModel):
+class PGConfig(RunConfig):
     name: str = Field(
         "grpo", description="run name (run dir outputs/policy_gradients/<name>-<time>)"
     )

@@ -16,20 +16,31 @@ import torch
 
 
 @dataclass(kw_only=True)
-class Experience:
-    """One batch of rollouts with everything the losses need."""
+class LossInputs:
+    """Exactly the per-token tensors the losses in `policy_gradients.losses` read, all (B, T) and
+    aligned with the completion tokens. Build one to call a loss from your own code; an
+    `Experience` is one too (it adds the sequences, rewards and groups the loop needs)."""
+
+    action_mask: torch.Tensor  # (B, T) 1 on completion tokens through the first eos
+    advantages: torch.Tensor | None = None  # (B, T); the policy losses require it
+    log_probs_old: torch.Tensor | None = None  # (B, T) sampler log-probs; policy losses need it
+    log_probs_ref: torch.Tensor | None = None  # (B, T) under pi_ref (KL in the loss)
+    values_old: torch.Tensor | None = None  # (B, T) value model at rollout time (value loss)
+    returns: torch.Tensor | None = None  # (B, T) value targets (value loss)
+
+
+@dataclass(kw_only=True)
+class Experience(LossInputs):
+    """One batch of rollouts: the loss inputs plus what the loop needs to recompute log-probs
+    (sequences) and to log and group (rewards, group ids)."""
 
     sequence_ids: torch.Tensor  # (B, S) prompt + completion token ids
     attention_mask: torch.Tensor  # (B, S)
-    action_mask: torch.Tensor  # (B, T) 1 on completion tokens through the first eos
     # (B, T) log pi_old(a_t | s_t) of the sampling distribution; None when the update is
     # on-policy (one optimizer step per batch): the loop then fills in the current log-probs,
     # detached, which are the same numbers without a second forward
     log_probs_old: torch.Tensor | None
     advantages: torch.Tensor  # (B, T)
-    log_probs_ref: torch.Tensor | None = None  # (B, T) under pi_ref, when a KL is used
-    values_old: torch.Tensor | None = None  # (B, T) value model at rollout time (PPO)
-    returns: torch.Tensor | None = None  # (B, T) value targets (PPO)
     rewards: dict[str, torch.Tensor] = field(default_factory=dict)  # name -> (B,) or (B, T)
     group_ids: torch.Tensor | None = None  # (B,) which prompt each completion answers
 

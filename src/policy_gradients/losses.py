@@ -1,9 +1,14 @@
 """Per-token policy-gradient losses (registry `LOSSES`) and PPO's value loss (`VALUE_LOSSES`).
 
 Every loss reads the current policy's per-token log-probs `log_probs` (B, T) over completion
-tokens and an `Experience` (B rows) holding, aligned with them, the sampling policy's log-probs
-`log_probs_old`, the `advantages` A, the `action_mask` and, where needed, the reference
-log-probs, old values and returns. With rho = exp(logp - logp_old) and sg = stop-gradient:
+tokens and a `LossInputs` (B rows; an `Experience` is one) holding, aligned with them, the
+`action_mask`, the `advantages` A, the sampling policy's log-probs `log_probs_old` and, where
+needed, the reference log-probs, old values and returns; nothing else (no token ids or attention
+mask), so a loss is callable from your own code with just those tensors:
+
+    inputs = LossInputs(action_mask=mask, advantages=adv, log_probs_old=logp.detach())
+    loss, metrics = LOSSES.get("clipped")()(logp, inputs)
+ With rho = exp(logp - logp_old) and sg = stop-gradient:
 
     name     per-token loss                                                      defaults
     pg       -A logp                                                             -
@@ -25,7 +30,7 @@ belongs to the caller's rewards); H is the per-token entropy the caller passes a
 seq-mean-token-sum-norm with a constant `normalizer`); `total_tokens` / `total_sequences` of the
 whole optimizer step make micro-batch losses sum to the one-batch loss.
 
-    loss, metrics = loss_fn(log_probs, experience, total_tokens=..., total_sequences=...,
+    loss, metrics = loss_fn(log_probs, inputs, total_tokens=..., total_sequences=...,
                             entropy=None, values=None)
 
 `metrics` holds detached scalar tensors (no device sync), each computed on this micro-batch alone
@@ -50,7 +55,7 @@ from typing import ClassVar
 import torch
 from torch import nn
 
-from policy_gradients.experience import Experience
+from policy_gradients.experience import LossInputs
 from rlhf_core.kl import KLEstimator, kl_estimate
 from rlhf_core.logprobs import AGGREGATION_MODES, AggregationMode, aggregate, masked_mean
 from rlhf_core.registry import Configurable, Registry
@@ -130,12 +135,15 @@ class PolicyGradientLoss(Configurable, nn.Module):
             )
         return value
 
-    def _mask(self, experience: Experience) -> torch.Tensor:
+    def _mask(self, experience: LossInputs) -> torch.Tensor:
         mask = experience.action_mask
         if not isinstance(mask, torch.Tensor) or mask.dim() != 2:
             got = tuple(mask.shape) if isinstance(mask, torch.Tensor) else type(mask).__name__
             raise ValueError(f"{self.name} loss: experience.action_mask must be (B, T), got {got}")
         return mask.bool()
+
+
+LOSSES.base = PolicyGradientLoss  # what a "module:Class" name in a config must subclass
 
 
 class PolicyLoss(PolicyGradientLoss):
@@ -176,7 +184,7 @@ class PolicyLoss(PolicyGradientLoss):
     def forward(
         self,
         log_probs: torch.Tensor,
-        experience: Experience,
+        experience: LossInputs,
         *,
         total_tokens: torch.Tensor | float | None = None,
         total_sequences: torch.Tensor | float | None = None,
@@ -411,7 +419,7 @@ class ValueLoss(PolicyGradientLoss):
     def forward(
         self,
         log_probs: torch.Tensor | None,
-        experience: Experience,
+        experience: LossInputs,
         *,
         total_tokens: torch.Tensor | float | None = None,
         total_sequences: torch.Tensor | float | None = None,

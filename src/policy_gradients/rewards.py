@@ -19,6 +19,8 @@ Components:
                  (or the whole completion with extract: full); partial credit as the task defines
   format         1 if the completion contains exactly one <answer>...</answer> block, else 0
   gsm8k          1 if the last number in the answer equals the reference after '####', else 0
+  exact_match    1 if the completion equals the reference answer (stripped), else 0
+  rouge          ROUGE-L (or -1/-2) F-measure against the reference answer (rouge-score)
   overlong       DAPO's soft overlong punishment (Yu et al. 2025, arXiv:2503.14476)
   reward_model   a reward model directory saved by `reward_models`, see `RewardModelReward`
   segment_reward_model
@@ -131,6 +133,26 @@ def _same_number(a: str, b: str) -> bool:
         return abs(float(a) - float(b)) < 1e-6
     except ValueError:
         return a == b
+
+
+@REWARDS.register("exact_match")
+class ExactMatchReward:
+    """1 if the answer (the <answer> block with extract: answer_tag, else the whole completion)
+    equals the reference answer after stripping whitespace (`rlhf_core.scoring.exact_match`)."""
+
+    def __init__(self, *, extract: Literal["answer_tag", "full"] = "full") -> None:
+        self.extract = extract
+
+    def __call__(self, batch: RewardInput) -> torch.Tensor:
+        from rlhf_core.scoring import exact_match
+
+        texts = [
+            (extract_answer(t) or "") if self.extract == "answer_tag" else t
+            for t in batch.completions
+        ]
+        return torch.tensor(
+            [exact_match(t, str(it["answer"])) for t, it in zip(texts, batch.items, strict=True)]
+        )
 
 
 @REWARDS.register("overlong")

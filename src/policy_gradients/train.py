@@ -55,6 +55,7 @@ from rlhf_core.registry import build_from_spec
 from rlhf_core.rundir import managed_run, open_run_dir
 from rlhf_core.runtime import seed_everything
 from rlhf_core.scalar_head import ScalarHeadInfo, ScalarHeadModel
+from rlhf_core.selection import ModelSelector
 from rlhf_core.tracking import Tracker
 
 PACKAGE = "policy_gradients"
@@ -168,12 +169,19 @@ def train(cfg: PGConfig, run: RunArgs) -> int:
         value_sched = build_scheduler(value_opt, cfg.optim, total_updates)
     sampler = EpochSampler(len(train_prompts.items), cfg.seed)
     step, skips = 0, SkippedSteps(cfg.optim.max_consecutive_skips)
+    selector = ModelSelector(
+        cfg.checkpoint.best,
+        run_dir,
+        accelerator,
+        periodic_eval=bool(t.eval_every) and cfg.data.eval is not None,
+    )
     if ckpt is not None:
         step, state = restore_checkpoint(
             ckpt, optimizer=optimizer, scheduler=scheduler, sampler=sampler, model=policy,
             extra={"value": (value_model, value_opt)} if value_model is not None else None,
         )  # fmt: skip
         skips.total = state["skipped_steps"]
+        selector.load_state_dict(state.get("best"))
         if value_model is not None:
             value_sched.load_state_dict(state["value_scheduler"])
     tracker = Tracker(
@@ -201,7 +209,11 @@ def train(cfg: PGConfig, run: RunArgs) -> int:
 
     def save() -> None:
         rollout_log.flush()
-        state = {"sampler": sampler.state_dict(), "skipped_steps": skips.total}
+        state = {
+            "sampler": sampler.state_dict(),
+            "skipped_steps": skips.total,
+            "best": selector.state_dict(),
+        }
         extra, extra_opt = {}, {}
         if value_model is not None:
             state["value_scheduler"] = value_sched.state_dict()
@@ -306,7 +318,10 @@ def train(cfg: PGConfig, run: RunArgs) -> int:
                     "train/time/train_s": time.perf_counter() - t_train,
                 })  # fmt: skip
             if t.eval_every and step % t.eval_every == 0 and step < t.max_steps:
-                tracker.log(step, run_eval())
+                evaluation = run_eval()
+                tracker.log(step, evaluation)
+                if selector.observe(step, evaluation, policy, tokenizer):
+                    break  # early stop: the final evaluation and final/ follow
             if cfg.checkpoint.save_every and step % cfg.checkpoint.save_every == 0:
                 save()
             if stop.requested:
@@ -321,11 +336,13 @@ def train(cfg: PGConfig, run: RunArgs) -> int:
     final_eval = run_eval()
     if final_eval:
         tracker.log(step, final_eval)
+    selector.observe(step, final_eval, policy, tokenizer)
     if cfg.checkpoint.save_final:
         save_final(accelerator, policy, tokenizer, run_dir / "final")
     first = [r for r in tracker.history if "train/reward/total" in r]
     summary = tracker.finish({
         "steps": step, "skipped_steps": skips.total, "threads": threads, "processes": world,
+        **selector.summary(),
         "algorithm": alg.name, "train_prompts": len(train_prompts.items),
         "first_train_reward": first[0]["train/reward/total"] if first else None,
         "last_train_reward": first[-1]["train/reward/total"] if first else None, **final_eval,

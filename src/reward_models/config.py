@@ -13,7 +13,7 @@ from typing import Literal
 from pydantic import Field, model_validator
 
 from rlhf_core.checkpoint import CheckpointConfig
-from rlhf_core.config import StrictModel
+from rlhf_core.config import RunConfig, StrictModel
 from rlhf_core.data import DataSource, check_heldout_seeds
 from rlhf_core.encoding import MAX_PROMPT_LENGTH_HELP
 from rlhf_core.errors import UserError
@@ -113,7 +113,7 @@ class RMTrainConfig(LoopConfig):
     )
 
 
-class RMConfig(StrictModel):
+class RMConfig(RunConfig):
     name: str = Field(
         "reward_model", description="run name (run dir outputs/reward_models/<name>-<time>)"
     )

@@ -53,6 +53,9 @@ class RewardLoss(Configurable, nn.Module):
         return 1
 
 
+LOSSES.base = RewardLoss  # what a "module:Class" name in a config must subclass
+
+
 def _shape_error(name: str, expected: str, **tensors: torch.Tensor) -> ValueError:
     got = ", ".join(f"{k} {tuple(v.shape)}" for k, v in tensors.items())
     return ValueError(f"{name} loss: expected {expected}; got {got}")
@@ -217,7 +220,10 @@ class ProcessCELoss(RewardLoss):
     predicts the rating of every step at the last token of the step (here: the one-token step
     separator that follows it), trained with cross-entropy on those positions only:
 
-        loss = mean_{t : c_t != -100} CE(softmax(logits_t), c_t)
+        loss = mean_b [ mean_{t : c_bt != -100} CE(softmax(logits_bt), c_bt) ]
+
+    a per-example mean over its steps, then the mean over the batch (an example without steps
+    contributes 0 and still counts), so each solution weighs the same however many steps it has.
 
     logits (B, T, C); classes c (B, T) hold -100 everywhere but step ends. C = num_classes:
     3 = PRM800K's ratings -1 / 0 / +1 as classes 0 / 1 / 2; 2 = binary (0 = the step is an error,

@@ -48,6 +48,8 @@ from rlhf_core.optim import build_optimizer, build_scheduler, maybe_embedding_gr
 from rlhf_core.registry import build_from_spec
 from rlhf_core.rundir import managed_run, open_run_dir
 from rlhf_core.runtime import seed_everything
+from rlhf_core.scalar_head import check_sequence_classification_export
+from rlhf_core.selection import ModelSelector
 from rlhf_core.tracking import Tracker
 
 PACKAGE = "reward_models"
@@ -86,6 +88,8 @@ def train(cfg: RMConfig, run: RunArgs) -> int:
     kind, collate = loss_fn.kind, COLLATE[loss_fn.kind]
     tokenizer = load_tokenizer(cfg.model, padding_side="right")
     d, t = cfg.data, cfg.train
+    if t.export_sequence_classification:  # fail now, not after training
+        check_sequence_classification_export(tokenizer, where=f"model {cfg.model.name_or_path}")
     classes = loss_fn.head_dim
     train_data = build_reward_data(
         d.train, tokenizer, kind=kind, data_cfg=d, num_classes=classes, where="data.train"
@@ -129,11 +133,18 @@ def train(cfg: RMConfig, run: RunArgs) -> int:
     scheduler = build_scheduler(optimizer, cfg.optim, total_steps)
     sampler = EpochSampler(len(train_data.examples), cfg.seed)
     step, skips = 0, SkippedSteps(cfg.optim.max_consecutive_skips)
+    selector = ModelSelector(
+        cfg.checkpoint.best,
+        run_dir,
+        accelerator,
+        periodic_eval=bool(t.eval_every) and eval_data is not None,
+    )
     if ckpt is not None:
         step, state = restore_checkpoint(
             ckpt, optimizer=optimizer, scheduler=scheduler, sampler=sampler, model=model
         )
         skips.total = state["skipped_steps"]
+        selector.load_state_dict(state.get("best"))
     tracker = Tracker(
         run_dir, cfg, cfg.tracking, total_steps=total_steps, resume_step=step if ckpt else None,
         enabled=is_main,
@@ -151,7 +162,8 @@ def train(cfg: RMConfig, run: RunArgs) -> int:
         save_training_state(
             accelerator, run_dir, step, model=model, tokenizer=tokenizer, optimizer=optimizer,
             scheduler=scheduler,
-            state={"sampler": sampler.state_dict(), "skipped_steps": skips.total},
+            state={"sampler": sampler.state_dict(), "skipped_steps": skips.total,
+                   "best": selector.state_dict()},
             keep_last=cfg.checkpoint.keep_last,
         )  # fmt: skip
 
@@ -194,7 +206,10 @@ def train(cfg: RMConfig, run: RunArgs) -> int:
                     **{f"train/{k}": v for k, v in reduced.items()},
                 })  # fmt: skip
             if t.eval_every and step % t.eval_every == 0 and step < total_steps:
-                tracker.log(step, run_eval())
+                evaluation = run_eval()
+                tracker.log(step, evaluation)
+                if selector.observe(step, evaluation, model, tokenizer):
+                    break  # early stop: the final evaluation and final/ follow
             if cfg.checkpoint.save_every and step % cfg.checkpoint.save_every == 0:
                 save()
             if stop.requested:
@@ -208,6 +223,7 @@ def train(cfg: RMConfig, run: RunArgs) -> int:
     final_eval = run_eval()
     if final_eval:
         tracker.log(step, final_eval)
+    selector.observe(step, final_eval, model, tokenizer)
     if cfg.checkpoint.save_final:
         save_final(accelerator, model, tokenizer, run_dir / "final")
     if t.export_sequence_classification and is_main:  # from final/ when saved (whole weights)
@@ -217,6 +233,7 @@ def train(cfg: RMConfig, run: RunArgs) -> int:
         whole.export_sequence_classification(run_dir / "final-seqcls", tokenizer=tokenizer)
     summary = tracker.finish({
         "steps": step, "skipped_steps": skips.total, "threads": threads, "processes": world,
+        **selector.summary(),
         "kind": kind, "loss": cfg.loss, "train_examples": len(train_data.examples),
         **{f"train_data/{k}": v for k, v in train_data.counts.items()},
         "final_train_loss": step_loss.item(),

@@ -45,6 +45,7 @@ from pydantic import Field
 
 from rlhf_core.config import StrictModel
 from rlhf_core.errors import UserError
+from rlhf_core.selection import SelectionConfig
 
 CHECKPOINT_RE = re.compile(r"^checkpoint-(\d+)$")
 STATE_FILE = "trainer_state.pt"
@@ -67,6 +68,11 @@ class CheckpointConfig(StrictModel):
     )
     keep_last: int = Field(2, ge=1, description="how many most recent checkpoints to keep")
     save_final: bool = Field(True, description="save the final model to <run_dir>/final")
+    best: SelectionConfig = Field(
+        default_factory=SelectionConfig,
+        description="best-checkpoint selection (<run_dir>/best/) and early stopping on a "
+        "held-out metric (rlhf_core.selection)",
+    )
 
 
 # ----------------------------------------------------------------------------- RNG

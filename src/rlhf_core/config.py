@@ -7,7 +7,9 @@ Every package's `train.py` does
 which reads `--config FILE`, applies each `--set key.path=value` (the value parsed as a YAML scalar,
 so `--set optim.lr=3e-4` and `--set model.lora=null` do what they say), validates against the
 Pydantic model (`extra="forbid"` everywhere) and returns the config plus the run options
-(`--output-dir`, `--resume [auto|PATH]`, `--dry-run`).
+(`--output-dir`, `--resume [auto|PATH]`, `--dry-run`). `--import MODULE` (repeatable) adds to the
+config's top-level `imports:` list: user modules imported before the config is validated, so the
+losses, estimators and rewards they register can be named in it (see docs/extending/).
 
 Errors name the file, the key path and what was expected:
   unknown key   -> the key path, the file, and the keys allowed at that level
@@ -25,7 +27,7 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 import yaml
-from pydantic import BaseModel, ConfigDict, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from rlhf_core.errors import UserError
 
@@ -71,6 +73,25 @@ def check_scalar_kind(annotation: Any, value: Any) -> None:
         raise ValueError(f"expected true or false, got the number {value!r}")
 
 
+class RunConfig(StrictModel):
+    """Base of every trainer's top-level config. `imports` is its first field, so the user modules
+    are imported before any loss, estimator or reward spec is checked against its registry."""
+
+    imports: list[str] = Field(
+        default_factory=list,
+        description="user modules imported before the config is validated (their registered "
+        "losses, estimators and rewards become usable by name); --import MODULE adds one",
+    )
+
+    @field_validator("imports")
+    @classmethod
+    def _import_user_modules(cls, modules: list[str]) -> list[str]:
+        from rlhf_core.registry import import_modules  # registry imports this module
+
+        import_modules(modules)
+        return modules
+
+
 class ConfigError(UserError):
     """A config that cannot be used, with a message naming the file and key path."""
 
@@ -85,6 +106,7 @@ class RunArgs:
     resume: str | None = None  # None, "auto", or a path
     dry_run: bool = False
     overwrite: bool = False  # move an existing run in output_dir aside instead of refusing
+    model_index: int | None = None  # configs with a `models:` list: train only this entry
 
 
 # Settings a resumed run may change without changing what the run means (its data, batches,
@@ -171,6 +193,11 @@ def _list_index(node: list, part: str, item: str, where: str) -> int:
 
 def validate_config(cls: type[C], data: dict[str, Any], source: str = "<config>") -> C:
     """Validate `data` against `cls`, turning pydantic's errors into one readable ConfigError."""
+    imports = data.get("imports")
+    if isinstance(imports, list):  # first, so a missing module is its own one-line error
+        from rlhf_core.registry import import_modules
+
+        import_modules(imports, where=f"{source}: imports")
     try:
         return cls.model_validate(data)
     except ValidationError as exc:
@@ -178,9 +205,16 @@ def validate_config(cls: type[C], data: dict[str, Any], source: str = "<config>"
         raise ConfigError(f"{source}: invalid config\n  " + "\n  ".join(lines)) from None
 
 
-def load_config(cls: type[C], path: str | Path, overrides: list[str] | None = None) -> C:
-    """Read YAML at `path`, apply overrides, validate as `cls`."""
+def load_config(
+    cls: type[C],
+    path: str | Path,
+    overrides: list[str] | None = None,
+    imports: list[str] | None = None,
+) -> C:
+    """Read YAML at `path`, apply overrides, add `imports` (--import), validate as `cls`."""
     data = apply_overrides(read_yaml(path), list(overrides or []))
+    if imports:
+        data["imports"] = [*(data.get("imports") or []), *imports]
     source = str(path) + (f" (with --set {', '.join(overrides)})" if overrides else "")
     return validate_config(cls, data, source)
 
@@ -207,6 +241,15 @@ def build_arg_parser(prog: str, description: str) -> argparse.ArgumentParser:
         metavar="KEY.PATH=VALUE",
         help="override a config value (repeatable); VALUE is parsed as YAML",
     )
+    parser.add_argument(
+        "--import",
+        dest="imports",
+        action="append",
+        default=[],
+        metavar="MODULE",
+        help="import a module of your own before the config is validated (repeatable), so the "
+        "losses, estimators or rewards it registers can be named in the config",
+    )
     parser.add_argument("--output-dir", type=Path, default=None, help="run directory to use")
     parser.add_argument(
         "--resume",
@@ -222,6 +265,13 @@ def build_arg_parser(prog: str, description: str) -> argparse.ArgumentParser:
         action="store_true",
         help="if --output-dir already holds a run, move it aside (to <dir>.replaced-<time>) and "
         "start fresh; without this flag such a directory is refused",
+    )
+    parser.add_argument(
+        "--model-index",
+        type=int,
+        default=None,
+        metavar="N",
+        help="configs with a 'models:' list: train only entry N (0-based), e.g. one per job",
     )
     parser.add_argument(
         "--dry-run",
@@ -299,10 +349,13 @@ def parse_run_args(
         resume=args.resume,
         dry_run=args.dry_run,
         overwrite=args.overwrite,
+        model_index=args.model_index,
     )
     if args.overwrite and args.resume is not None:
         raise ConfigError("--overwrite starts a new run; it cannot be combined with --resume")
-    cfg = load_config(cls, run.config_path, run.overrides)
+    if run.model_index is not None and "models" not in cls.model_fields:
+        raise ConfigError(f"--model-index: {prog} has no 'models:' list to index")
+    cfg = load_config(cls, run.config_path, run.overrides, args.imports)
     if saved is not None:
         check_resume_changes(saved, cfg)
     return cfg, run
@@ -409,6 +462,8 @@ def _describe_error(cls: type[BaseModel], err: dict[str, Any]) -> str:
         return f"unknown key '{path}'; allowed keys here: {allowed}"
     if kind == "missing":
         return f"missing required key '{path}'"
+    if kind == "value_error":  # a validator's own message already says what was expected
+        return f"field '{path}': {err.get('msg', '').removeprefix('Value error, ')}"
     expected = f"expected {_type_name(annotation)}" if annotation is not None else "invalid value"
     given = err.get("input")
     given_repr = f"{given!r} ({type(given).__name__})"

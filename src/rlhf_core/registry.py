@@ -17,6 +17,16 @@ subclass changes some of its parent's keyword defaults without repeating the con
 Configs name a registered class and its keyword arguments together, `{name: dpo, beta: 0.1}`;
 `validate_spec` checks such a spec against the class's `__init__` signature (so a newly registered
 loss is configurable with no config code) and `build_from_spec` instantiates it.
+
+User code needs no wrapper script, in either of two ways:
+
+    name: my_pkg.my_losses:MyDPO          # "module:attribute": imported, checked, used directly
+    imports: [my_pkg.my_losses]           # a config's top-level list (or --import, repeatable):
+    loss: {name: my_dpo}                  # imported before validation, so its @register runs
+
+A `module:attribute` name must be a subclass of the registry's `base` (the package's base class);
+`import_modules` and `resolve_object` raise `UserError` naming what was tried. Modules are found on
+`sys.path`, which for `python -m ...` starts with the current directory.
 """
 
 from __future__ import annotations
@@ -24,6 +34,7 @@ from __future__ import annotations
 import functools
 import importlib
 import inspect
+import sys
 import typing
 from collections.abc import Callable, Iterator, Mapping
 from typing import Annotated, Any, Generic, TypeVar
@@ -31,12 +42,13 @@ from typing import Annotated, Any, Generic, TypeVar
 from pydantic import AfterValidator, ConfigDict, ValidationError, create_model
 
 from rlhf_core.config import check_scalar_kind
+from rlhf_core.errors import UserError
 
 T = TypeVar("T")
 
 
-class RegistryError(KeyError):
-    """An unknown or duplicate name in a registry."""
+class RegistryError(UserError, KeyError):
+    """An unknown or duplicate name in a registry (a user error; also a KeyError)."""
 
     def __str__(self) -> str:  # KeyError quotes its message; show it plainly.
         return str(self.args[0])
@@ -45,8 +57,9 @@ class RegistryError(KeyError):
 class Registry(Generic[T]):
     """A named mapping from strings to registered objects (usually classes)."""
 
-    def __init__(self, kind: str) -> None:
+    def __init__(self, kind: str, base: type | None = None) -> None:
         self.kind = kind
+        self.base = base  # what a "module:attribute" name must subclass; set by the package
         self._entries: dict[str, T] = {}
 
     def register(self, name: str) -> Callable[[T], T]:
@@ -70,12 +83,31 @@ class Registry(Generic[T]):
         return decorator
 
     def get(self, name: str) -> T:
-        """Return the object registered under `name`, or raise listing the known names."""
+        """Return the object registered under `name` or named by `module:attribute`; an unknown
+        name raises listing the known names."""
+        if isinstance(name, str) and ":" in name:
+            return self._resolve(name)
         try:
             return self._entries[name]
         except KeyError:
             known = ", ".join(sorted(self._entries)) or "(none)"
-            raise RegistryError(f"unknown {self.kind} {name!r}; registered: {known}") from None
+            raise RegistryError(
+                f"unknown {self.kind} {name!r}; registered: {known}; for your own class give "
+                "'module:ClassName' or list its module under 'imports:' (or --import MODULE)"
+            ) from None
+
+    def _resolve(self, name: str) -> T:
+        obj = resolve_object(name, what=self.kind)
+        if self.base is None:  # e.g. rewards: any class whose instances are called
+            if not isinstance(obj, type):
+                raise RegistryError(f"{self.kind} {name!r}: {obj!r} is not a class")
+        elif not (isinstance(obj, type) and issubclass(obj, self.base)):
+            base = f"{self.base.__module__}.{self.base.__qualname__}"
+            raise RegistryError(
+                f"{self.kind} {name!r}: {obj!r} is not a subclass of {base}; subclass it "
+                "(see docs/extending/)"
+            )
+        return obj  # type: ignore[return-value]
 
     def names(self) -> list[str]:
         return sorted(self._entries)
@@ -153,6 +185,46 @@ def _with_defaults(init: Callable, defaults: dict[str, Any], owner: str) -> Call
     return __init__
 
 
+def import_modules(modules: list[str], *, where: str = "imports") -> None:
+    """Import each user module (so its `@REGISTRY.register(...)` decorators run); a module that
+    cannot be imported raises UserError naming it and where it was looked for."""
+    for module in modules:
+        _import(module, where=f"{where}: {module!r}")
+
+
+def _import(module: str, *, where: str) -> Any:
+    if not isinstance(module, str) or not module.strip():
+        raise UserError(f"{where}: expected a module name like my_pkg.my_losses")
+    try:
+        return importlib.import_module(module)
+    except ModuleNotFoundError as exc:
+        if exc.name is not None and module.startswith(exc.name):  # the module itself is missing
+            first = sys.path[0] or "."
+            raise UserError(
+                f"{where}: module {exc.name!r} not found on sys.path (which starts with {first}); "
+                "run from the directory that holds it, or add that directory to PYTHONPATH"
+            ) from None
+        raise  # the user's module imports something missing: keep its traceback
+
+
+def resolve_object(name: str, *, what: str = "object") -> Any:
+    """The object named by `module:attribute` (attribute may be dotted); UserError naming what
+    was tried when the module or the attribute is missing."""
+    module_name, _, attr = name.partition(":")
+    if not module_name or not attr:
+        raise UserError(f"{what} {name!r}: expected 'module:attribute', e.g. my_pkg.losses:MyDPO")
+    obj = _import(module_name, where=f"{what} {name!r}")
+    for part in attr.split("."):
+        if not hasattr(obj, part):
+            public = sorted(n for n in vars(obj) if not n.startswith("_")) if part else []
+            raise UserError(
+                f"{what} {name!r}: module {module_name!r} has no attribute {attr!r} "
+                f"(it defines: {', '.join(public[:20]) or '(nothing public)'})"
+            )
+        obj = getattr(obj, part)
+    return obj
+
+
 def validate_spec(registry: Registry, spec: Mapping[str, Any], *, where: str) -> dict[str, Any]:
     """Check a `{name: ..., **keyword arguments}` spec against the registered class's __init__.
 
@@ -165,7 +237,7 @@ def validate_spec(registry: Registry, spec: Mapping[str, Any], *, where: str) ->
     name = spec["name"]
     try:
         cls = registry.get(name)
-    except RegistryError as exc:  # pydantic validators turn ValueErrors into config errors
+    except UserError as exc:  # pydantic validators turn ValueErrors into config errors
         raise ValueError(f"{where}: {exc}") from None
     params = keywords(cls)
     unknown = sorted(set(spec) - set(params) - {"name"})

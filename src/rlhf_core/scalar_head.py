@@ -68,6 +68,7 @@ from rlhf_core.encoding import (
     last_token_index,
     pad_sequences,
 )
+from rlhf_core.errors import UserError
 from rlhf_core.models import (
     ModelConfig,
     apply_lora,
@@ -474,6 +475,25 @@ class ScalarHeadModel(nn.Module):
 # ----------------------------------------------------------------------------- export
 
 
+def check_sequence_classification_export(tokenizer: Any, *, where: str = "") -> None:
+    """Raise UserError if `tokenizer` cannot give a faithful sequence-classification export (no
+    pad token, or pad = eos); trainers call this before their first step."""
+    prefix = f"{where}: " if where else ""
+    if tokenizer is None or tokenizer.pad_token_id is None:
+        raise UserError(
+            f"{prefix}export_sequence_classification needs a tokenizer with a pad token"
+        )
+    if tokenizer.pad_token_id == tokenizer.eos_token_id:
+        raise UserError(
+            f"{prefix}export_sequence_classification: the tokenizer's pad token is its eos token "
+            f"(pad = eos = {tokenizer.eos_token!r}); transformers' sequence classifiers pool at "
+            "the last non-pad token, which would be the token before each sequence's final eos. "
+            "Use a tokenizer with a distinct pad token, or set "
+            "train.export_sequence_classification: false (the reward model directory itself is "
+            "unaffected)."
+        )
+
+
 def export_sequence_classification(
     model: ScalarHeadModel, out_dir: str | Path, *, tokenizer: Any = None
 ) -> Path:
@@ -487,14 +507,7 @@ def export_sequence_classification(
     from transformers import AutoModelForSequenceClassification
 
     tokenizer = tokenizer if tokenizer is not None else model.tokenizer
-    if tokenizer is None or tokenizer.pad_token_id is None:
-        raise ValueError("export_sequence_classification needs a tokenizer with a pad token")
-    if tokenizer.pad_token_id == tokenizer.eos_token_id:
-        raise ValueError(
-            f"export_sequence_classification: pad = eos ({tokenizer.eos_token!r}); transformers "
-            "would pool at the token before each sequence's final eos. Use a tokenizer with a "
-            "distinct pad token."
-        )
+    check_sequence_classification_export(tokenizer)
     backbone = model.backbone
     if is_peft_model(backbone):
         backbone = copy.deepcopy(backbone).merge_and_unload()

@@ -1,4 +1,4 @@
-"""Run directories, metric logs, curves, summaries, a progress display and optional wandb.
+"""Run directories, metric logs, curves, summaries, a progress display, optional trackers.
 
 A run dir (`outputs/<package>/<name>-<YYYYmmdd-HHMMSS>/`, or `--output-dir`) holds
 
@@ -8,8 +8,13 @@ A run dir (`outputs/<package>/<name>-<YYYYmmdd-HHMMSS>/`, or `--output-dir`) hol
     summary.json     final figures and wall time
     checkpoints/     see rlhf_core.checkpoint
 
-Only the main process writes (pass `enabled=False` elsewhere). wandb is used only when the config
-enables it; `WANDB_MODE` (e.g. offline) is honoured, and it is never required to train.
+    tensorboard/     event files, with `tracking.backends: [tensorboard]`
+
+Only the main process writes (pass `enabled=False` elsewhere). `tracking.backends` adds
+experiment trackers, each optional and imported only when listed (`uv sync --extra tracking`):
+wandb (`WANDB_MODE`, e.g. offline, is honoured), tensorboard (`tensorboard --logdir RUN_DIR`)
+and trackio (a local dashboard, `trackio show --project rlhf-lab`; `TRACKIO_DIR` is honoured).
+None is ever required to train: metrics.jsonl always holds everything.
 """
 
 from __future__ import annotations
@@ -28,9 +33,10 @@ from pydantic import BaseModel, Field
 
 from rlhf_core.config import StrictModel, dump_config
 
+Backend = Literal["wandb", "tensorboard", "trackio"]
+
 
 class WandbConfig(StrictModel):
-    enabled: bool = Field(False, description="log to Weights & Biases")
     project: str = Field("rlhf-lab", description="wandb project")
     entity: str | None = Field(None, description="wandb entity (team or user)")
     mode: Literal["online", "offline", "disabled"] | None = Field(
@@ -42,7 +48,13 @@ class WandbConfig(StrictModel):
 class TrackingConfig(StrictModel):
     log_every: int = Field(10, ge=1, description="log training metrics every k optimizer steps")
     plot_every: int = Field(10, ge=1, description="redraw curves.png every k metric lines")
-    wandb: WandbConfig = Field(default_factory=WandbConfig, description="optional wandb logging")
+    backends: list[Backend] = Field(
+        default_factory=list,
+        description="experiment trackers besides metrics.jsonl: wandb, tensorboard (event files "
+        "in <run_dir>/tensorboard), trackio (local dashboard); each optional, imported only here",
+    )
+    wandb: WandbConfig = Field(default_factory=WandbConfig, description="wandb settings")
+    trackio_project: str = Field("rlhf-lab", description="trackio project (runs by run dir name)")
 
 
 def timestamp() -> str:
@@ -74,27 +86,16 @@ class Tracker:
         self.start_time = time.time()
         self.history: list[dict[str, Any]] = []
         self._lines_since_plot = 0
-        self._wandb = None
+        self._backends: list[Any] = []
         if not enabled:
             return
         self.run_dir.mkdir(parents=True, exist_ok=True)
         (self.run_dir / "config.yaml").write_text(dump_config(cfg))
         self.metrics_path = self.run_dir / "metrics.jsonl"
         self._load_history(resume_step)
-        if tracking.wandb.enabled:
-            import wandb
-
-            self._wandb = wandb.init(
-                project=tracking.wandb.project,
-                entity=tracking.wandb.entity,
-                name=self.run_dir.name,
-                dir=str(self.run_dir),
-                config=cfg.model_dump(mode="json"),
-                tags=tracking.wandb.tags,
-                mode=tracking.wandb.mode or os.environ.get("WANDB_MODE"),
-                resume="allow",
-                id=self.run_dir.name,
-            )
+        config = cfg.model_dump(mode="json")
+        for name in dict.fromkeys(tracking.backends):  # each once, in the order given
+            self._backends.append(BACKENDS[name](self.run_dir, config, tracking, resume_step))
 
     def _load_history(self, resume_step: int | None) -> None:
         """On resume keep the lines up to the checkpoint's step; later ones are redone."""
@@ -119,8 +120,9 @@ class Tracker:
         self.history.append(row)
         with open(self.metrics_path, "a") as fh:
             fh.write(json.dumps(row) + "\n")
-        if self._wandb is not None:
-            self._wandb.log({k: v for k, v in row.items() if k != "step"}, step=step)
+        numbers = {k: v for k, v in row.items() if k != "step" and _is_number(v)}
+        for backend in self._backends:
+            backend.log(numbers, step)
         if show:
             shown = "  ".join(f"{k} {v:.4g}" for k, v in metrics.items() if _is_number(v))
             pct = 100.0 * step / max(1, self.total_steps)
@@ -169,7 +171,7 @@ class Tracker:
         os.replace(tmp, self.run_dir / "curves.png")
 
     def finish(self, summary: dict[str, Any]) -> dict[str, Any]:
-        """Write summary.json (adds wall time), redraw the curves, close wandb."""
+        """Write summary.json (adds wall time), redraw the curves, close the trackers."""
         if not self.enabled:
             return summary
         summary = {**summary, "wall_time_s": round(time.time() - self.start_time, 2)}
@@ -177,10 +179,93 @@ class Tracker:
         tmp.write_text(json.dumps(summary, indent=2, default=str) + "\n")
         os.replace(tmp, self.run_dir / "summary.json")
         self.plot()
-        if self._wandb is not None:
-            self._wandb.summary.update({k: v for k, v in summary.items() if _is_number(v)})
-            self._wandb.finish()
+        for backend in self._backends:
+            backend.finish({k: v for k, v in summary.items() if _is_number(v)})
         return summary
+
+
+# ----------------------------------------------------------------------------- trackers
+
+
+def _import(backend: str, module: str) -> Any:
+    import importlib
+
+    try:
+        return importlib.import_module(module)
+    except ImportError as exc:
+        from rlhf_core.errors import UserError
+
+        raise UserError(
+            f"tracking.backends: {backend!r} needs the {exc.name} package (uv sync --extra "
+            f"tracking, or pip install {exc.name}); or remove it from tracking.backends"
+        ) from None
+
+
+class WandbBackend:
+    def __init__(self, run_dir: Path, config: dict, tracking: TrackingConfig, resume_step) -> None:
+        wandb = _import("wandb", "wandb")
+        w = tracking.wandb
+        self.run = wandb.init(
+            project=w.project, entity=w.entity, name=run_dir.name, dir=str(run_dir),
+            config=config, tags=w.tags, mode=w.mode or os.environ.get("WANDB_MODE"),
+            resume="allow", id=run_dir.name,
+        )  # fmt: skip
+
+    def log(self, metrics: dict[str, float], step: int) -> None:
+        self.run.log(metrics, step=step)
+
+    def finish(self, summary: dict[str, float]) -> None:
+        self.run.summary.update(summary)
+        self.run.finish()
+
+
+class TensorBoardBackend:
+    """Scalars to `<run_dir>/tensorboard`; on resume, events after the checkpoint are purged."""
+
+    def __init__(self, run_dir: Path, config: dict, tracking: TrackingConfig, resume_step) -> None:
+        _import("tensorboard", "tensorboard")
+        from torch.utils.tensorboard import SummaryWriter
+
+        purge = resume_step + 1 if resume_step is not None else None
+        self.writer = SummaryWriter(log_dir=str(run_dir / "tensorboard"), purge_step=purge)
+        if resume_step is None:
+            self.writer.add_text("config", "```\n" + json.dumps(config, indent=2) + "\n```")
+
+    def log(self, metrics: dict[str, float], step: int) -> None:
+        for key, value in metrics.items():
+            self.writer.add_scalar(key, value, step)
+        self.writer.flush()
+
+    def finish(self, summary: dict[str, float]) -> None:
+        for key, value in summary.items():
+            self.writer.add_scalar(f"summary/{key}", value, 0)
+        self.writer.close()
+
+
+class TrackioBackend:
+    """A local trackio run named after the run dir (`TRACKIO_DIR` is honoured); resumed runs
+    continue it."""
+
+    def __init__(self, run_dir: Path, config: dict, tracking: TrackingConfig, resume_step) -> None:
+        self.trackio = _import("trackio", "trackio")
+        self.trackio.init(
+            project=tracking.trackio_project, name=run_dir.name, config=config,
+            resume="allow" if resume_step is not None else "never", embed=False,
+            auto_log_cpu=False, auto_log_gpu=False,
+        )  # fmt: skip
+
+    def log(self, metrics: dict[str, float], step: int) -> None:
+        self.trackio.log(metrics, step=step)
+
+    def finish(self, summary: dict[str, float]) -> None:
+        self.trackio.finish()
+
+
+BACKENDS: dict[str, type] = {
+    "wandb": WandbBackend,
+    "tensorboard": TensorBoardBackend,
+    "trackio": TrackioBackend,
+}
 
 
 def _is_number(value: Any) -> bool:

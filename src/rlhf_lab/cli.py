@@ -4,6 +4,10 @@
     rlhf-lab quickstart [--fast]   SFT -> pairs -> RM -> GRPO, RLOO+RM -> DPO -> report (offline)
     rlhf-lab compare [--config configs/quickstart/compare.yaml] [--fast]
                                    every RL algorithm (and DPO losses) from one SFT model
+    rlhf-lab pairs --config FILE [--output-dir DIR]
+                                   on-policy preference pairs (a verifier or a reward model judges)
+    rlhf-lab eval --model DIR --task NAME | --prompts FILE [--reward-model DIR]
+                                   held-out exact match, partial credit, ROUGE, RM score, KL
     rlhf-lab sft|rm|dpo|rl --config FILE [--set k=v ...]   the package trainers
     rlhf-lab tiny [--build]        list (and build) the offline tiny-world presets
 """
@@ -21,6 +25,8 @@ TRAINERS = {
     "rl": "policy_gradients.train",
     "quickstart": "rlhf_lab.quickstart",
     "compare": "rlhf_lab.compare",
+    "pairs": "rlhf_lab.onpolicy",
+    "eval": "rlhf_lab.evaluate",
 }
 
 

@@ -1,28 +1,176 @@
-"""On-policy preference pairs: sample from a model, grade with the task's verifier, pair.
+"""`rlhf-lab pairs`: on-policy preference pairs from a policy and a judge (a verifier or a
+reward model), the data step of the quickstart and of iterative (online) DPO.
 
-For each prompt, `samples` completions are drawn at temperature 1 from the model; each is graded
-by the reasoning-gym task's own scorer (exact = score 1.0). A prompt with at least one correct and
-one incorrect completion gives one pair (chosen = a correct completion, rejected = an incorrect
-one, both picked at random with a seeded generator). With `reference_fallback`, a prompt whose
-samples are all wrong still gives a pair, with the task's reference answer as chosen (counted
-separately: those pairs are only half on-policy). Rows are written as jsonl with the columns
-direct_alignment and reward_models read: `prompt` (the question), `chosen`, `rejected`.
+    uv run rlhf-lab pairs --config configs/quickstart/pairs.yaml \
+        --output-dir outputs/quickstart/pairs
+
+For each prompt of each split, `samples` completions are drawn from the model (temperature
+`temperature`, seeded per split) and judged:
+
+  verifier       the reasoning-gym task's own scorer (exact = score 1.0). A prompt with a correct
+                 and an incorrect completion gives one pair (chosen = a correct one, rejected = an
+                 incorrect one, each picked with a seeded generator). With `reference_fallback`,
+                 a prompt whose samples are all wrong still gives a pair, with the task's
+                 reference answer as chosen (counted: those pairs are only half on-policy).
+  reward_model   a reward model directory saved by `reward_models` (or a transformers sequence
+                 classifier), loaded through `rlhf_core.scalar_head`: chosen = the best-scored
+                 completion, rejected = the worst, if their scores differ by more than
+                 `min_reward_gap` (the iterative-DPO recipe of Xiong et al. 2024,
+                 arXiv:2312.11456; any prompt source, no verifier needed).
+
+Each split is written to `<output_dir>/<split>.jsonl` with the columns direct_alignment and
+reward_models read (`prompt` = the question, `chosen`, `rejected`), plus `summary.json` with the
+counts. For iterative DPO, alternate this command (`--set model.name_or_path=<last DPO final>`)
+with `python -m direct_alignment.train` on the new pairs.
+
+Not here: more than one pair per prompt, best-of-n against the reference, and a reward model's
+ties broken by length.
 """
 
 from __future__ import annotations
 
 import json
 import random
+import sys
 from pathlib import Path
+from typing import Literal
 
 import torch
+from pydantic import Field, model_validator
 
 from policy_gradients.rollout import generate_rollouts, load_prompts
+from rlhf_core.config import RunArgs, RunConfig, StrictModel, dump_config, parse_run_args
 from rlhf_core.data import DataSource
+from rlhf_core.errors import run_main
 from rlhf_core.models import ModelConfig, load_policy, load_tokenizer
+from rlhf_core.rundir import default_run_dir
+
+
+class PairSplit(StrictModel):
+    prompts: DataSource = Field(description="the prompts (reasoning-gym, or a file/hub dataset)")
+    seed: int = Field(0, description="seed of this split's sampling and pair choices")
+
+
+class PairsConfig(RunConfig):
+    name: str = Field("pairs", description="run name (default dir outputs/pairs/<name>-<time>)")
+    model: ModelConfig = Field(description="the policy that samples the completions")
+    splits: dict[str, PairSplit] = Field(
+        description="output name -> prompts and seed; each becomes <output_dir>/<name>.jsonl",
+        min_length=1,
+    )
+    samples: int = Field(4, ge=2, description="completions sampled per prompt")
+    max_new_tokens: int = Field(16, gt=0, description="completion length cap")
+    temperature: float = Field(1.0, gt=0, description="sampling temperature")
+    batch_prompts: int = Field(64, gt=0, description="prompts per generation batch")
+    prompt_column: str = Field("prompt", description="question column of file rows")
+    answer_column: str = Field("answer", description="reference answer column of file rows")
+    judge: Literal["verifier", "reward_model"] = Field(
+        "verifier", description="who picks chosen and rejected (see rlhf_lab.onpolicy)"
+    )
+    reward_model: str | None = Field(
+        None, description="judge reward_model: the reward model directory"
+    )
+    reference_fallback: bool = Field(
+        True, description="verifier: all samples wrong -> the reference answer as chosen"
+    )
+    min_reward_gap: float = Field(
+        0.0, ge=0, description="reward_model: keep a pair only if best - worst exceeds this"
+    )
+
+    @model_validator(mode="after")
+    def _judge_inputs(self) -> PairsConfig:
+        if (self.judge == "reward_model") != (self.reward_model is not None):
+            raise ValueError("judge 'reward_model' needs reward_model: DIR, and only it reads it")
+        if self.judge == "verifier":
+            for name, split in self.splits.items():
+                if split.prompts.reasoning_gym is None:
+                    raise ValueError(
+                        f"splits.{name}: the verifier judge needs reasoning-gym prompts (it "
+                        "grades with the task's scorer); use judge: reward_model for file prompts"
+                    )
+        return self
+
+
+def _choose(
+    texts: list[str], scores: list[float], cfg: PairsConfig, item: dict, rng: random.Random
+) -> tuple[str, str, bool] | None:
+    """(chosen, rejected, used the reference answer) for one prompt's samples, or None."""
+    if cfg.judge == "reward_model":
+        order = sorted(range(len(texts)), key=lambda i: scores[i])
+        best, worst = order[-1], order[0]
+        if scores[best] - scores[worst] <= cfg.min_reward_gap or texts[best] == texts[worst]:
+            return None
+        return texts[best], texts[worst], False
+    good = [t for t, s in zip(texts, scores, strict=True) if s >= 1.0]
+    bad = [t for t, s in zip(texts, scores, strict=True) if s < 1.0 and t]
+    if not bad or not (good or cfg.reference_fallback):
+        return None
+    chosen = rng.choice(good) if good else item["entry"]["answer"]
+    return chosen, rng.choice(bad), not good
 
 
 @torch.no_grad()
+def build_pairs(cfg: PairsConfig, out_dir: Path) -> dict[str, dict[str, float]]:
+    """Write `<out_dir>/<split>.jsonl` for every split; return each split's counts."""
+    tokenizer = load_tokenizer(cfg.model, padding_side="left")
+    model = load_policy(cfg.model).eval()
+    judge_model = None
+    if cfg.judge == "reward_model":
+        from rlhf_core.scalar_head import ScalarHeadModel
+
+        judge_model = ScalarHeadModel.from_pretrained(cfg.reward_model)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    stats: dict[str, dict[str, float]] = {}
+    for name, split in cfg.splits.items():
+        prompts = load_prompts(
+            split.prompts, tokenizer, prompt_column=cfg.prompt_column,
+            answer_column=cfg.answer_column, prompt_template="{question}", system_prompt=None,
+            where=f"splits.{name}.prompts",
+        )  # fmt: skip
+        rng = random.Random(split.seed)
+        rows, scored, score_sum, correct, fallback = [], 0, 0.0, 0, 0
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(split.seed)
+            for start in range(0, len(prompts.items), cfg.batch_prompts):
+                items = prompts.items[start : start + cfg.batch_prompts]
+                ro = generate_rollouts(
+                    model, tokenizer, [it["prompt"] for it in items], group_size=cfg.samples,
+                    max_new_tokens=cfg.max_new_tokens, temperature=cfg.temperature,
+                )  # fmt: skip
+                texts = [t.strip() for t in ro.completions]
+                if judge_model is not None:
+                    questions = [it["messages"] for it in items for _ in range(cfg.samples)]
+                    scores = judge_model.score(questions, texts).float().tolist()
+                else:
+                    scores = [
+                        prompts.scorer.score_answer(t, items[i // cfg.samples]["entry"])
+                        for i, t in enumerate(texts)
+                    ]
+                for g, item in enumerate(items):
+                    span = slice(g * cfg.samples, (g + 1) * cfg.samples)
+                    picked = _choose(texts[span], scores[span], cfg, item, rng)
+                    scored += cfg.samples
+                    score_sum += sum(scores[span])
+                    correct += sum(s >= 1.0 for s in scores[span])
+                    if picked is not None:
+                        chosen, rejected, used_reference = picked
+                        fallback += used_reference
+                        entry = item["entry"]  # reasoning-gym row; file prompts: the user turn
+                        question = entry["question"] if entry else item["messages"][-1]["content"]
+                        rows.append({"prompt": question, "chosen": chosen, "rejected": rejected})
+        path = out_dir / f"{name}.jsonl"
+        path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+        stats[name] = {
+            "prompts": len(prompts.items), "pairs": len(rows), "reference_chosen": fallback,
+            "mean_score": score_sum / max(1, scored),
+            **({"sample_accuracy": correct / max(1, scored)} if judge_model is None else {}),
+        }  # fmt: skip
+        if not rows:
+            print(f"warning: split {name!r} gave no pairs", file=sys.stderr)
+    (out_dir / "summary.json").write_text(json.dumps(stats, indent=2) + "\n")
+    return stats
+
+
 def build_onpolicy_pairs(
     model_path: str | Path,
     source: DataSource,
@@ -34,42 +182,37 @@ def build_onpolicy_pairs(
     batch_prompts: int = 64,
     reference_fallback: bool = True,
 ) -> dict[str, float]:
-    """Write pairs to `out_path`; return counts (prompts, pairs, sample accuracy)."""
-    cfg = ModelConfig(name_or_path=str(model_path))
-    tokenizer = load_tokenizer(cfg, padding_side="left")
-    model = load_policy(cfg).eval()
-    prompts = load_prompts(
-        source, tokenizer, prompt_column="prompt", answer_column="answer",
-        prompt_template="{question}", system_prompt=None, where="pairs.source",
+    """One split judged by the task's verifier, written to `out_path` (a thin call of
+    `build_pairs`); returns its counts."""
+    cfg = PairsConfig(
+        model=ModelConfig(name_or_path=str(model_path)),
+        splits={out_path.stem: PairSplit(prompts=source, seed=seed)},
+        samples=samples, max_new_tokens=max_new_tokens, batch_prompts=batch_prompts,
+        reference_fallback=reference_fallback,
     )  # fmt: skip
-    rng = random.Random(seed)
-    rows, correct_total, graded, fallback = [], 0, 0, 0
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(seed)
-        for start in range(0, len(prompts.items), batch_prompts):
-            items = prompts.items[start : start + batch_prompts]
-            ro = generate_rollouts(
-                model, tokenizer, [it["prompt"] for it in items], group_size=samples,
-                max_new_tokens=max_new_tokens, temperature=1.0,
-            )  # fmt: skip
-            for g, item in enumerate(items):
-                texts = [t.strip() for t in ro.completions[g * samples : (g + 1) * samples]]
-                scores = [prompts.scorer.score_answer(t, item["entry"]) for t in texts]
-                good = [t for t, s in zip(texts, scores, strict=True) if s >= 1.0]
-                bad = [t for t, s in zip(texts, scores, strict=True) if s < 1.0 and t]
-                correct_total += len(good)
-                graded += len(texts)
-                if bad and (good or reference_fallback):
-                    chosen = rng.choice(good) if good else item["entry"]["answer"]
-                    fallback += not good
-                    rows.append({
-                        "prompt": item["entry"]["question"], "chosen": chosen,
-                        "rejected": rng.choice(bad),
-                    })  # fmt: skip
-    out_path.parent.mkdir(parents=True, exist_ok=True)
-    out_path.write_text("".join(json.dumps(r) + "\n" for r in rows))
-    return {
-        "prompts": len(prompts.items),
-        "pairs": len(rows),
-        "sample_accuracy": correct_total / max(1, graded),
-    }
+    return build_pairs(cfg, out_path.parent)[out_path.stem]
+
+
+def run(cfg: PairsConfig, args: RunArgs) -> int:
+    out_dir = args.output_dir or default_run_dir("pairs", cfg.name)
+    if args.dry_run:
+        print(dump_config(cfg))
+        print(f"would write: {', '.join(str(out_dir / f'{s}.jsonl') for s in cfg.splits)}")
+        return 0
+    stats = build_pairs(cfg, out_dir)
+    (out_dir / "config.yaml").write_text(dump_config(cfg))
+    for name, s in stats.items():
+        print(f"{out_dir / f'{name}.jsonl'}: " + ", ".join(f"{k} {v:.4g}" for k, v in s.items()))
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    cfg, args = parse_run_args(
+        argv, PairsConfig, prog="rlhf-lab pairs",
+        description="on-policy preference pairs from a policy and a verifier or reward model",
+    )  # fmt: skip
+    return run(cfg, args)
+
+
+if __name__ == "__main__":
+    sys.exit(run_main(main))

@@ -78,8 +78,7 @@ def run_quickstart(
     from policy_gradients.train import train as train_pg
     from reward_models.config import RMConfig
     from reward_models.train import train as train_rm
-    from rlhf_core.data import DataSource
-    from rlhf_lab.onpolicy import build_onpolicy_pairs
+    from rlhf_lab.onpolicy import PairsConfig, build_pairs
 
     out.mkdir(parents=True, exist_ok=True)
     times: dict[str, float] = {}
@@ -91,7 +90,10 @@ def run_quickstart(
 
     short = {
         "sft": ["train.max_steps=40"],
-        "pairs": 64,
+        "pairs": [
+            "splits.train.prompts.reasoning_gym.size=64",
+            "splits.eval.prompts.reasoning_gym.size=16",
+        ],
         "rm": ["train.epochs=1"],
         "grpo": ["train.max_steps=6"],
         "rloo_rm": ["train.max_steps=3", "rollout.prompts_per_step=8"],
@@ -113,20 +115,13 @@ def run_quickstart(
     times["sft"] = time.perf_counter() - t0
 
     t0 = stage("pairs (sample the SFT model, grade, pair)")
-    n_pairs = short["pairs"] if fast else 512
     pair_stats, stats_path = {}, out / "pairs" / "stats.json"
     if stats_path.is_file():  # built by an earlier, interrupted run of this quickstart
         pair_stats = json.loads(stats_path.read_text())
-    for split, seed in (("train", 1), ("eval", 20_000_000)) if not pair_stats else ():
-        size = n_pairs if split == "train" else n_pairs // 4
-        source = DataSource.model_validate(
-            {"reasoning_gym": {**PAIR_PROMPTS, "size": size, "seed": seed}}
-        )
-        pair_stats[split] = build_onpolicy_pairs(
-            sft_final, source, out / "pairs" / f"{split}.jsonl", samples=4, max_new_tokens=16,
-            seed=seed,
-        )  # fmt: skip
-    stats_path.write_text(json.dumps(pair_stats, indent=2) + "\n")  # written last: pairs done
+    else:
+        pairs_over = [f"model.name_or_path={sft_final}"] + (short["pairs"] if fast else [])
+        pair_stats = build_pairs(_config("pairs", PairsConfig, pairs_over), out / "pairs")
+        stats_path.write_text(json.dumps(pair_stats, indent=2) + "\n")  # written last: done
     figures["pairs"] = pair_stats
     times["pairs"] = time.perf_counter() - t0
 

@@ -144,7 +144,9 @@ def test_wandb_offline_run(tmp_path, monkeypatch):
     monkeypatch.setenv("WANDB_MODE", "offline")
     monkeypatch.setenv("WANDB_SILENT", "true")
     monkeypatch.delenv("WANDB_API_KEY", raising=False)
-    tracking = TrackingConfig(log_every=1, plot_every=100, wandb={"enabled": True, "tags": ["t"]})
+    tracking = TrackingConfig(
+        log_every=1, plot_every=100, backends=["wandb"], wandb={"tags": ["t"]}
+    )
     cfg = RunConfig(tracking=tracking)
     run_dir = tmp_path / "demo-20240101-000000"
     tracker = Tracker(run_dir, cfg, tracking, total_steps=2)
