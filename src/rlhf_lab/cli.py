@@ -6,6 +6,7 @@
                                    every RL algorithm (and DPO losses) from one SFT model
     rlhf-lab sft|rm|dpo|rl --config FILE [--set k=v ...]   the package trainers
     rlhf-lab tiny [--build]        list (and build) the offline tiny-world presets
+    rlhf-lab runs [list|show|compare|prune|snapshot|delete]   manage run directories
 """
 
 from __future__ import annotations
@@ -21,6 +22,10 @@ TRAINERS = {
     "rl": "policy_gradients.train",
     "quickstart": "rlhf_lab.quickstart",
     "compare": "rlhf_lab.compare",
+}
+# tools (not trainers): a UserError prints as one line and exits 2
+TOOLS = {
+    "runs": "rlhf_lab.runs",
 }
 
 
@@ -38,13 +43,17 @@ def _tiny(args: list[str]) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
-    commands = sorted([*TRAINERS, "tiny"])
+    commands = sorted([*TRAINERS, *TOOLS, "tiny"])
     if not argv or argv[0] in ("-h", "--help"):
         print(f"usage: rlhf-lab {{{','.join(commands)}}} [options]\n\n{__doc__}")
         return 0 if argv else 2
     command, rest = argv[0], argv[1:]
     if command == "tiny":
         return _tiny(rest)
+    if command in TOOLS:
+        from rlhf_core.errors import run_main
+
+        return run_main(importlib.import_module(TOOLS[command]).main, rest)
     if command not in TRAINERS:
         print(f"rlhf-lab: unknown command {command!r}; choose from {', '.join(commands)}")
         return 2
