@@ -172,6 +172,7 @@ def collect_experience(
         # the rollouts are the same whatever the number of processes
         positions = list(range(prompts_per_step))[rank::world]
         indices = sampler.next_batch(prompts_per_step)[rank::world]
+        epoch = sampler.epoch
         items = [prompts.items[i] for i in indices]
         seeds = [((cfg.seed * 1_000_003 + step) * 1_009 + round_) * 100_003 + p for p in positions]
         t0 = time.perf_counter()
@@ -227,8 +228,9 @@ def collect_experience(
         for j, row in enumerate(rows.tolist()):
             components = json.dumps({k: float(v[row].sum()) for k, v in parts.items()})
             log_rows.append((
-                step, rin.prompts[row], ro.completions[row], float(total[row].sum()), components,
-                float(seq_adv[j]), int(lengths[row]), int(ro.truncated[row]),
+                step, epoch, indices[row // r.group_size], row % r.group_size, rin.prompts[row],
+                ro.completions[row], float(total[row].sum()), components, float(seq_adv[j]),
+                int(lengths[row]), int(ro.truncated[row]),
             ))  # fmt: skip
         counts["groups"] += int(keep.sum())
         counts["completions"] += len(rows)

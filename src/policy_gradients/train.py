@@ -192,11 +192,14 @@ def train(cfg: PGConfig, run: RunArgs) -> int:
     def run_eval() -> dict[str, float]:
         if eval_prompts is None or not is_main:
             return {}
-        return evaluate_policy(
+        rows: list[tuple] = []
+        results = evaluate_policy(
             unwrapped, reference, tokenizer, eval_prompts, reward_fn,
             max_new_tokens=ro.max_new_tokens, temperature=ro.temperature,
-            batch_size=max(t.micro_batch_size, 32), seed=cfg.seed + step,
+            batch_size=max(t.micro_batch_size, 32), seed=cfg.seed + step, log_rows=rows,
         )  # fmt: skip
+        rollout_log.write_eval([(step, *row) for row in rows])
+        return results
 
     def save() -> None:
         state = {"sampler": sampler.state_dict(), "skipped_steps": skipped}
@@ -315,8 +318,8 @@ def train(cfg: PGConfig, run: RunArgs) -> int:
                 tracker.plot()
                 return stop.exit_code
 
-    rollout_log.close()
     final_eval = run_eval()
+    rollout_log.close()
     if final_eval:
         tracker.log(step, final_eval)
     if cfg.checkpoint.save_final:
