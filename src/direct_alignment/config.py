@@ -33,6 +33,11 @@ class PreferenceDataConfig(StrictModel):
     max_prompt_length: int | None = Field(
         None, gt=0, description="keep the last N prompt tokens; null = max_length // 2"
     )
+    overlong: Literal["truncate", "drop"] = Field(
+        "truncate",
+        description="a row longer than the length limits: truncate it (counted as truncated) or "
+        "drop it (counted as dropped_overlong in the summary)",
+    )
 
     @model_validator(mode="after")
     def _heldout_is_heldout(self) -> PreferenceDataConfig:
@@ -96,6 +101,8 @@ class DAConfig(StrictModel):
                 "(rows {prompt, completion, label}), or a pair format with a pairwise loss "
                 "('kto' is KTO on pairs)"
             )
+        if self.data.format == "unpaired" and self.data.overlong == "drop":
+            raise ValueError("data.overlong 'drop' is for pairs; unpaired rows are truncated")
         return self
 
     @model_validator(mode="after")

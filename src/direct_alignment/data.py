@@ -55,6 +55,7 @@ class PreferenceData:
     truncated: int = 0
     truncated_prompts: int = 0  # prompts that lost their start to max_prompt_length
     empty_completions: int = 0  # kept: an empty reply is the eos token alone (HH has some)
+    dropped_overlong: int = 0  # pairs over the limits, with overlong="drop"
 
 
 def row_to_triple(
@@ -117,8 +118,10 @@ def build_preference_data(
     max_prompt_length: int | None,
     where: str,
     limit: int | None = None,
+    overlong: str = "truncate",
 ) -> PreferenceData:
-    """Load, render, tokenize and truncate preference pairs (see the module docstring)."""
+    """Load, render, tokenize and truncate preference pairs (see the module docstring);
+    `overlong="drop"` drops (and counts) pairs that would be cut instead of cutting them."""
     rows, forced = _rows(source, where)
     fmt = forced or fmt
     triples, empty = [], 0
@@ -139,6 +142,10 @@ def build_preference_data(
             for k in range(3)
         ]
         for (prompt_text, _, _), p_ids, c_ids, r_ids in zip(chunk, *enc, strict=True):
+            longest = len(p_ids) + max(len(c_ids), len(r_ids)) + 1
+            if overlong == "drop" and (len(p_ids) > keep_prompt or longest > max_length):
+                data.dropped_overlong += 1
+                continue
             data.truncated_prompts += len(p_ids) > keep_prompt
             p_ids = p_ids[-keep_prompt:]
             room = max(1, max_length - len(p_ids))

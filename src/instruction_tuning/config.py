@@ -27,6 +27,11 @@ class SFTDataConfig(StrictModel):
     max_prompt_length: int | None = Field(
         None, gt=0, description="cut prompts to their last N tokens; null = max_length - completion"
     )
+    overlong: Literal["truncate", "drop"] = Field(
+        "truncate",
+        description="a row longer than the length limits: truncate it (counted as truncated) or "
+        "drop it (counted as dropped_overlong in the summary)",
+    )
 
     @model_validator(mode="after")
     def _heldout_is_heldout(self) -> SFTDataConfig:

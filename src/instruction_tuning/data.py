@@ -38,6 +38,7 @@ class SFTData:
     examples: list[SFTExample]
     scorer: Any | None  # reasoning-gym dataset (has score_answer) or None
     truncated_completions: int = 0
+    dropped_overlong: int = 0  # rows over the limits, with overlong="drop"
 
 
 def _split_row(row: dict[str, Any], index: int, fmt: str, where: str) -> tuple[Any, str]:
@@ -96,8 +97,10 @@ def build_sft_data(
     where: str,
     limit: int | None = None,
     exclude_prompts: set[str] | None = None,
+    overlong: str = "truncate",
 ) -> SFTData:
-    """Load and tokenize a source. `exclude_prompts` drops rows whose prompt text is in it."""
+    """Load and tokenize a source. `exclude_prompts` drops rows whose prompt text is in it;
+    `overlong="drop"` drops (and counts) rows that would be cut instead of cutting them."""
     scorer = None
     if source.reasoning_gym is not None:
         scorer = reasoning_gym_dataset(source.reasoning_gym)
@@ -120,7 +123,7 @@ def build_sft_data(
         rendered.append((prompt_text, completion, row.get("_entry")))
         if limit is not None and len(rendered) >= limit:
             break
-    examples, cut_count = [], 0
+    examples, cut_count, dropped = [], 0, 0
     for start in range(0, len(rendered), 2048):  # batched tokenization: ~20x faster than per row
         chunk = rendered[start : start + 2048]
         prompts = tokenizer([r[0] for r in chunk], add_special_tokens=False)["input_ids"]
@@ -128,14 +131,23 @@ def build_sft_data(
         for (prompt_text, completion, entry), p_ids, c_ids in zip(
             chunk, prompts, completions, strict=True
         ):
+            too_long = len(p_ids) + len(c_ids) + 1 > max_length or (
+                max_prompt_length is not None and len(p_ids) > max_prompt_length
+            )
+            if overlong == "drop" and too_long:
+                dropped += 1
+                continue
             p_ids, c_ids, cut = fit_lengths(
                 p_ids, c_ids + [tokenizer.eos_token_id], max_length, max_prompt_length
             )
             cut_count += cut
             examples.append(SFTExample(p_ids, c_ids, prompt_text, completion, entry))
     if not examples:
-        raise ValueError(f"{where}: no usable rows in {source.describe()}")
-    return SFTData(examples=examples, scorer=scorer, truncated_completions=cut_count)
+        raise ValueError(
+            f"{where}: no usable rows in {source.describe()}"
+            + (f" ({dropped} dropped as longer than max_length {max_length})" if dropped else "")
+        )
+    return SFTData(examples, scorer, truncated_completions=cut_count, dropped_overlong=dropped)
 
 
 def collate(examples: list[SFTExample], pad_id: int) -> dict[str, torch.Tensor]:

@@ -100,6 +100,9 @@ class PGTrainConfig(StrictModel):
     max_steps: int = Field(100, gt=0, description="rollout + update steps")
     micro_batch_size: int = Field(16, gt=0, description="completions per forward/backward")
     eval_every: int = Field(0, ge=0, description="held-out eval every k steps (and at the end)")
+    evaluate: bool = Field(
+        True, description="false = no held-out evaluation at all, not even at the end"
+    )
     eval_size: int | None = Field(None, gt=0, description="held-out prompts; null = all")
     reference: Literal["copy", "adapter"] = Field(
         "copy", description="pi_ref: a frozen copy, or (LoRA) the policy with adapter disabled"
@@ -119,6 +122,11 @@ class PGConfig(StrictModel):
     )
     data: PromptDataConfig = Field(description="prompts")
     rewards: list[dict[str, Any]] = Field(description="reward components with weights")
+    strip_thinking: bool = Field(
+        True,
+        description="reward components (verifiers, reward models) score each completion without "
+        "its <think>...</think> blocks; false = the whole text",
+    )
     algorithm: AlgorithmConfig = Field(description="estimator + loss + KL placement")
     rollout: RolloutConfig = Field(default_factory=RolloutConfig, description="sampling")
     train: PGTrainConfig = Field(default_factory=PGTrainConfig, description="loop settings")

@@ -114,11 +114,11 @@ def train(cfg: PGConfig, run: RunArgs) -> int:
     }  # fmt: skip
     train_prompts = load_prompts(d.train, tokenizer, where="data.train", **prompt_args)
     eval_prompts = None
-    if d.eval is not None:
+    if d.eval is not None and t.evaluate:
         eval_prompts = load_prompts(
             d.eval, tokenizer, where="data.eval", limit=t.eval_size, **prompt_args
         )
-    reward_fn = CombinedReward(cfg.rewards)
+    reward_fn = CombinedReward(cfg.rewards, strip_thinking=cfg.strip_thinking)
     estimator = build_from_spec(ADVANTAGES, alg.advantage)
     loss_fn = build_from_spec(LOSSES, alg.loss)
     value_loss_fn = build_from_spec(LOSSES, alg.value_loss) if alg.value_loss else None

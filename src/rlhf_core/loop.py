@@ -35,6 +35,9 @@ class LoopConfig(StrictModel):
     max_steps: int | None = Field(None, gt=0, description="optimizer steps; null = from epochs")
     epochs: float = Field(1.0, gt=0, description="passes over the data when max_steps is null")
     eval_every: int = Field(0, ge=0, description="evaluate every k steps (and at the end); 0 = end")
+    evaluate: bool = Field(
+        True, description="false = no held-out evaluation at all, not even at the end"
+    )
     eval_size: int | None = Field(None, gt=0, description="held-out rows to use; null = all")
     threads: int | None = Field(None, gt=0, description="CPU threads; null = free cores")
     device: Literal["auto", "cpu", "cuda"] = Field("auto", description="auto = cuda if available")

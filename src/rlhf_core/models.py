@@ -28,7 +28,7 @@ from typing import Literal
 import torch
 from pydantic import Field
 
-from rlhf_core.chat import ensure_chat_template
+from rlhf_core.chat import ensure_chat_template, set_thinking
 from rlhf_core.config import StrictModel
 from rlhf_core.logprobs import causal_lm_token_logprobs
 from rlhf_core.tiny import is_preset, preset_dir
@@ -70,6 +70,11 @@ class ModelConfig(StrictModel):
     trust_remote_code: bool = Field(False, description="allow model code from the hub (unsafe)")
     chat_template: str | None = Field(
         None, description="Jinja chat template overriding the tokenizer's"
+    )
+    enable_thinking: bool | None = Field(
+        None,
+        description="Qwen3 thinking mode: passed to the chat template as enable_thinking (false "
+        "renders an empty <think></think> block); null = the template's default",
     )
     lora: LoraConfig | None = Field(None, description="train a LoRA adapter instead of all weights")
 
@@ -120,6 +125,7 @@ def load_tokenizer(cfg: ModelConfig, *, padding_side: Literal["left", "right"]):
         tokenizer.pad_token = tokenizer.eos_token
     tokenizer.padding_side = padding_side
     ensure_chat_template(tokenizer, cfg.chat_template)
+    set_thinking(tokenizer, cfg.enable_thinking)
     return tokenizer
 
 
