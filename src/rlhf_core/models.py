@@ -26,11 +26,12 @@ from pathlib import Path
 from typing import Literal
 
 import torch
-from pydantic import Field
+from pydantic import Field, model_validator
 
 from rlhf_core.chat import ensure_chat_template, set_thinking
 from rlhf_core.config import StrictModel
 from rlhf_core.logprobs import causal_lm_token_logprobs
+from rlhf_core.quantization import QuantizationConfig, quantized_load_kwargs
 from rlhf_core.tiny import is_preset, preset_dir
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
@@ -77,6 +78,18 @@ class ModelConfig(StrictModel):
         "renders an empty <think></think> block); null = the template's default",
     )
     lora: LoraConfig | None = Field(None, description="train a LoRA adapter instead of all weights")
+    quantization: QuantizationConfig | None = Field(
+        None, description="load the base weights in 8 or 4 bits (bitsandbytes); with lora = QLoRA"
+    )
+
+    @model_validator(mode="after")
+    def _quantized_weights_train_through_lora(self) -> ModelConfig:
+        if self.quantization is not None and self.lora is None:
+            raise ValueError(
+                "model.quantization freezes the base weights in k bits: set model.lora too "
+                "(QLoRA), or drop model.quantization to train all weights"
+            )
+        return self
 
 
 def resolve_model_path(name_or_path: str) -> str:
@@ -152,13 +165,17 @@ def load_causal_lm(
     device = torch.device(device)
     base_path = resolve_model_path(cfg.name_or_path)
     full_path = str(weights_from) if (weights_from is not None and cfg.lora is None) else base_path
+    dtype = resolve_dtype(cfg, device)
     model = AutoModelForCausalLM.from_pretrained(
         full_path,
         revision=cfg.revision if full_path == base_path else None,
-        dtype=resolve_dtype(cfg, device),
+        dtype=dtype,
         attn_implementation=resolve_attention(cfg, device),
         trust_remote_code=cfg.trust_remote_code,
-    ).to(device)
+        **quantized_load_kwargs(cfg.quantization, dtype, device),
+    )
+    if not getattr(model, "is_quantized", False):  # a k-bit model is placed while loading
+        model = model.to(device)
     if cfg.gradient_checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         model.config.use_cache = False
@@ -170,6 +187,12 @@ def load_causal_lm(
         else:
             model = apply_lora(model, cfg.lora)
     return model
+
+
+def is_quantized(model: torch.nn.Module) -> bool:
+    """True if `model` (or the base under its adapter) was loaded with k-bit weights."""
+    return bool(getattr(model, "is_quantized", False) or getattr(
+        getattr(model, "base_model", None), "is_quantized", False))  # fmt: skip
 
 
 def apply_lora(model, lora: LoraConfig, *, task_type: str = "CAUSAL_LM"):

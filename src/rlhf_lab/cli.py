@@ -7,6 +7,8 @@
     rlhf-lab sft|rm|dpo|rl --config FILE [--set k=v ...]   the package trainers
     rlhf-lab tiny [--build]        list (and build) the offline tiny-world presets
     rlhf-lab runs [list|show|compare|prune|snapshot|delete]   manage run directories
+    rlhf-lab quantize --model DIR --bits 8|4   quantise an RM or policy, report what it cost
+    rlhf-lab chat DIR [DIR ...] [--reward-model DIR]   a browser chat with checkpoints
 """
 
 from __future__ import annotations
@@ -26,6 +28,8 @@ TRAINERS = {
 # tools (not trainers): a UserError prints as one line and exits 2
 TOOLS = {
     "runs": "rlhf_lab.runs",
+    "quantize": "rlhf_lab.quantize",
+    "chat": "rlhf_lab.chat",
 }
 
 
