@@ -31,7 +31,11 @@ from pydantic import Field, model_validator
 from rlhf_core.chat import ensure_chat_template, set_thinking
 from rlhf_core.config import StrictModel
 from rlhf_core.logprobs import causal_lm_token_logprobs
-from rlhf_core.quantization import QuantizationConfig, quantized_load_kwargs
+from rlhf_core.quantization import (
+    QuantizationConfig,
+    keep_backward_through_4bit,
+    quantized_load_kwargs,
+)
 from rlhf_core.tiny import is_preset, preset_dir
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
@@ -176,6 +180,8 @@ def load_causal_lm(
     )
     if not getattr(model, "is_quantized", False):  # a k-bit model is placed while loading
         model = model.to(device)
+    if cfg.quantization is not None and cfg.lora is not None:  # QLoRA training
+        keep_backward_through_4bit(model)
     if cfg.gradient_checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         model.config.use_cache = False

@@ -79,3 +79,20 @@ def quantized_linear_count(model: torch.nn.Module) -> dict[str, int]:
 def folder_name(bits: int) -> str:
     """Where `rlhf-lab quantize` saves a model: quantized_int8 / quantized_nf4 (or _fp4)."""
     return {8: "quantized_int8", 4: "quantized_nf4"}[bits]
+
+
+def keep_backward_through_4bit(model: torch.nn.Module) -> int:
+    """Stop bitsandbytes' CPU inference repacking of 4-bit weights; returns the layers changed.
+
+    On a CPU with AVX512-BF16, bitsandbytes (0.50) repacks a `Linear4bit` weight the first time
+    the layer runs in eval mode without gradients (e.g. a rollout), and from then on always uses
+    its `gemv_4bit` kernel, which has no autograd: in training, no gradient flows back through
+    the base layer to its input, so the LoRA weights of every earlier projection get zero
+    gradient, silently (found by the QLoRA GRPO test: only o_proj/down_proj adapters moved).
+    Training calls this; inference-only loads keep the faster kernel."""
+    changed = 0
+    for module in model.modules():
+        if type(module).__name__ == "Linear4bit" and hasattr(module, "support_avx512bf16_for_cpu"):
+            module.support_avx512bf16_for_cpu = False
+            changed += 1
+    return changed

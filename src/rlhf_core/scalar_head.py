@@ -63,7 +63,11 @@ from rlhf_core.models import (
     resolve_dtype,
     resolve_model_path,
 )
-from rlhf_core.quantization import QuantizationConfig, quantized_load_kwargs
+from rlhf_core.quantization import (
+    QuantizationConfig,
+    keep_backward_through_4bit,
+    quantized_load_kwargs,
+)
 
 KINDS = ("preference", "orm", "prm", "value")
 HEAD_WEIGHTS = "scalar_head.safetensors"
@@ -281,6 +285,8 @@ def load_backbone(
     )
     if not getattr(model, "is_quantized", False):  # a k-bit model is placed while loading
         model = model.to(device)
+    if cfg.quantization is not None and cfg.lora is not None:  # QLoRA training
+        keep_backward_through_4bit(model)
     if cfg.gradient_checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         model.config.use_cache = False
