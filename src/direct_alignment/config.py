@@ -14,6 +14,7 @@ from pydantic import Field, field_validator, model_validator
 from rlhf_core.checkpoint import CheckpointConfig
 from rlhf_core.config import StrictModel
 from rlhf_core.data import DataSource, check_heldout_seeds
+from rlhf_core.errors import UserError
 from rlhf_core.loop import LoopConfig
 from rlhf_core.models import ModelConfig
 from rlhf_core.optim import OptimConfig
@@ -94,7 +95,7 @@ class DAConfig(StrictModel):
 
         unpaired_loss = LOSSES.get(self.loss["name"]).unpaired
         if unpaired_loss != (self.data.format == "unpaired"):
-            raise ValueError(
+            raise UserError(
                 f"loss {self.loss['name']!r} reads "
                 f"{'unpaired rows' if unpaired_loss else 'preference pairs'} but data.format is "
                 f"{self.data.format!r}: use data.format 'unpaired' with loss 'kto_unpaired' "
@@ -108,11 +109,11 @@ class DAConfig(StrictModel):
     @model_validator(mode="after")
     def _one_model_source(self) -> DAConfig:
         if (self.model is None) == (not self.models):
-            raise ValueError("give exactly one of 'model' (one policy) or 'models' (a list)")
+            raise UserError("give exactly one of 'model' (one policy) or 'models' (a list)")
         if self.reference.mode == "adapter":
             for m in [self.model] if self.model else self.models:
                 if m.lora is None:
-                    raise ValueError(
+                    raise UserError(
                         f"reference.mode 'adapter' needs LoRA: model {m.name_or_path!r} has no "
                         "'lora' block (use mode 'model' or 'precomputed' for full fine-tuning)"
                     )

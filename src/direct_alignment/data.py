@@ -31,7 +31,14 @@ from typing import Any
 import torch
 
 from rlhf_core.chat import Messages, as_messages, completion_text, render_prompt, split_hh_pair
-from rlhf_core.data import DataSource, load_rows, reasoning_gym_dataset, warn_truncated_prompts
+from rlhf_core.data import (
+    DataSource,
+    load_rows,
+    reasoning_gym_dataset,
+    report_degenerate,
+    warn_truncated_prompts,
+)
+from rlhf_core.errors import UserError
 from rlhf_core.scalar_head import encode_completions
 
 
@@ -65,17 +72,17 @@ def row_to_triple(
     here = f"{where}: row {index}"
     for column in ("chosen", "rejected"):
         if row.get(column) is None:
-            raise ValueError(f"{here} is missing column {column!r} (columns: {list(row)})")
+            raise UserError(f"{here} is missing column {column!r} (columns: {list(row)})")
     if fmt == "auto":
         fmt = "preference" if row.get("prompt") is not None else "hh"
     if fmt == "hh":
         if not isinstance(row["chosen"], str) or not isinstance(row["rejected"], str):
-            raise ValueError(f"{here}: HH rows need string transcripts in 'chosen' and 'rejected'")
+            raise UserError(f"{here}: HH rows need string transcripts in 'chosen' and 'rejected'")
         return split_hh_pair(
             row["chosen"], row["rejected"], where=f"{here} columns chosen/rejected"
         )
     if row.get("prompt") is None:
-        raise ValueError(f"{here} is missing column 'prompt' (columns: {list(row)})")
+        raise UserError(f"{here} is missing column 'prompt' (columns: {list(row)})")
     prompt = as_messages(row["prompt"], where=f"{here} column 'prompt'")
     chosen = completion_text(row["chosen"], prompt, f"{here} column 'chosen'")
     rejected = completion_text(row["rejected"], prompt, f"{here} column 'rejected'")
@@ -124,10 +131,12 @@ def build_preference_data(
     `overlong="drop"` drops (and counts) pairs that would be cut instead of cutting them."""
     rows, forced = _rows(source, where)
     fmt = forced or fmt
-    triples, empty = [], 0
+    triples, empty, empty_chosen, empty_rejected = [], 0, 0, 0
     for index, row in enumerate(rows):
         prompt, chosen, rejected = row_to_triple(row, index, fmt, where)
         empty += (not chosen.strip()) + (not rejected.strip())
+        empty_chosen += not chosen.strip()
+        empty_rejected += not rejected.strip()
         prompt_text = render_prompt(tokenizer, prompt, where=f"{where}: row {index} prompt")
         triples.append((prompt_text, chosen, rejected))
         if limit is not None and len(triples) >= limit:
@@ -157,7 +166,12 @@ def build_preference_data(
                 continue
             data.pairs.append(PreferencePair(p_ids, c_ids, r_ids, prompt_text))
     if not data.pairs:
-        raise ValueError(f"{where}: no usable preference pairs in {source.describe()}")
+        raise UserError(f"{where}: no usable preference pairs in {source.describe()}")
+    report_degenerate(where, len(triples), {
+        "have an empty 'chosen' completion": empty_chosen,
+        "have an empty 'rejected' completion": empty_rejected,
+        "have identical chosen and rejected tokens (dropped)": data.dropped_identical,
+    })  # fmt: skip
     if data.truncated_prompts:
         warn_truncated_prompts(where, data.truncated_prompts, len(triples), keep_prompt)
     return data
@@ -168,9 +182,9 @@ def unpaired_row(row: dict[str, Any], index: int, where: str) -> tuple[Messages,
     here = f"{where}: row {index}"
     for column in ("prompt", "completion", "label"):
         if row.get(column) is None:
-            raise ValueError(f"{here} is missing column {column!r} (columns: {list(row)})")
+            raise UserError(f"{here} is missing column {column!r} (columns: {list(row)})")
     if not isinstance(row["label"], bool):
-        raise ValueError(
+        raise UserError(
             f"{here} column 'label': expected true/false (is the completion desirable), "
             f"got {row['label']!r}"
         )
@@ -196,9 +210,7 @@ def mismatched_partners(prompts: list[str]) -> list[int]:
                 break
             j = (j + 1) % n
         else:
-            raise ValueError(
-                "unpaired data needs at least two distinct prompts (KTO's KL estimate)"
-            )
+            raise UserError("unpaired data needs at least two distinct prompts (KTO's KL estimate)")
         partners.append(j)
     return partners
 
@@ -232,7 +244,7 @@ def build_unpaired_data(
         if limit is not None and len(parsed) >= limit:
             break
     if not parsed:
-        raise ValueError(f"{where}: no unpaired rows in {source.describe()}")
+        raise UserError(f"{where}: no unpaired rows in {source.describe()}")
     prompt_texts, completions = [p[0] for p in parsed], [p[1] for p in parsed]
     partners = mismatched_partners(prompt_texts)
     lengths = {"max_length": max_length, "max_prompt_length": max_prompt_length}

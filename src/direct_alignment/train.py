@@ -34,7 +34,9 @@ from direct_alignment.reference import (
 from rlhf_core.checkpoint import StopSignal
 from rlhf_core.config import RunArgs, parse_run_args
 from rlhf_core.data import EpochSampler
+from rlhf_core.errors import UserError, run_main
 from rlhf_core.loop import (
+    SkippedSteps,
     announce_stop,
     check_engine_accumulation,
     optimizer_step,
@@ -43,14 +45,14 @@ from rlhf_core.loop import (
     restore_checkpoint,
     save_final,
     save_training_state,
-    shared_run_dir,
     start_accelerator,
 )
 from rlhf_core.models import ReferencePolicy, load_causal_lm, load_tokenizer, resolve_model_path
 from rlhf_core.optim import build_optimizer, build_scheduler
 from rlhf_core.registry import build_from_spec
+from rlhf_core.rundir import managed_run, open_run_dir
 from rlhf_core.runtime import seed_everything
-from rlhf_core.tracking import Tracker, new_run_dir, resolve_resume
+from rlhf_core.tracking import Tracker
 
 PACKAGE = "direct_alignment"
 
@@ -76,6 +78,7 @@ def warn_kto_weights(loss_fn, examples) -> None:
         )
 
 
+@managed_run
 def train(cfg: DAConfig, run: RunArgs) -> int:
     """Train one policy (cfg.model); returns the exit code (0, or 130/143 after a signal)."""
     assert cfg.model is not None
@@ -100,10 +103,7 @@ def train(cfg: DAConfig, run: RunArgs) -> int:
     loss_fn = build_from_spec(LOSSES, cfg.loss)
     if loss_fn.unpaired:
         warn_kto_weights(loss_fn, train_data.pairs)
-    run_dir, ckpt = resolve_resume(
-        run.resume, package=PACKAGE, name=cfg.name, output_dir=run.output_dir
-    )
-    run_dir = shared_run_dir(accelerator, run_dir or new_run_dir(PACKAGE, cfg.name, run.output_dir))
+    run_dir, ckpt = open_run_dir(accelerator, run, package=PACKAGE, name=cfg.name)
     ref_mode = cfg.reference.mode if loss_fn.needs_reference else "none (reference-free loss)"
 
     if run.dry_run:
@@ -160,12 +160,12 @@ def train(cfg: DAConfig, run: RunArgs) -> int:
     scheduler = build_scheduler(optimizer, cfg.optim, total_steps)
     policy, optimizer = accelerator.prepare(policy, optimizer)
     sampler = EpochSampler(len(train_data.pairs), cfg.seed)
-    step, skipped = 0, 0
+    step, skips = 0, SkippedSteps(cfg.optim.max_consecutive_skips)
     if ckpt is not None:
         step, state = restore_checkpoint(
             ckpt, optimizer=optimizer, scheduler=scheduler, sampler=sampler
         )
-        skipped = state["skipped_steps"]
+        skips.total = state["skipped_steps"]
     tracker = Tracker(
         run_dir, cfg, cfg.tracking, total_steps=total_steps, resume_step=step if ckpt else None,
         enabled=is_main,
@@ -183,7 +183,8 @@ def train(cfg: DAConfig, run: RunArgs) -> int:
     def save() -> None:
         save_training_state(
             accelerator, run_dir, step, model=policy, tokenizer=tokenizer, optimizer=optimizer,
-            scheduler=scheduler, state={"sampler": sampler.state_dict(), "skipped_steps": skipped},
+            scheduler=scheduler,
+            state={"sampler": sampler.state_dict(), "skipped_steps": skips.total},
             keep_last=cfg.checkpoint.keep_last,
         )  # fmt: skip
 
@@ -210,11 +211,10 @@ def train(cfg: DAConfig, run: RunArgs) -> int:
                 for key, value in m.items():
                     metrics[key] = metrics.get(key, 0.0) + value * weight
             step_loss = accelerator.reduce(step_loss, reduction="sum")
-            grad_norm, was_skipped = optimizer_step(
+            grad_norm, _ = optimizer_step(
                 accelerator, policy, optimizer, scheduler,
-                max_grad_norm=cfg.optim.max_grad_norm, loss=step_loss,
+                max_grad_norm=cfg.optim.max_grad_norm, loss=step_loss, skips=skips,
             )  # fmt: skip
-            skipped += was_skipped
             step += 1
 
             if step % cfg.tracking.log_every == 0 or step == total_steps:
@@ -224,7 +224,8 @@ def train(cfg: DAConfig, run: RunArgs) -> int:
                 tracker.log(step, {
                     "train/loss": step_loss.item(), "train/grad_norm": grad_norm,
                     "train/lr": scheduler.get_last_lr()[0], "train/epoch": sampler.epoch_float,
-                    "train/skipped_steps": skipped, **{f"train/{k}": v for k, v in reduced.items()},
+                    "train/skipped_steps": skips.total,
+                    **{f"train/{k}": v for k, v in reduced.items()},
                 })  # fmt: skip
             if t.eval_every and step % t.eval_every == 0 and step < total_steps:
                 tracker.log(step, run_eval())
@@ -250,7 +251,7 @@ def train(cfg: DAConfig, run: RunArgs) -> int:
     if cfg.checkpoint.save_final:
         save_final(accelerator, policy, tokenizer, run_dir / "final")
     summary = tracker.finish({
-        "steps": step, "skipped_steps": skipped, "threads": threads, "processes": world,
+        "steps": step, "skipped_steps": skips.total, "threads": threads, "processes": world,
         "loss": cfg.loss, "reference": ref_mode, "train_pairs": len(train_data.pairs),
         "dropped_identical_pairs": train_data.dropped_identical,
         "truncated_pairs": train_data.truncated,
@@ -272,8 +273,12 @@ def train_all(cfg: DAConfig, run: RunArgs) -> int:
         one = cfg.model_copy(update={"model": model, "models": [], "name": label})
         out = run.output_dir / label if run.output_dir is not None else None
         try:
-            code = train(one, RunArgs(run.config_path, run.overrides, out, run.resume, run.dry_run))
-        except Exception:  # report and go on with the next model
+            code = train(one, RunArgs(run.config_path, run.overrides, out, run.resume,
+                                      run.dry_run, run.overwrite))  # fmt: skip
+        except UserError as exc:  # report and go on with the next model
+            print(f"error: {exc}", file=sys.stderr)
+            code = 2
+        except Exception:
             traceback.print_exc()
             code = 1
         if code != 0:
@@ -296,4 +301,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(run_main(main))

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import Field, model_validator
+from pydantic import Field, field_validator, model_validator
 
 from rlhf_core.checkpoint import CheckpointConfig
 from rlhf_core.config import StrictModel
@@ -43,6 +43,15 @@ class SFTTrainConfig(LoopConfig):
     eval_max_new_tokens: int = Field(32, gt=0, description="generation budget for task accuracy")
     eval_sampled: bool = Field(True, description="also report sampled (T=1) exact match")
     loss: str = Field("nll", description="loss name in instruction_tuning.losses.LOSSES")
+
+    @field_validator("loss")
+    @classmethod
+    def _registered_loss(cls, name: str) -> str:
+        from instruction_tuning.losses import LOSSES
+
+        if name not in LOSSES:
+            raise ValueError(f"unknown SFT loss {name!r}; registered: {', '.join(LOSSES.names())}")
+        return name
 
 
 class SFTConfig(StrictModel):

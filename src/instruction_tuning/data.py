@@ -21,7 +21,8 @@ from typing import Any
 import torch
 
 from rlhf_core.chat import as_messages, render_prompt
-from rlhf_core.data import DataSource, load_rows, reasoning_gym_dataset
+from rlhf_core.data import DataSource, load_rows, reasoning_gym_dataset, report_degenerate
+from rlhf_core.errors import UserError
 
 
 @dataclass
@@ -48,18 +49,16 @@ def _split_row(row: dict[str, Any], index: int, fmt: str, where: str) -> tuple[A
     if fmt == "messages":
         messages = row.get("messages")
         if messages is None:
-            raise ValueError(
-                f"{where}: row {index} has no 'messages' column (columns: {list(row)})"
-            )
+            raise UserError(f"{where}: row {index} has no 'messages' column (columns: {list(row)})")
         messages = as_messages(messages, where=f"{where}: row {index} column 'messages'")
         if not messages or messages[-1]["role"] != "assistant":
-            raise ValueError(
+            raise UserError(
                 f"{where}: row {index} column 'messages' must end with an assistant turn"
             )
         return messages[:-1], messages[-1]["content"]
     for column in ("prompt", "completion"):
         if column not in row or row[column] is None:
-            raise ValueError(
+            raise UserError(
                 f"{where}: row {index} is missing column {column!r} (columns: {list(row)})"
             )
     completion = row["completion"]
@@ -67,7 +66,7 @@ def _split_row(row: dict[str, Any], index: int, fmt: str, where: str) -> tuple[A
         msgs = as_messages(completion, where=f"{where}: row {index} column 'completion'")
         completion = "".join(m["content"] for m in msgs)
     if not isinstance(completion, str):
-        raise ValueError(f"{where}: row {index} column 'completion' must be a string or messages")
+        raise UserError(f"{where}: row {index} column 'completion' must be a string or messages")
     return row["prompt"], completion
 
 
@@ -114,7 +113,7 @@ def build_sft_data(
     for index, row in enumerate(rows):
         prompt, completion = _split_row(row, index, fmt, where)
         if not completion.strip():
-            raise ValueError(f"{where}: row {index} has an empty completion")
+            raise UserError(f"{where}: row {index} has an empty completion")
         prompt_text = render_prompt(
             tokenizer, prompt, where=f"{where}: row {index} column 'prompt'"
         )
@@ -123,7 +122,7 @@ def build_sft_data(
         rendered.append((prompt_text, completion, row.get("_entry")))
         if limit is not None and len(rendered) >= limit:
             break
-    examples, cut_count, dropped = [], 0, 0
+    examples, cut_count, dropped, tiny_prompts, tiny_completions = [], 0, 0, 0, 0
     for start in range(0, len(rendered), 2048):  # batched tokenization: ~20x faster than per row
         chunk = rendered[start : start + 2048]
         prompts = tokenizer([r[0] for r in chunk], add_special_tokens=False)["input_ids"]
@@ -137,16 +136,25 @@ def build_sft_data(
             if overlong == "drop" and too_long:
                 dropped += 1
                 continue
+            full_prompt, full_completion = len(p_ids), len(c_ids) + 1
             p_ids, c_ids, cut = fit_lengths(
                 p_ids, c_ids + [tokenizer.eos_token_id], max_length, max_prompt_length
             )
             cut_count += cut
+            tiny_prompts += len(p_ids) <= 1 < full_prompt
+            tiny_completions += len(c_ids) <= 1 < full_completion
             examples.append(SFTExample(p_ids, c_ids, prompt_text, completion, entry))
     if not examples:
-        raise ValueError(
+        raise UserError(
             f"{where}: no usable rows in {source.describe()}"
             + (f" ({dropped} dropped as longer than max_length {max_length})" if dropped else "")
         )
+    report_degenerate(where, len(examples), {
+        f"have their prompt cut to a single token (data.max_length {max_length}, "
+        f"max_prompt_length {max_prompt_length})": tiny_prompts,
+        f"have their completion cut to a single token (data.max_length {max_length})":
+            tiny_completions,
+    })  # fmt: skip
     return SFTData(examples, scorer, truncated_completions=cut_count, dropped_overlong=dropped)
 
 

@@ -27,8 +27,10 @@ from instruction_tuning.losses import LOSSES
 from rlhf_core.checkpoint import StopSignal
 from rlhf_core.config import RunArgs, parse_run_args
 from rlhf_core.data import EpochSampler
+from rlhf_core.errors import run_main
 from rlhf_core.logprobs import causal_lm_selected_logprobs
 from rlhf_core.loop import (
+    SkippedSteps,
     announce_stop,
     check_engine_accumulation,
     optimizer_step,
@@ -37,17 +39,18 @@ from rlhf_core.loop import (
     restore_checkpoint,
     save_final,
     save_training_state,
-    shared_run_dir,
     start_accelerator,
 )
 from rlhf_core.models import load_causal_lm, load_tokenizer, resolve_model_path
 from rlhf_core.optim import build_optimizer, build_scheduler
+from rlhf_core.rundir import managed_run, open_run_dir
 from rlhf_core.runtime import seed_everything
-from rlhf_core.tracking import Tracker, new_run_dir, resolve_resume
+from rlhf_core.tracking import Tracker
 
 PACKAGE = "instruction_tuning"
 
 
+@managed_run
 def train(cfg: SFTConfig, run: RunArgs) -> int:
     """Run SFT as configured; returns the process exit code (0, or 130/143 after a signal)."""
     accelerator, threads = start_accelerator(cfg.train)
@@ -70,10 +73,7 @@ def train(cfg: SFTConfig, run: RunArgs) -> int:
         )  # fmt: skip
     micro, total_steps = plan_steps(t, len(train_data.examples), world)
     check_engine_accumulation(accelerator, t.batch_size // (micro * world))
-    run_dir, ckpt = resolve_resume(
-        run.resume, package=PACKAGE, name=cfg.name, output_dir=run.output_dir
-    )
-    run_dir = shared_run_dir(accelerator, run_dir or new_run_dir(PACKAGE, cfg.name, run.output_dir))
+    run_dir, ckpt = open_run_dir(accelerator, run, package=PACKAGE, name=cfg.name)
 
     if run.dry_run:
         print_dry_run(cfg, {
@@ -94,12 +94,12 @@ def train(cfg: SFTConfig, run: RunArgs) -> int:
     scheduler = build_scheduler(optimizer, cfg.optim, total_steps)
     model, optimizer = accelerator.prepare(model, optimizer)
     sampler = EpochSampler(len(train_data.examples), cfg.seed)
-    step, skipped = 0, 0
+    step, skips = 0, SkippedSteps(cfg.optim.max_consecutive_skips)
     if ckpt is not None:
         step, state = restore_checkpoint(
             ckpt, optimizer=optimizer, scheduler=scheduler, sampler=sampler
         )
-        skipped = state["skipped_steps"]
+        skips.total = state["skipped_steps"]
     tracker = Tracker(
         run_dir, cfg, cfg.tracking, total_steps=total_steps, resume_step=step if ckpt else None,
         enabled=is_main,
@@ -117,7 +117,8 @@ def train(cfg: SFTConfig, run: RunArgs) -> int:
     def save() -> None:
         save_training_state(
             accelerator, run_dir, step, model=model, tokenizer=tokenizer, optimizer=optimizer,
-            scheduler=scheduler, state={"sampler": sampler.state_dict(), "skipped_steps": skipped},
+            scheduler=scheduler,
+            state={"sampler": sampler.state_dict(), "skipped_steps": skips.total},
             keep_last=cfg.checkpoint.keep_last,
         )  # fmt: skip
 
@@ -146,18 +147,17 @@ def train(cfg: SFTConfig, run: RunArgs) -> int:
                     accelerator.backward(loss * world)
                 step_loss += loss.detach()
             step_loss = accelerator.reduce(step_loss, reduction="sum")
-            grad_norm, was_skipped = optimizer_step(
+            grad_norm, _ = optimizer_step(
                 accelerator, model, optimizer, scheduler,
-                max_grad_norm=cfg.optim.max_grad_norm, loss=step_loss,
+                max_grad_norm=cfg.optim.max_grad_norm, loss=step_loss, skips=skips,
             )  # fmt: skip
-            skipped += was_skipped
             step += 1
 
             if step % cfg.tracking.log_every == 0 or step == total_steps:
                 tracker.log(step, {
                     "train/loss": step_loss.item(), "train/grad_norm": grad_norm,
                     "train/lr": scheduler.get_last_lr()[0], "train/epoch": sampler.epoch_float,
-                    "train/tokens": num_tokens.item(), "train/skipped_steps": skipped,
+                    "train/tokens": num_tokens.item(), "train/skipped_steps": skips.total,
                 })  # fmt: skip
             if t.eval_every and step % t.eval_every == 0 and step < total_steps:
                 tracker.log(step, run_eval())
@@ -177,7 +177,7 @@ def train(cfg: SFTConfig, run: RunArgs) -> int:
     if cfg.checkpoint.save_final:
         save_final(accelerator, model, tokenizer, run_dir / "final")
     summary = tracker.finish({
-        "steps": step, "skipped_steps": skipped, "threads": threads, "processes": world,
+        "steps": step, "skipped_steps": skips.total, "threads": threads, "processes": world,
         "train_rows": len(train_data.examples),
         "truncated_completions": train_data.truncated_completions,
         "dropped_overlong": train_data.dropped_overlong,
@@ -196,4 +196,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(run_main(main))

@@ -227,10 +227,12 @@ def collect_experience(
         seq_adv = masked_mean(advantages, mask, dim=-1)
         for j, row in enumerate(rows.tolist()):
             components = json.dumps({k: float(v[row].sum()) for k, v in parts.items()})
+            # logged under the optimizer step they train (1-based, as in metrics.jsonl): a
+            # resume from checkpoint-N keeps rows of steps <= N and redoes the rest
             log_rows.append((
-                step, epoch, indices[row // r.group_size], row % r.group_size, rin.prompts[row],
-                ro.completions[row], float(total[row].sum()), components, float(seq_adv[j]),
-                int(lengths[row]), int(ro.truncated[row]),
+                step + 1, epoch, indices[row // r.group_size], row % r.group_size,
+                rin.prompts[row], ro.completions[row], float(total[row].sum()), components,
+                float(seq_adv[j]), int(lengths[row]), int(ro.truncated[row]),
             ))  # fmt: skip
         counts["groups"] += int(keep.sum())
         counts["completions"] += len(rows)

@@ -22,6 +22,7 @@ from pydantic import Field, ValidationInfo, field_validator, model_validator
 from rlhf_core.checkpoint import CheckpointConfig
 from rlhf_core.config import StrictModel
 from rlhf_core.data import DataSource, check_heldout_seeds
+from rlhf_core.errors import UserError
 from rlhf_core.models import ModelConfig
 from rlhf_core.optim import OptimConfig
 from rlhf_core.registry import validate_spec
@@ -140,7 +141,7 @@ class PGConfig(StrictModel):
         from policy_gradients.rewards import REWARDS
 
         if not specs:
-            raise ValueError("rewards: list at least one component")
+            raise UserError("rewards: list at least one component")
         out = []
         for i, spec in enumerate(specs):
             extra = {k: spec[k] for k in ("weight", "label") if k in spec}
@@ -153,8 +154,18 @@ class PGConfig(StrictModel):
     @model_validator(mode="after")
     def _consistent(self) -> PGConfig:
         if self.train.reference == "adapter" and self.model.lora is None:
-            raise ValueError("train.reference 'adapter' needs model.lora")
+            raise UserError("train.reference 'adapter' needs model.lora")
         uses_gae = self.algorithm.advantage["name"] == "gae"
         if uses_gae != (self.algorithm.value_loss is not None):
-            raise ValueError("the 'gae' advantage needs algorithm.value_loss, and only it does")
+            raise UserError("the 'gae' advantage needs algorithm.value_loss, and only it does")
+        from policy_gradients.advantages import ADVANTAGES
+
+        estimator = ADVANTAGES.get(self.algorithm.advantage["name"])
+        if estimator.needs_groups and self.rollout.group_size < 2:
+            raise UserError(
+                f"rollout.group_size {self.rollout.group_size}: the "
+                f"{self.algorithm.advantage['name']!r} advantage compares completions of the same "
+                "prompt, so a group of one always gets advantage 0 and nothing is learned; use "
+                "group_size >= 2 (or an estimator without groups, e.g. reinforce)"
+            )
         return self

@@ -27,6 +27,7 @@ import torch
 
 from rlhf_core.chat import render_prompt
 from rlhf_core.data import DataSource, load_rows, reasoning_gym_dataset
+from rlhf_core.errors import UserError
 from rlhf_core.generation import decode, row_generators
 
 
@@ -58,7 +59,7 @@ def load_prompts(
     for index, row in enumerate(rows):
         for column in (prompt_column, answer_column):
             if row.get(column) is None:
-                raise ValueError(f"{where}: row {index} is missing column {column!r} ({list(row)})")
+                raise UserError(f"{where}: row {index} is missing column {column!r} ({list(row)})")
         messages = [
             {"role": "user", "content": prompt_template.format(question=row[prompt_column])}
         ]
@@ -72,7 +73,7 @@ def load_prompts(
         if limit is not None and len(items) >= limit:
             break
     if not items:
-        raise ValueError(f"{where}: no prompts in {source.describe()}")
+        raise UserError(f"{where}: no prompts in {source.describe()}")
     return PromptSet(items=items, scorer=scorer)
 
 
@@ -107,7 +108,7 @@ def generate_rollouts(
     or batches (a 2-process run samples exactly what a 1-process run does). Without them the
     global torch RNG is used."""
     if tokenizer.padding_side != "left":
-        raise ValueError("generate_rollouts needs a left-padding tokenizer")
+        raise UserError("generate_rollouts needs a left-padding tokenizer")
     device = next(model.parameters()).device
     enc = tokenizer(prompts, return_tensors="pt", padding=True, add_special_tokens=False).to(device)
     ids = enc["input_ids"].repeat_interleave(group_size, dim=0)
@@ -250,12 +251,20 @@ class RolloutLog:
         while True:
             item = self._queue.get()
             if item is None:
+                self._queue.task_done()
                 break
             table, rows = item
             marks = ", ".join("?" * width[table])
             conn.executemany(f"INSERT INTO {table} VALUES ({marks})", rows)
             conn.commit()
+            self._queue.task_done()
         conn.close()
+
+    def flush(self) -> None:
+        """Wait until every queued row is committed (before a checkpoint: a resume keeps the
+        rows up to the checkpoint's step, so they must be on disk when it is)."""
+        if self._thread is not None:
+            self._queue.join()
 
     def close(self) -> None:
         """Flush everything queued and stop the writer."""

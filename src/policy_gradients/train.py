@@ -38,7 +38,9 @@ from policy_gradients.rollout import (
 from rlhf_core.checkpoint import StopSignal
 from rlhf_core.config import RunArgs, parse_run_args
 from rlhf_core.data import EpochSampler
+from rlhf_core.errors import UserError, run_main
 from rlhf_core.loop import (
+    SkippedSteps,
     announce_stop,
     check_engine_accumulation,
     optimizer_step,
@@ -46,15 +48,15 @@ from rlhf_core.loop import (
     restore_checkpoint,
     save_final,
     save_training_state,
-    shared_run_dir,
     start_accelerator,
 )
 from rlhf_core.models import ReferencePolicy, load_causal_lm, load_tokenizer, resolve_model_path
 from rlhf_core.optim import build_optimizer, build_scheduler
 from rlhf_core.registry import build_from_spec
+from rlhf_core.rundir import managed_run, open_run_dir
 from rlhf_core.runtime import seed_everything
 from rlhf_core.scalar_head import ScalarHeadInfo, ScalarHeadModel
-from rlhf_core.tracking import Tracker, new_run_dir, resolve_resume
+from rlhf_core.tracking import Tracker
 
 PACKAGE = "policy_gradients"
 
@@ -87,6 +89,7 @@ def even_updates(
     return [(g, 1.0) for g in real] + [(stand_in, 0.0)] * (steps - len(real))
 
 
+@managed_run
 def train(cfg: PGConfig, run: RunArgs) -> int:
     """Run RL as configured; returns the exit code (0, or 130/143 after a signal)."""
     accelerator, threads = start_accelerator(cfg.train)
@@ -94,11 +97,11 @@ def train(cfg: PGConfig, run: RunArgs) -> int:
     is_main = accelerator.is_main_process
     alg, ro, t = cfg.algorithm, cfg.rollout, cfg.train
     if ro.prompts_per_step % world:
-        raise ValueError(f"rollout.prompts_per_step ({ro.prompts_per_step}) must divide by {world}")
+        raise UserError(f"rollout.prompts_per_step ({ro.prompts_per_step}) must divide by {world}")
     rows_per_rank = ro.prompts_per_step // world * ro.group_size
     micro_per_pass = -(-rows_per_rank // t.micro_batch_size)
     if alg.mini_batches > micro_per_pass and not alg.dynamic_sampling:  # (its rows vary)
-        raise ValueError(
+        raise UserError(
             f"algorithm.mini_batches ({alg.mini_batches}) exceeds the micro-batches per pass and "
             f"process ({micro_per_pass} = {rows_per_rank} rows / train.micro_batch_size "
             f"{t.micro_batch_size}): lower it or train.micro_batch_size"
@@ -123,10 +126,7 @@ def train(cfg: PGConfig, run: RunArgs) -> int:
     loss_fn = build_from_spec(LOSSES, alg.loss)
     value_loss_fn = build_from_spec(LOSSES, alg.value_loss) if alg.value_loss else None
     needs_reference = loss_fn.needs_reference or alg.kl_in_reward.beta > 0
-    run_dir, ckpt = resolve_resume(
-        run.resume, package=PACKAGE, name=cfg.name, output_dir=run.output_dir
-    )
-    run_dir = shared_run_dir(accelerator, run_dir or new_run_dir(PACKAGE, cfg.name, run.output_dir))
+    run_dir, ckpt = open_run_dir(accelerator, run, package=PACKAGE, name=cfg.name)
 
     if run.dry_run:
         print_dry_run(cfg, {
@@ -170,12 +170,12 @@ def train(cfg: PGConfig, run: RunArgs) -> int:
         value_sched = build_scheduler(value_opt, cfg.optim, total_updates)
         value_model, value_opt = accelerator.prepare(value_model, value_opt)
     sampler = EpochSampler(len(train_prompts.items), cfg.seed)
-    step, skipped = 0, 0
+    step, skips = 0, SkippedSteps(cfg.optim.max_consecutive_skips)
     if ckpt is not None:
         step, state = restore_checkpoint(
             ckpt, optimizer=optimizer, scheduler=scheduler, sampler=sampler
         )
-        skipped = state["skipped_steps"]
+        skips.total = state["skipped_steps"]
         if value_model is not None:
             value_opt.load_state_dict(state["value_optimizer"])
             value_sched.load_state_dict(state["value_scheduler"])
@@ -202,7 +202,8 @@ def train(cfg: PGConfig, run: RunArgs) -> int:
         return results
 
     def save() -> None:
-        state = {"sampler": sampler.state_dict(), "skipped_steps": skipped}
+        rollout_log.flush()
+        state = {"sampler": sampler.state_dict(), "skipped_steps": skips.total}
         extra = {}
         if value_model is not None:
             state.update(
@@ -255,7 +256,7 @@ def train(cfg: PGConfig, run: RunArgs) -> int:
         step_loss = accelerator.reduce(step_loss, reduction="sum")
         grad_norm, was_skipped = optimizer_step(
             accelerator, policy, optimizer, scheduler,
-            max_grad_norm=cfg.optim.max_grad_norm, loss=step_loss,
+            max_grad_norm=cfg.optim.max_grad_norm, loss=step_loss, skips=skips,
         )  # fmt: skip
         if value_model is not None:
             optimizer_step(
@@ -293,15 +294,14 @@ def train(cfg: PGConfig, run: RunArgs) -> int:
                 else:
                     weighted = [(group, 1.0) for group in groups]
                 for group, weight in weighted:
-                    step_loss, grad_norm, was_skipped = update(group, sums, weight)
-                    skipped += was_skipped
+                    step_loss, grad_norm, _ = update(group, sums, weight)
             buffer.clear()
             step += 1
 
             if step % cfg.tracking.log_every == 0 or step == t.max_steps:
                 tracker.log(step, {
                     "train/loss": step_loss.item(), "train/grad_norm": grad_norm,
-                    "train/lr": scheduler.get_last_lr()[0], "train/skipped_steps": skipped,
+                    "train/lr": scheduler.get_last_lr()[0], "train/skipped_steps": skips.total,
                     **{f"train/{k}": v for k, v in collected.metrics.items()},
                     **{f"train/loss/{k}": v for k, v in sums.items()},
                     "train/time/train_s": time.perf_counter() - t_train,
@@ -326,7 +326,7 @@ def train(cfg: PGConfig, run: RunArgs) -> int:
         save_final(accelerator, policy, tokenizer, run_dir / "final")
     first = [r for r in tracker.history if "train/reward/total" in r]
     summary = tracker.finish({
-        "steps": step, "skipped_steps": skipped, "threads": threads, "processes": world,
+        "steps": step, "skipped_steps": skips.total, "threads": threads, "processes": world,
         "algorithm": alg.name, "train_prompts": len(train_prompts.items),
         "first_train_reward": first[0]["train/reward/total"] if first else None,
         "last_train_reward": first[-1]["train/reward/total"] if first else None, **final_eval,
@@ -344,4 +344,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(run_main(main))

@@ -41,6 +41,8 @@ from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import Any, Literal
 
+from rlhf_core.errors import UserError, UserFileNotFound
+
 CALC = re.compile(r"<<([^<>=]*)=([^<>]*)>>(\$?)(-?[\d,]*\.?\d+)")
 FINAL = re.compile(r"^####\s*(.+)$")
 
@@ -118,7 +120,7 @@ def gsm8k_steps(answer: str, *, where: str) -> list[str]:
     """The worked answer's non-empty lines; the last must be the `#### N` final answer."""
     steps = [line.strip() for line in answer.split("\n") if line.strip()]
     if not steps or not FINAL.match(steps[-1]):
-        raise ValueError(f"{where}: a GSM8K answer must end with a '#### <answer>' line")
+        raise UserError(f"{where}: a GSM8K answer must end with a '#### <answer>' line")
     return steps
 
 
@@ -138,7 +140,7 @@ def corrupt_step(step: str, rng: random.Random, corruption: Corruption) -> str:
 def _question_answer(row: dict[str, Any], where: str) -> tuple[str, str]:
     for column in ("question", "answer"):
         if not isinstance(row.get(column), str):
-            raise ValueError(f"{where} column {column!r}: expected a string (GSM8K row)")
+            raise UserError(f"{where} column {column!r}: expected a string (GSM8K row)")
     return row["question"], row["answer"]
 
 
@@ -274,7 +276,7 @@ def reasoning_gym_prm_rows(
 
 def _read_jsonl(path: Path, limit: int | None) -> list[dict[str, Any]]:
     if not path.is_file():
-        raise FileNotFoundError(f"--input: file not found: {path}")
+        raise UserFileNotFound(f"--input: file not found: {path}")
     rows = []
     with open(path) as fh:
         for number, line in enumerate(fh, start=1):
@@ -284,7 +286,7 @@ def _read_jsonl(path: Path, limit: int | None) -> list[dict[str, Any]]:
                 try:
                     rows.append(json.loads(line))
                 except json.JSONDecodeError as exc:
-                    raise ValueError(f"{path}: line {number} is not valid JSON: {exc}") from None
+                    raise UserError(f"{path}: line {number} is not valid JSON: {exc}") from None
     return rows
 
 
@@ -362,4 +364,6 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    from rlhf_core.errors import run_main
+
+    sys.exit(run_main(main))

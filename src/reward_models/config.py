@@ -15,6 +15,7 @@ from pydantic import Field, field_validator, model_validator
 from rlhf_core.checkpoint import CheckpointConfig
 from rlhf_core.config import StrictModel
 from rlhf_core.data import DataSource, check_heldout_seeds
+from rlhf_core.errors import UserError
 from rlhf_core.loop import LoopConfig
 from rlhf_core.models import ModelConfig
 from rlhf_core.optim import OptimConfig
@@ -80,7 +81,7 @@ class RMDataConfig(StrictModel):
     def _heldout_is_heldout(self) -> RMDataConfig:
         check_heldout_seeds(self.train, self.eval)
         if isinstance(self.margin_column, list) and len(self.margin_column) != 2:
-            raise ValueError("data.margin_column: a list must name exactly two columns [a, b]")
+            raise UserError("data.margin_column: a list must name exactly two columns [a, b]")
         return self
 
 
@@ -141,19 +142,19 @@ class RMConfig(StrictModel):
 
         kind = self.kind
         if self.data.format not in FORMATS[kind]:
-            raise ValueError(
+            raise UserError(
                 f"data.format {self.data.format!r} does not suit loss {self.loss['name']!r} "
                 f"(a {kind} model); allowed: {', '.join(FORMATS[kind])}"
             )
         use_margin = bool(self.loss.get("use_margin"))
         if use_margin != (self.data.margin_column is not None):
-            raise ValueError(
+            raise UserError(
                 "loss.use_margin needs data.margin_column, and data.margin_column is only read "
                 f"with loss.use_margin (got use_margin={use_margin}, "
                 f"margin_column={self.data.margin_column!r})"
             )
         if self.freeze_backbone and self.model.lora is not None:
-            raise ValueError("freeze_backbone with model.lora: choose one (LoRA freezes the base)")
+            raise UserError("freeze_backbone with model.lora: choose one (LoRA freezes the base)")
         if self.train.export_sequence_classification and kind != "preference":
-            raise ValueError("train.export_sequence_classification is for preference models only")
+            raise UserError("train.export_sequence_classification is for preference models only")
         return self

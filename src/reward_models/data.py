@@ -46,7 +46,14 @@ from reward_models.build_data import (
 )
 from reward_models.losses import IGNORE_INDEX
 from rlhf_core.chat import Messages, as_messages, completion_text, render_prompt, split_hh_pair
-from rlhf_core.data import DataSource, load_rows, reasoning_gym_dataset, warn_truncated_prompts
+from rlhf_core.data import (
+    DataSource,
+    load_rows,
+    reasoning_gym_dataset,
+    report_degenerate,
+    warn_truncated_prompts,
+)
+from rlhf_core.errors import UserError
 from rlhf_core.scalar_head import encode_completions, encode_steps, pad_sequences
 
 FORMATS = {
@@ -100,7 +107,7 @@ class RewardData:
 
 def _column(row: dict[str, Any], column: str, here: str) -> Any:
     if row.get(column) is None:
-        raise ValueError(f"{here} is missing column {column!r} (columns: {list(row)})")
+        raise UserError(f"{here} is missing column {column!r} (columns: {list(row)})")
     return row[column]
 
 
@@ -114,7 +121,7 @@ def preference_row(
         fmt = "preference" if row.get("prompt") is not None else "hh"
     if fmt == "hh":
         if not isinstance(chosen, str) or not isinstance(rejected, str):
-            raise ValueError(f"{here}: HH rows need string transcripts in 'chosen' and 'rejected'")
+            raise UserError(f"{here}: HH rows need string transcripts in 'chosen' and 'rejected'")
         return split_hh_pair(chosen, rejected, where=f"{here} columns chosen/rejected")
     prompt = as_messages(_column(row, "prompt", here), where=f"{here} column 'prompt'")
     return (
@@ -131,7 +138,7 @@ def row_margin(row: dict[str, Any], spec: str | list[str], here: str) -> float:
     for column in columns:
         value = _column(row, column, here)
         if isinstance(value, bool) or not isinstance(value, int | float) or math.isnan(value):
-            raise ValueError(f"{here} column {column!r}: expected a number, got {value!r}")
+            raise UserError(f"{here} column {column!r}: expected a number, got {value!r}")
         values.append(float(value))
     return values[0] if len(values) == 1 else values[0] - values[1]
 
@@ -148,7 +155,7 @@ def outcome_row(row: dict[str, Any], index: int, where: str) -> tuple[Messages, 
         return prompt, completion, float(label)
     if isinstance(label, int | float) and 0 <= label <= 1:
         return prompt, completion, float(label)
-    raise ValueError(
+    raise UserError(
         f"{here} column 'label': expected true/false or a number in [0, 1], got {label!r}"
     )
 
@@ -161,7 +168,7 @@ def step_class(label: Any, num_classes: int, neutral: str, here: str) -> int:
         if num_classes == 3:
             return int(label) + 1
         return 0 if label < 0 or (label == 0 and neutral == "negative") else 1
-    raise ValueError(f"{here}: expected a step label true/false or -1/0/+1, got {label!r}")
+    raise UserError(f"{here}: expected a step label true/false or -1/0/+1, got {label!r}")
 
 
 def prm800k_row(row: dict[str, Any], here: str) -> dict[str, Any]:
@@ -170,7 +177,7 @@ def prm800k_row(row: dict[str, Any], here: str) -> dict[str, Any]:
     labelling stopped with no continuation, the first -1 completion is kept as the last step."""
     question, label = _column(row, "question", here), _column(row, "label", here)
     if not isinstance(question, dict) or not isinstance(label, dict) or "steps" not in label:
-        raise ValueError(f"{here}: not a PRM800K row (question.problem, label.steps expected)")
+        raise UserError(f"{here}: not a PRM800K row (question.problem, label.steps expected)")
     steps, ratings = [], []
     for k, step in enumerate(label["steps"]):
         completions = step.get("completions") or []
@@ -187,7 +194,7 @@ def prm800k_row(row: dict[str, Any], here: str) -> dict[str, Any]:
                 ratings.append(-1)
             break
         if rating is None:
-            raise ValueError(f"{here} column 'label': step {k} has an unrated chosen completion")
+            raise UserError(f"{here} column 'label': step {k} has an unrated chosen completion")
         steps.append(text)
         ratings.append(rating)
     return {"prompt": question.get("problem", ""), "steps": steps, "labels": ratings}
@@ -203,9 +210,9 @@ def process_row(
     prompt = as_messages(_column(row, "prompt", here), where=f"{here} column 'prompt'")
     steps, labels = _column(row, "steps", here), _column(row, "labels", here)
     if not isinstance(steps, list) or not all(isinstance(s, str) for s in steps) or not steps:
-        raise ValueError(f"{here} column 'steps': expected a non-empty list of strings")
+        raise UserError(f"{here} column 'steps': expected a non-empty list of strings")
     if not isinstance(labels, list) or len(labels) != len(steps):
-        raise ValueError(
+        raise UserError(
             f"{here} column 'labels': expected a list of {len(steps)} labels (one per step), "
             f"got {labels!r}"
         )
@@ -289,7 +296,7 @@ def build_reward_data(
         parsed.append((prompt, *rest))
         prompts.append(render_prompt(tokenizer, prompt, where=f"{where}: row {index} prompt"))
     if not parsed:
-        raise ValueError(f"{where}: no rows in {source.describe()}")
+        raise UserError(f"{where}: no rows in {source.describe()}")
     if kind == "preference":
         data = _preference_examples(tokenizer, prompts, parsed, lengths)
     elif kind == "orm":
@@ -297,7 +304,14 @@ def build_reward_data(
     else:
         data = _process_examples(tokenizer, prompts, parsed, lengths, data_cfg.step_separator)
     if not data.examples:
-        raise ValueError(f"{where}: no usable {kind} examples in {source.describe()}")
+        raise UserError(f"{where}: no usable {kind} examples in {source.describe()}")
+    if kind == "preference":
+        report_degenerate(where, len(parsed), {
+            "have an empty 'chosen' completion": sum(not p[1].strip() for p in parsed),
+            "have an empty 'rejected' completion": sum(not p[2].strip() for p in parsed),
+            "have identical chosen and rejected tokens (dropped)":
+                data.counts["dropped_identical"],
+        })  # fmt: skip
     if data.counts.get("truncated_prompts"):
         kept = data_cfg.max_prompt_length or data_cfg.max_length // 2
         warn_truncated_prompts(where, data.counts["truncated_prompts"], len(parsed), kept)

@@ -31,7 +31,9 @@ from reward_models.models import BaseRewardModel, compute_loss
 from rlhf_core.checkpoint import StopSignal
 from rlhf_core.config import RunArgs, parse_run_args
 from rlhf_core.data import EpochSampler
+from rlhf_core.errors import run_main
 from rlhf_core.loop import (
+    SkippedSteps,
     announce_stop,
     check_engine_accumulation,
     optimizer_step,
@@ -40,14 +42,14 @@ from rlhf_core.loop import (
     restore_checkpoint,
     save_final,
     save_training_state,
-    shared_run_dir,
     start_accelerator,
 )
 from rlhf_core.models import load_tokenizer, resolve_model_path
 from rlhf_core.optim import build_optimizer, build_scheduler, maybe_embedding_grad_buffer
 from rlhf_core.registry import build_from_spec
+from rlhf_core.rundir import managed_run, open_run_dir
 from rlhf_core.runtime import seed_everything
-from rlhf_core.tracking import Tracker, new_run_dir, resolve_resume
+from rlhf_core.tracking import Tracker
 
 PACKAGE = "reward_models"
 
@@ -64,6 +66,7 @@ def shared_prompt_collate(model: BaseRewardModel, gradient_checkpointing: bool):
     return None
 
 
+@managed_run
 def train(cfg: RMConfig, run: RunArgs) -> int:
     """Train one reward model; returns the exit code (0, or 130/143 after a signal)."""
     accelerator, threads = start_accelerator(cfg.train)
@@ -87,10 +90,7 @@ def train(cfg: RMConfig, run: RunArgs) -> int:
         )  # fmt: skip
     micro, total_steps = plan_steps(t, len(train_data.examples), world)
     check_engine_accumulation(accelerator, t.batch_size // (micro * world))
-    run_dir, ckpt = resolve_resume(
-        run.resume, package=PACKAGE, name=cfg.name, output_dir=run.output_dir
-    )
-    run_dir = shared_run_dir(accelerator, run_dir or new_run_dir(PACKAGE, cfg.name, run.output_dir))
+    run_dir, ckpt = open_run_dir(accelerator, run, package=PACKAGE, name=cfg.name)
 
     if run.dry_run:
         print_dry_run(cfg, {
@@ -120,12 +120,12 @@ def train(cfg: RMConfig, run: RunArgs) -> int:
     scheduler = build_scheduler(optimizer, cfg.optim, total_steps)
     model, optimizer = accelerator.prepare(model, optimizer)
     sampler = EpochSampler(len(train_data.examples), cfg.seed)
-    step, skipped = 0, 0
+    step, skips = 0, SkippedSteps(cfg.optim.max_consecutive_skips)
     if ckpt is not None:
         step, state = restore_checkpoint(
             ckpt, optimizer=optimizer, scheduler=scheduler, sampler=sampler
         )
-        skipped = state["skipped_steps"]
+        skips.total = state["skipped_steps"]
     tracker = Tracker(
         run_dir, cfg, cfg.tracking, total_steps=total_steps, resume_step=step if ckpt else None,
         enabled=is_main,
@@ -142,7 +142,8 @@ def train(cfg: RMConfig, run: RunArgs) -> int:
     def save() -> None:
         save_training_state(
             accelerator, run_dir, step, model=model, tokenizer=tokenizer, optimizer=optimizer,
-            scheduler=scheduler, state={"sampler": sampler.state_dict(), "skipped_steps": skipped},
+            scheduler=scheduler,
+            state={"sampler": sampler.state_dict(), "skipped_steps": skips.total},
             keep_last=cfg.checkpoint.keep_last,
         )  # fmt: skip
 
@@ -168,11 +169,11 @@ def train(cfg: RMConfig, run: RunArgs) -> int:
                 for key, value in m.items():
                     metrics[key] = metrics.get(key, 0.0) + value * weight
             step_loss = accelerator.reduce(step_loss, reduction="sum")
-            grad_norm, was_skipped = optimizer_step(
+            grad_norm, _ = optimizer_step(
                 accelerator, model, optimizer, scheduler,
                 max_grad_norm=cfg.optim.max_grad_norm, loss=step_loss, grad_buffer=grad_buffer,
+                skips=skips,
             )  # fmt: skip
-            skipped += was_skipped
             step += 1
 
             if step % cfg.tracking.log_every == 0 or step == total_steps:
@@ -182,7 +183,8 @@ def train(cfg: RMConfig, run: RunArgs) -> int:
                 tracker.log(step, {
                     "train/loss": step_loss.item(), "train/grad_norm": grad_norm,
                     "train/lr": scheduler.get_last_lr()[0], "train/epoch": sampler.epoch_float,
-                    "train/skipped_steps": skipped, **{f"train/{k}": v for k, v in reduced.items()},
+                    "train/skipped_steps": skips.total,
+                    **{f"train/{k}": v for k, v in reduced.items()},
                 })  # fmt: skip
             if t.eval_every and step % t.eval_every == 0 and step < total_steps:
                 tracker.log(step, run_eval())
@@ -206,7 +208,7 @@ def train(cfg: RMConfig, run: RunArgs) -> int:
             run_dir / "final-seqcls", tokenizer=tokenizer
         )
     summary = tracker.finish({
-        "steps": step, "skipped_steps": skipped, "threads": threads, "processes": world,
+        "steps": step, "skipped_steps": skips.total, "threads": threads, "processes": world,
         "kind": kind, "loss": cfg.loss, "train_examples": len(train_data.examples),
         **{f"train_data/{k}": v for k, v in train_data.counts.items()},
         "final_train_loss": step_loss.item(),
@@ -226,4 +228,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(run_main(main))

@@ -11,6 +11,8 @@ import re
 import warnings
 from typing import Any
 
+from rlhf_core.errors import UserError
+
 Messages = list[dict[str, str]]
 
 HH_TURN = re.compile(r"\n\n(Human|Assistant):[ ]?")
@@ -52,7 +54,7 @@ def as_messages(prompt: str | Messages, *, where: str = "prompt") -> Messages:
         for m in prompt
     ):
         return prompt
-    raise ValueError(
+    raise UserError(
         f"{where}: expected a string or a list of {{'role': str, 'content': str}} messages, "
         f"got {type(prompt).__name__}: {str(prompt)[:80]!r}"
     )
@@ -104,15 +106,15 @@ def split_hh_pair(chosen: str, rejected: str, *, where: str) -> tuple[Messages, 
         shared += 1
     cut = chosen.rfind("\n\nAssistant:", 0, shared + len("\n\nAssistant:"))
     if cut < 0:
-        raise ValueError(f"{where}: no shared '\\n\\nAssistant:' turn in the two transcripts")
+        raise UserError(f"{where}: no shared '\\n\\nAssistant:' turn in the two transcripts")
     parts = HH_TURN.split(chosen[:cut])
     if parts[0].strip():
-        raise ValueError(f"{where}: transcript does not start with '\\n\\nHuman:'")
+        raise UserError(f"{where}: transcript does not start with '\\n\\nHuman:'")
     roles = {"Human": "user", "Assistant": "assistant"}
     turns = zip(parts[1::2], parts[2::2], strict=True)
     messages = [{"role": roles[role], "content": content} for role, content in turns]
     if not messages:
-        raise ValueError(f"{where}: transcript has no prompt turns")
+        raise UserError(f"{where}: transcript has no prompt turns")
     start = cut + len("\n\nAssistant:")
     return messages, chosen[start:].lstrip(" "), rejected[start:].lstrip(" ")
 
@@ -125,5 +127,5 @@ def completion_text(value: Any, prompt: Messages, where: str) -> str:
     if messages[: len(prompt)] == prompt:
         messages = messages[len(prompt) :]
     if not messages or messages[-1]["role"] != "assistant":
-        raise ValueError(f"{where}: a message-list completion must end with an assistant turn")
+        raise UserError(f"{where}: a message-list completion must end with an assistant turn")
     return messages[-1]["content"]

@@ -6,10 +6,17 @@ A checkpoint is `<run_dir>/checkpoints/checkpoint-<step>/`, a plain Hugging Face
     tokenizer files
     trainer_state.pt                   optimizer, scheduler, step, data position, RNG states
 
+    manifest.json                      written last: every file's size and sha256
+
 It loads with plain `AutoModelForCausalLM.from_pretrained(dir)` (or `PeftModel.from_pretrained`),
-no rlhf-lab needed. It is written into a hidden temporary directory and renamed into place, so a
-directory named `checkpoint-<step>` is always complete; `latest_checkpoint` ignores anything else.
-`trainer_state.pt` holds only tensors and plain Python containers and is read with
+no rlhf-lab needed. It is written into a hidden temporary directory, its manifest written last,
+and renamed into place, so a directory named `checkpoint-<step>` is complete when it appears;
+`latest_checkpoint` ignores anything else. Re-saving a step renames the old directory aside
+first, moves the new one in, and only then deletes the old, so no instant leaves a half-deleted
+directory under the real name. Bytes can still rot after the rename (a disk error, a copy cut
+short): `newest_valid_checkpoint` checks the manifest (sizes and checksums) and falls back to the
+newest checkpoint that verifies, with a warning. A model with a non-finite parameter is never
+written. `trainer_state.pt` holds only tensors and plain Python containers and is read with
 `torch.load(..., weights_only=True)`.
 
 `StopSignal` turns SIGINT/SIGTERM into a flag that the training loop checks at safe points (after
@@ -19,11 +26,14 @@ an optimizer step); the loop then saves, prints how to resume, and exits 130 (SI
 
 from __future__ import annotations
 
+import hashlib
+import json
 import os
 import random
 import re
 import shutil
 import signal
+import sys
 import tempfile
 from pathlib import Path
 from types import FrameType
@@ -34,9 +44,19 @@ import torch
 from pydantic import Field
 
 from rlhf_core.config import StrictModel
+from rlhf_core.errors import UserError
 
 CHECKPOINT_RE = re.compile(r"^checkpoint-(\d+)$")
 STATE_FILE = "trainer_state.pt"
+MANIFEST_FILE = "manifest.json"
+
+
+class CheckpointWriteError(UserError, OSError):
+    """Writing a checkpoint failed (disk full, permissions): what failed, and the last good one."""
+
+
+class NonFiniteModelError(RuntimeError):
+    """The model to be saved holds NaN/inf parameters; nothing is written."""
 
 
 class CheckpointConfig(StrictModel):
@@ -104,10 +124,14 @@ def save_checkpoint(
     tensors, numbers, strings, lists and dicts.
     """
     checkpoints_dir = Path(checkpoints_dir)
-    checkpoints_dir.mkdir(parents=True, exist_ok=True)
+    assert_finite_parameters(model, where=f"checkpoint-{step}")
+    for name, extra in (extra_models or {}).items():
+        assert_finite_parameters(extra, where=f"checkpoint-{step}/{name}")
     final = checkpoints_dir / f"checkpoint-{step}"
-    tmp = Path(tempfile.mkdtemp(prefix=f".tmp-checkpoint-{step}-", dir=checkpoints_dir))
+    tmp: Path | None = None
     try:
+        checkpoints_dir.mkdir(parents=True, exist_ok=True)
+        tmp = Path(tempfile.mkdtemp(prefix=f".tmp-checkpoint-{step}-", dir=checkpoints_dir))
         model.save_pretrained(tmp, safe_serialization=True)
         if tokenizer is not None:
             tokenizer.save_pretrained(tmp)
@@ -124,15 +148,120 @@ def save_checkpoint(
             torch.save(payload, fh)
             fh.flush()
             os.fsync(fh.fileno())
-        if final.exists():  # re-saving the same step (e.g. after a resume): replace it
-            shutil.rmtree(final)
-        os.replace(tmp, final)
+        write_manifest(tmp, step)
+        replace_dir(tmp, final)
+    except OSError as exc:
+        if tmp is not None:
+            shutil.rmtree(tmp, ignore_errors=True)
+        good = newest_valid_checkpoint(checkpoints_dir, quiet=True)
+        raise CheckpointWriteError(
+            f"could not write checkpoint-{step} in {checkpoints_dir}: {exc}. "
+            + (
+                f"The last good checkpoint is {good} (resume with --resume {good.parent.parent})"
+                if good is not None
+                else "There is no earlier checkpoint."
+            )
+        ) from exc
     except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
+        if tmp is not None:
+            shutil.rmtree(tmp, ignore_errors=True)
         raise
     for old in list_checkpoints(checkpoints_dir)[:-keep_last]:
-        shutil.rmtree(old, ignore_errors=True)
+        aside = old.with_name(f".deleting-{old.name}")  # never a half-deleted checkpoint-<n>
+        os.replace(old, aside)
+        shutil.rmtree(aside, ignore_errors=True)
     return final
+
+
+def replace_dir(new: Path, final: Path) -> None:
+    """Move `new` to `final`; an existing `final` is renamed aside first and deleted last, so a
+    directory named `final` is always either the old one or the new one, whole."""
+    if not final.exists():
+        os.replace(new, final)
+        return
+    aside = final.with_name(f".old-{final.name}-{os.getpid()}")
+    shutil.rmtree(aside, ignore_errors=True)
+    os.replace(final, aside)
+    os.replace(new, final)
+    shutil.rmtree(aside, ignore_errors=True)
+
+
+def assert_finite_parameters(model: torch.nn.Module, *, where: str) -> None:
+    """Refuse to save a model with a NaN/inf parameter (a run never writes a broken model)."""
+    for name, param in model.named_parameters():
+        if not bool(torch.isfinite(param.detach()).all()):
+            raise NonFiniteModelError(
+                f"{where}: parameter {name} holds NaN/inf values; refusing to save a broken model"
+            )
+
+
+def _sha256(path: Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as fh:
+        for block in iter(lambda: fh.read(1 << 20), b""):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def write_manifest(directory: Path, step: int) -> None:
+    """`manifest.json`: size and sha256 of every file below `directory` (written last, fsynced)."""
+    files = {}
+    for path in sorted(p for p in Path(directory).rglob("*") if p.is_file()):
+        rel = path.relative_to(directory).as_posix()
+        if rel != MANIFEST_FILE:
+            files[rel] = {"size": path.stat().st_size, "sha256": _sha256(path)}
+    with open(Path(directory) / MANIFEST_FILE, "w") as fh:
+        json.dump({"step": step, "files": files}, fh, indent=1)
+        fh.flush()
+        os.fsync(fh.fileno())
+
+
+def verify_checkpoint(directory: str | Path) -> str | None:
+    """None if the checkpoint's files match its manifest, else what is wrong. A checkpoint from
+    before manifests existed (no manifest.json) is accepted when trainer_state.pt loads."""
+    directory = Path(directory)
+    if not (directory / STATE_FILE).is_file():
+        return f"no {STATE_FILE}"
+    manifest_path = directory / MANIFEST_FILE
+    if not manifest_path.is_file():
+        try:
+            torch.load(directory / STATE_FILE, map_location="cpu", weights_only=True)
+        except Exception as exc:  # noqa: BLE001 - any unreadable state means not resumable
+            return f"{STATE_FILE} does not load ({type(exc).__name__})"
+        return None
+    try:
+        manifest = json.loads(manifest_path.read_text())
+        files = manifest["files"]
+    except (OSError, ValueError, KeyError) as exc:
+        return f"{MANIFEST_FILE} unreadable ({exc})"
+    for rel, info in files.items():
+        path = directory / rel
+        if not path.is_file():
+            return f"{rel} is missing"
+        if path.stat().st_size != info["size"]:
+            return f"{rel} has {path.stat().st_size} bytes, the manifest says {info['size']}"
+        if _sha256(path) != info["sha256"]:
+            return f"{rel} does not match its checksum"
+    return None
+
+
+def checkpoint_step(path: str | Path) -> int:
+    match = CHECKPOINT_RE.match(Path(path).name)
+    if match is None:
+        raise ValueError(f"not a checkpoint directory name: {path}")
+    return int(match.group(1))
+
+
+def newest_valid_checkpoint(checkpoints_dir: str | Path, *, quiet: bool = False) -> Path | None:
+    """The newest checkpoint whose files verify; a damaged newer one is skipped with a warning."""
+    for path in reversed(list_checkpoints(checkpoints_dir)):
+        problem = verify_checkpoint(path)
+        if problem is None:
+            return path
+        if not quiet:
+            print(f"warning: skipping damaged checkpoint {path}: {problem}; falling back to "
+                  "the newest one that verifies", file=sys.stderr)  # fmt: skip
+    return None
 
 
 def list_checkpoints(checkpoints_dir: str | Path) -> list[Path]:

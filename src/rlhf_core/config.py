@@ -25,7 +25,7 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 import yaml
-from pydantic import BaseModel, ConfigDict, ValidationError
+from pydantic import BaseModel, ConfigDict, ValidationError, model_validator
 
 from rlhf_core.errors import UserError
 
@@ -33,9 +33,42 @@ C = TypeVar("C", bound=BaseModel)
 
 
 class StrictModel(BaseModel):
-    """Base for every config block: unknown keys are errors, values are validated on assignment."""
+    """Base for every config block: unknown keys are errors, values are validated on assignment,
+    numbers must be finite, and a boolean is never read as a number (`lr: yes` is not 1.0) nor a
+    number as a boolean (`eval_sampled: 1` is not true)."""
 
-    model_config = ConfigDict(extra="forbid", validate_assignment=True, protected_namespaces=())
+    model_config = ConfigDict(
+        extra="forbid", validate_assignment=True, protected_namespaces=(), allow_inf_nan=False
+    )
+
+    @model_validator(mode="before")
+    @classmethod
+    def _no_bool_number_confusion(cls, data: Any) -> Any:
+        if isinstance(data, dict):
+            for key, value in data.items():
+                field_info = cls.model_fields.get(key) if isinstance(key, str) else None
+                if field_info is not None:
+                    try:
+                        check_scalar_kind(field_info.annotation, value)
+                    except ValueError as exc:
+                        raise ValueError(f"{key}: {exc}") from None
+        return data
+
+
+def check_scalar_kind(annotation: Any, value: Any) -> None:
+    """Raise ValueError when YAML's bool lands in a number field or a number in a bool field
+    (pydantic's lax mode would coerce both silently)."""
+    kinds = set(_unwrap(annotation))
+    numeric = bool(kinds & {int, float})
+    if isinstance(value, bool) and numeric and bool not in kinds:
+        raise ValueError(f"expected a number, got the boolean {value!r}")
+    if (
+        bool in kinds
+        and not isinstance(value, bool)
+        and isinstance(value, int | float)
+        and not numeric
+    ):
+        raise ValueError(f"expected true or false, got the number {value!r}")
 
 
 class ConfigError(UserError):
@@ -46,11 +79,22 @@ class ConfigError(UserError):
 class RunArgs:
     """Command-line options shared by every trainer (everything except the config contents)."""
 
-    config_path: Path
+    config_path: Path | None
     overrides: list[str] = field(default_factory=list)
     output_dir: Path | None = None
     resume: str | None = None  # None, "auto", or a path
     dry_run: bool = False
+    overwrite: bool = False  # move an existing run in output_dir aside instead of refusing
+
+
+# Settings a resumed run may change without changing what the run means (its data, batches,
+# model and loss stay those of the checkpoint). Anything else differing from the run's saved
+# config.yaml is refused on resume.
+SAFE_ON_RESUME = (
+    "name", "tracking", "checkpoint", "imports", "data.eval", "train.max_steps", "train.epochs",
+    "train.eval_every", "train.eval_size", "train.eval_max_new_tokens", "train.eval_sampled",
+    "train.threads",
+)  # fmt: skip
 
 
 # ----------------------------------------------------------------------------- loading
@@ -59,10 +103,17 @@ class RunArgs:
 def read_yaml(path: str | Path) -> dict[str, Any]:
     """Read a YAML mapping from `path`; a missing file or a non-mapping top level raises."""
     path = Path(path)
+    if path.is_dir():
+        raise ConfigError(f"config file {path} is a directory, not a YAML file")
     if not path.is_file():
         raise ConfigError(f"config file not found: {path} (resolved to {path.resolve()})")
     try:
-        data = yaml.safe_load(path.read_text())
+        data = yaml.safe_load(path.read_text(encoding="utf-8"))
+    except UnicodeDecodeError as exc:
+        raise ConfigError(
+            f"{path}: not UTF-8 text (byte {exc.object[exc.start]:#04x} at offset {exc.start}); "
+            "save the config as UTF-8"
+        ) from None
     except yaml.YAMLError as exc:
         raise ConfigError(f"{path}: not valid YAML: {exc}") from exc
     if data is None:
@@ -144,7 +195,10 @@ def dump_config(cfg: BaseModel) -> str:
 
 def build_arg_parser(prog: str, description: str) -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog=prog, description=description)
-    parser.add_argument("--config", required=True, type=Path, help="YAML config file")
+    parser.add_argument(
+        "--config", type=Path, default=None,
+        help="YAML config file (optional with --resume RUN_DIR: the run's saved config is used)",
+    )  # fmt: skip
     parser.add_argument(
         "--set",
         dest="overrides",
@@ -160,29 +214,98 @@ def build_arg_parser(prog: str, description: str) -> argparse.ArgumentParser:
         const="auto",
         default=None,
         metavar="auto|PATH",
-        help="resume from the newest checkpoint (auto) or from a checkpoint/run directory",
+        help="continue a run: its newest valid checkpoint (auto: of --output-dir, or of the newest "
+        "run of this config's name) or a given run/checkpoint directory, with the run's own config",
+    )
+    parser.add_argument(
+        "--overwrite",
+        action="store_true",
+        help="if --output-dir already holds a run, move it aside (to <dir>.replaced-<time>) and "
+        "start fresh; without this flag such a directory is refused",
     )
     parser.add_argument(
         "--dry-run",
         action="store_true",
         help="validate and resolve the config, load the tokenizer, print the plan; train nothing",
     )
+    parser.add_argument(
+        "--debug", action="store_true", help="show the traceback of a user error too"
+    )
     return parser
+
+
+def saved_run_config(resume: str | None, output_dir: Path | None) -> Path | None:
+    """The `config.yaml` of the run a `--resume` names, if it can be known from the command line
+    alone (`--resume RUN_DIR|CHECKPOINT_DIR`, or `--resume auto --output-dir RUN_DIR`)."""
+    if resume is None:
+        return None
+    if resume == "auto":
+        run_dir = output_dir
+    else:
+        path = Path(resume)
+        run_dir = path.parent.parent if path.parent.name == "checkpoints" else path
+    if run_dir is None or not (Path(run_dir) / "config.yaml").is_file():
+        return None
+    return Path(run_dir) / "config.yaml"
+
+
+def _differences(old: Any, new: Any, path: str = "") -> list[tuple[str, Any, Any]]:
+    if isinstance(old, dict) and isinstance(new, dict):
+        out = []
+        for key in sorted(set(old) | set(new), key=str):
+            sub = f"{path}.{key}" if path else str(key)
+            out += _differences(old.get(key), new.get(key), sub)
+        return out
+    return [] if old == new else [(path, old, new)]
+
+
+def check_resume_changes(saved: Path, cfg: BaseModel) -> None:
+    """Refuse a resume whose config differs from the run's saved one in anything outside
+    `SAFE_ON_RESUME` (data, batch, model, loss...), naming each difference."""
+    old = read_yaml(saved)
+    new = yaml.safe_load(dump_config(cfg))
+    unsafe = [
+        (key, a, b) for key, a, b in _differences(old, new)
+        if not any(key == p or key.startswith(p + ".") for p in SAFE_ON_RESUME)
+    ]  # fmt: skip
+    if unsafe:
+        listed = "; ".join(f"{key}: {a!r} -> {b!r}" for key, a, b in unsafe[:8])
+        more = f" (and {len(unsafe) - 8} more)" if len(unsafe) > 8 else ""
+        raise ConfigError(
+            f"--resume: these settings differ from the run's saved config {saved} and would "
+            f"change what the run means: {listed}{more}. Resume without changing them (only "
+            f"{', '.join(SAFE_ON_RESUME)} may change), or start a new run in another --output-dir"
+        )
 
 
 def parse_run_args(
     argv: list[str] | None, cls: type[C], *, prog: str, description: str = ""
 ) -> tuple[C, RunArgs]:
-    """Parse the common trainer command line and load the config it names."""
+    """Parse the common trainer command line and load the config it names (on `--resume
+    RUN_DIR` without `--config`, the run's own saved config, with any `--set` on top)."""
     args = build_arg_parser(prog, description).parse_args(argv)
+    saved = saved_run_config(args.resume, args.output_dir)
+    config_path = args.config or saved
+    if config_path is None:
+        raise ConfigError(
+            "--config FILE is required (or --resume RUN_DIR to continue a run with its saved "
+            "config)"
+            + (f"; {args.resume} holds no config.yaml" if args.resume not in (None, "auto") else "")
+        )
     run = RunArgs(
-        config_path=args.config,
+        config_path=config_path,
         overrides=list(args.overrides),
         output_dir=args.output_dir,
         resume=args.resume,
         dry_run=args.dry_run,
+        overwrite=args.overwrite,
     )
-    return load_config(cls, run.config_path, run.overrides), run
+    if args.overwrite and args.resume is not None:
+        raise ConfigError("--overwrite starts a new run; it cannot be combined with --resume")
+    cfg = load_config(cls, run.config_path, run.overrides)
+    if saved is not None:
+        check_resume_changes(saved, cfg)
+    return cfg, run
 
 
 # ----------------------------------------------------------------------------- error messages

@@ -20,6 +20,7 @@ import torch
 from pydantic import Field, model_validator
 
 from rlhf_core.config import StrictModel
+from rlhf_core.errors import UserError, UserFileNotFound
 
 LOCAL_SUFFIXES = {".jsonl": "json", ".json": "json", ".gz": "json", ".parquet": "parquet"}
 
@@ -46,7 +47,7 @@ class DataSource(StrictModel):
     @model_validator(mode="after")
     def _exactly_one(self) -> DataSource:
         if (self.path is None) == (self.reasoning_gym is None):
-            raise ValueError("a data source needs exactly one of 'path' or 'reasoning_gym'")
+            raise UserError("a data source needs exactly one of 'path' or 'reasoning_gym'")
         return self
 
     def describe(self) -> str:
@@ -66,7 +67,7 @@ def check_heldout_seeds(train: DataSource, heldout: DataSource | None) -> None:
         return
     a, b = train.reasoning_gym, heldout.reasoning_gym
     if a.task == b.task and a.seed < b.seed + b.size and b.seed < a.seed + a.size:
-        raise ValueError(
+        raise UserError(
             f"reasoning_gym held-out seed range [{b.seed}, {b.seed + b.size}) overlaps the "
             f"training range [{a.seed}, {a.seed + a.size}); example i uses Random(seed + i), so "
             "the sets would share examples. Use a held-out seed far from the training one "
@@ -87,17 +88,27 @@ def load_rows(source: DataSource, *, field: str = "data") -> Any:
     assert source.path is not None
     if is_local_path(source.path):
         path = Path(source.path).expanduser()
+        if path.is_dir():
+            raise UserError(
+                f"{field}.path: {source.path} is a directory; give a data file inside it "
+                f"({', '.join(sorted(LOCAL_SUFFIXES))})"
+            )
         if not path.is_file():
-            raise FileNotFoundError(f"{field}.path: data file not found: {source.path}")
+            raise UserFileNotFound(f"{field}.path: data file not found: {source.path}")
         if path.stat().st_size == 0:
-            raise ValueError(f"{field}.path: data file is empty: {source.path}")
+            raise UserError(f"{field}.path: data file is empty: {source.path}")
         builder = LOCAL_SUFFIXES.get(path.suffix)
         if builder is None:
-            raise ValueError(
+            raise UserError(
                 f"{field}.path: {source.path} has an unsupported suffix {path.suffix!r}; "
                 f"expected one of {sorted(LOCAL_SUFFIXES)}"
             )
-        ds = datasets.load_dataset(builder, data_files=str(path), split="train")
+        if path.suffix in (".jsonl", ".gz"):
+            check_jsonl(path, field=field)
+        try:
+            ds = datasets.load_dataset(builder, data_files=str(path), split="train")
+        except Exception as exc:  # noqa: BLE001 - pyarrow/datasets errors name no line
+            raise UserError(f"{field}.path: {source.path} could not be read: {exc}") from exc
     else:
         ds = datasets.load_dataset(source.path, source.name, split=source.split)
     if source.offset or source.limit is not None:
@@ -107,13 +118,47 @@ def load_rows(source: DataSource, *, field: str = "data") -> Any:
     return ds
 
 
+def check_jsonl(path: Path, *, field: str) -> None:
+    """Every line of a JSON-lines file (plain or .gz) must be a JSON object: the first bad one is
+    reported as `file:line` with the parse error (pyarrow would only say "position 42")."""
+    import gzip
+    import json
+
+    opener = gzip.open if path.suffix == ".gz" else open
+    try:
+        with opener(path, "rt", encoding="utf-8") as fh:
+            for number, line in enumerate(fh, 1):
+                if not line.strip():
+                    continue
+                try:
+                    row = json.loads(line)
+                except json.JSONDecodeError as exc:
+                    raise UserError(
+                        f"{field}.path: {path}:{number}: not valid JSON ({exc.msg} at column "
+                        f"{exc.colno}): {line.strip()[:80]!r}"
+                    ) from None
+                if not isinstance(row, dict):
+                    raise UserError(
+                        f"{field}.path: {path}:{number}: expected a JSON object per line, got "
+                        f"{type(row).__name__}"
+                    )
+    except UnicodeDecodeError as exc:
+        raise UserError(f"{field}.path: {path}: not UTF-8 text ({exc.reason})") from None
+    except (OSError, EOFError) as exc:  # e.g. a truncated .gz
+        raise UserError(f"{field}.path: {path}: could not be read: {exc}") from None
+
+
 def reasoning_gym_dataset(source: ReasoningGymSource) -> Any:
     """A reasoning-gym ProceduralDataset (indexable; entries have question/answer/metadata).
 
     `task: composite` mixes tasks: `config: {datasets: [{name, weight, config}, ...]}`; each
     entry is then scored by its own task's `score_answer`.
     """
-    import reasoning_gym
+    import warnings
+
+    with warnings.catch_warnings():  # a dependency (cellpylib) compiles with SyntaxWarnings
+        warnings.filterwarnings("ignore", category=SyntaxWarning)
+        import reasoning_gym
 
     config = dict(source.config)
     if source.task == "composite" and isinstance(config.get("datasets"), list):
@@ -135,7 +180,7 @@ def reasoning_gym_dataset(source: ReasoningGymSource) -> Any:
         AttributeError,
     ) as exc:  # configs validate by assert
         msg = f"reasoning_gym task {source.task!r} with config {source.config}: {exc}"
-        raise ValueError(msg) from exc
+        raise UserError(msg) from exc
 
 
 class EpochSampler:
@@ -143,7 +188,7 @@ class EpochSampler:
 
     def __init__(self, num_items: int, seed: int, *, shuffle: bool = True) -> None:
         if num_items <= 0:
-            raise ValueError("EpochSampler: the dataset is empty")
+            raise UserError("EpochSampler: the dataset is empty")
         self.num_items = num_items
         self.seed = seed
         self.shuffle = shuffle
@@ -174,7 +219,7 @@ class EpochSampler:
 
     def load_state_dict(self, state: dict[str, int]) -> None:
         if state["num_items"] != self.num_items:
-            raise ValueError(
+            raise UserError(
                 f"resume: the checkpoint's dataset had {state['num_items']} items, "
                 f"this one has {self.num_items}; the data changed"
             )
@@ -196,3 +241,25 @@ def warn_truncated_prompts(where: str, cut: int, total: int, kept: int) -> None:
         "(data.max_prompt_length; null = max_length // 2): raise it if the start matters",
         stacklevel=2,
     )
+
+
+# A data set in which more than this fraction of rows is degenerate in one way is refused: it
+# would train on noise (e.g. every `chosen` empty, or every prompt cut to a single token).
+MAX_DEGENERATE_FRACTION = 0.5
+
+
+def report_degenerate(where: str, total: int, counts: dict[str, int]) -> None:
+    """Warn with the count of each kind of degenerate row (`counts`: description -> rows), and
+    refuse the data when one kind exceeds `MAX_DEGENERATE_FRACTION` of the `total` rows."""
+    import warnings
+
+    for what, n in counts.items():
+        if not n:
+            continue
+        if n > MAX_DEGENERATE_FRACTION * total:
+            raise UserError(
+                f"{where}: {n} of {total} rows {what}; more than "
+                f"{MAX_DEGENERATE_FRACTION:.0%} of the data is degenerate this way, so training "
+                "on it would learn nothing useful. Check the data and the length limits"
+            )
+        warnings.warn(f"{where}: {n} of {total} rows {what}", stacklevel=2)

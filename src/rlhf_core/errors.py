@@ -43,3 +43,7 @@ def run_main(main: Callable[[list[str] | None], int], argv: list[str] | None = N
             traceback.print_exc()
         print(f"error: {exc}", file=sys.stderr)
         return EXIT_USER_ERROR
+
+
+class UserFileNotFound(UserError, FileNotFoundError):
+    """A path the user gave does not exist (also a FileNotFoundError, for callers catching it)."""

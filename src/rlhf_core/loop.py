@@ -9,6 +9,7 @@ and the message after a stop signal.
 from __future__ import annotations
 
 import math
+import shutil
 import sys
 from pathlib import Path
 from typing import Any, Literal
@@ -18,9 +19,16 @@ from accelerate import Accelerator
 from accelerate.utils import DistributedType
 from pydantic import BaseModel, Field
 
-from rlhf_core.checkpoint import load_trainer_state, restore_training_state, save_checkpoint
+from rlhf_core.checkpoint import (
+    assert_finite_parameters,
+    load_trainer_state,
+    replace_dir,
+    restore_training_state,
+    save_checkpoint,
+)
 from rlhf_core.config import RunArgs, StrictModel, dump_config
 from rlhf_core.data import EpochSampler
+from rlhf_core.errors import UserError
 from rlhf_core.optim import EmbeddingGradBuffer
 from rlhf_core.runtime import configure_threads, quiet_libraries
 
@@ -71,7 +79,7 @@ def refuse_sharded_parameters(engine: DistributedType, zero_stage: int | None) -
         name = "DeepSpeed ZeRO-3"
     else:
         return
-    raise ValueError(
+    raise UserError(
         f"{name} shards the parameters across processes, which these trainers do not support yet "
         "(rank-0 evaluation, sampling and checkpoint writing, and per-process rollout decoding, "
         "would wait forever on the parameter all-gathers): launch with DDP "
@@ -96,7 +104,7 @@ def check_engine_accumulation(accelerator: Accelerator, micro_batches_per_step: 
     step must be one micro-batch per process; refuse a config that would silently step more."""
     engine = str(getattr(accelerator, "distributed_type", ""))
     if "DEEPSPEED" in engine.upper() and micro_batches_per_step > 1:
-        raise ValueError(
+        raise UserError(
             f"DeepSpeed steps the optimizer at every backward, but this config accumulates "
             f"{micro_batches_per_step} micro-batches per step and process: set "
             "train.micro_batch_size to the per-process batch (batch_size / processes) and use "
@@ -108,7 +116,7 @@ def plan_steps(loop: LoopConfig, num_rows: int, world: int) -> tuple[int, int]:
     """(micro_batch_size, total optimizer steps); checks the batch splits evenly."""
     micro = loop.micro_batch_size or loop.batch_size
     if loop.batch_size % (micro * world):
-        raise ValueError(
+        raise UserError(
             f"train.batch_size ({loop.batch_size}) must be a multiple of micro_batch_size "
             f"({micro}) x processes ({world})"
         )
@@ -135,8 +143,11 @@ def restore_checkpoint(
     return payload["step"], state
 
 
-def clip_grad_norm(accelerator: Accelerator, model: torch.nn.Module, max_norm: float) -> float:
-    """Clip the gradients to global L2 norm `max_norm`; returns the norm before clipping.
+def clip_grad_norm(
+    accelerator: Accelerator, model: torch.nn.Module, max_norm: float | None
+) -> float:
+    """Clip the gradients to global L2 norm `max_norm` (None: measure only); returns the norm
+    before clipping. A non-finite norm clips nothing: the caller skips that step.
 
     `torch.nn.utils.clip_grad_norm_` multiplies every gradient by min(1, max_norm / (norm +
     1e-6)) even when that factor is 1: a full pass over the gradients for nothing in the usual
@@ -146,14 +157,47 @@ def clip_grad_norm(accelerator: Accelerator, model: torch.nn.Module, max_norm: f
     """
     plain = (DistributedType.NO, DistributedType.MULTI_CPU, DistributedType.MULTI_GPU)
     if accelerator.distributed_type not in plain or accelerator.scaler is not None:
-        return float(accelerator.clip_grad_norm_(model.parameters(), max_norm))
+        limit = float("inf") if max_norm is None else max_norm
+        return float(accelerator.clip_grad_norm_(model.parameters(), limit))
     params = [p for p in model.parameters() if p.grad is not None]
     if not params:
         return 0.0
     norm = torch.nn.utils.get_total_norm([p.grad for p in params])
-    if not bool(max_norm / (norm + 1e-6) >= 1.0):  # also clips (to NaN) when the norm is NaN
+    if max_norm is not None and bool(torch.isfinite(norm)) and max_norm / (norm + 1e-6) < 1.0:
         torch.nn.utils.clip_grads_with_norm_(params, max_norm, norm)
     return float(norm)
+
+
+class TrainingDiverged(UserError):
+    """Too many optimizer steps in a row had a non-finite loss or gradient norm."""
+
+
+class SkippedSteps:
+    """Counts optimizer steps skipped because the loss or the global gradient norm was NaN/inf.
+
+    A skipped step leaves parameters, optimizer state and schedule exactly as they were. After
+    `limit` skipped steps in a row the run stops with `TrainingDiverged` (exit code 2, no
+    `final/`): a run that learns nothing must not end green. `total` is saved in checkpoints."""
+
+    def __init__(self, limit: int, total: int = 0) -> None:
+        self.limit = limit
+        self.total = total
+        self.in_a_row = 0
+
+    def add(self, skipped: bool, *, loss: float, grad_norm: float) -> None:
+        if not skipped:
+            self.in_a_row = 0
+            return
+        self.total += 1
+        self.in_a_row += 1
+        if self.in_a_row >= self.limit:
+            raise TrainingDiverged(
+                f"{self.in_a_row} optimizer steps in a row were skipped because the loss or the "
+                f"gradient norm was not finite (last: loss {loss:.4g}, grad norm {grad_norm:.4g}); "
+                "the model is unchanged since the last good step and no final model was written. "
+                "Lower optim.lr, check the loss settings (e.g. beta) and the data, or raise "
+                "optim.max_consecutive_skips"
+            )
 
 
 def optimizer_step(
@@ -165,19 +209,28 @@ def optimizer_step(
     max_grad_norm: float | None,
     loss: torch.Tensor,
     grad_buffer: EmbeddingGradBuffer | None = None,
+    skips: SkippedSteps | None = None,
 ) -> tuple[float, bool]:
-    """Clip and step if `loss` is finite, else drop the gradients. Returns (grad_norm, skipped).
-    A `grad_buffer` (`rlhf_core.optim.EmbeddingGradBuffer`) is re-zeroed and re-attached."""
-    skipped = not bool(torch.isfinite(loss))
+    """Clip and step if `loss` and the global gradient norm are finite; otherwise drop the
+    gradients and leave parameters, optimizer state and schedule untouched. Returns (grad_norm,
+    skipped); `skips` counts skipped steps (and stops a run that keeps skipping). A `grad_buffer`
+    (`rlhf_core.optim.EmbeddingGradBuffer`) is re-zeroed and re-attached."""
+    loss_value = float(loss)
     grad_norm = float("nan")
+    skipped = not math.isfinite(loss_value)
     if not skipped:
-        if max_grad_norm is not None:
-            grad_norm = clip_grad_norm(accelerator, model, max_grad_norm)
+        # the norm is needed to detect inf/NaN gradients even when nothing is clipped
+        grad_norm = clip_grad_norm(accelerator, model, max_grad_norm)
+        skipped = not math.isfinite(grad_norm)
+    if not skipped:
         optimizer.step()
     optimizer.zero_grad(set_to_none=True)
     if grad_buffer is not None:
         grad_buffer.reset()
-    scheduler.step()
+    if not skipped:
+        scheduler.step()
+    if skips is not None:
+        skips.add(skipped, loss=loss_value, grad_norm=grad_norm)
     return grad_norm, skipped
 
 
@@ -206,10 +259,11 @@ def save_training_state(
 
 
 def announce_stop(package: str, run: RunArgs, run_dir: Path, signum: int | None, step: int) -> None:
+    """After a stop signal: the command that continues this run, verbatim (the run dir holds
+    its resolved config, every --set included)."""
     print(
         f"stopped by signal {signum} at step {step}; checkpoint saved. Resume with:\n"
-        f"  python -m {package}.train --config {run.config_path} --output-dir {run_dir} "
-        "--resume auto",
+        f"  python -m {package}.train --resume {run_dir}",
         file=sys.stderr,
     )
 
@@ -220,5 +274,10 @@ def save_final(
     """The trained model as a plain Hugging Face directory (main process only)."""
     accelerator.wait_for_everyone()
     if accelerator.is_main_process:
-        accelerator.unwrap_model(model).save_pretrained(path)
-        tokenizer.save_pretrained(path)
+        unwrapped = accelerator.unwrap_model(model)
+        assert_finite_parameters(unwrapped, where=str(path))
+        tmp = path.with_name(f".tmp-{path.name}")
+        shutil.rmtree(tmp, ignore_errors=True)
+        unwrapped.save_pretrained(tmp)
+        tokenizer.save_pretrained(tmp)
+        replace_dir(tmp, path)

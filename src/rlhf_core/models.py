@@ -30,6 +30,7 @@ from pydantic import Field, model_validator
 
 from rlhf_core.chat import ensure_chat_template, set_thinking
 from rlhf_core.config import StrictModel
+from rlhf_core.errors import UserError, UserFileNotFound
 from rlhf_core.logprobs import causal_lm_token_logprobs
 from rlhf_core.quantization import (
     QuantizationConfig,
@@ -104,7 +105,7 @@ def resolve_model_path(name_or_path: str) -> str:
     # path (./x, /x, ~/x) or one with more than one "/" is known to be local.
     looks_local = name_or_path.startswith((".", "/", "~")) or name_or_path.count("/") > 1
     if looks_local and not Path(name_or_path).expanduser().exists():
-        raise FileNotFoundError(f"model directory not found: {name_or_path}")
+        raise UserFileNotFound(f"model directory not found: {name_or_path}")
     return name_or_path
 
 
@@ -133,7 +134,7 @@ def load_tokenizer(cfg: ModelConfig, *, padding_side: Literal["left", "right"]):
         source, revision=cfg.revision, trust_remote_code=cfg.trust_remote_code
     )
     if tokenizer.eos_token is None:
-        raise ValueError(f"tokenizer {source!r} has no eos token; set one in its tokenizer_config")
+        raise UserError(f"tokenizer {source!r} has no eos token; set one in its tokenizer_config")
     if tokenizer.pad_token is None:
         warnings.warn(
             f"tokenizer {source!r} has no pad token; using eos {tokenizer.eos_token!r} as pad",
@@ -248,7 +249,7 @@ class ReferencePolicy:
             self._model = policy.requires_grad_(False).eval()
         elif mode == "adapter":
             if not is_peft_model(policy):
-                raise ValueError(
+                raise UserError(
                     "reference mode 'adapter' needs a LoRA policy (set model.lora); "
                     "use mode 'copy' for full fine-tuning"
                 )
@@ -258,7 +259,7 @@ class ReferencePolicy:
             self._model.requires_grad_(False)
             self._model.eval()
         else:
-            raise ValueError(
+            raise UserError(
                 f"unknown reference mode {mode!r}; expected 'copy', 'frozen' or 'adapter'"
             )
 

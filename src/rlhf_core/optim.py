@@ -11,7 +11,7 @@ import math
 from typing import Literal
 
 import torch
-from pydantic import Field
+from pydantic import Field, field_validator
 from torch.optim.lr_scheduler import LambdaLR
 
 from rlhf_core.config import StrictModel
@@ -30,6 +30,25 @@ class OptimConfig(StrictModel):
     schedule: Literal["cosine", "linear", "constant"] = Field("cosine", description="decay shape")
     warmup_steps: int = Field(0, ge=0, description="linear warmup steps")
     min_lr_ratio: float = Field(0.0, ge=0, le=1, description="final lr as a fraction of the peak")
+    max_consecutive_skips: int = Field(
+        3, ge=1,
+        description="stop the run (exit 2) after this many optimizer steps in a row skipped for a "
+        "non-finite loss or gradient norm",
+    )  # fmt: skip
+
+    @field_validator("betas")
+    @classmethod
+    def _betas_in_range(cls, betas: tuple[float, float]) -> tuple[float, float]:
+        if not all(0.0 <= b < 1.0 for b in betas):
+            raise ValueError(f"AdamW betas must each be in [0, 1), got {list(betas)}")
+        return betas
+
+    @field_validator("max_grad_norm")
+    @classmethod
+    def _positive_clip(cls, value: float | None) -> float | None:
+        if value is not None and value <= 0:
+            raise ValueError(f"must be > 0 (or null for no clipping), got {value}")
+        return value
 
 
 def build_optimizer(model: torch.nn.Module, cfg: OptimConfig) -> torch.optim.AdamW:

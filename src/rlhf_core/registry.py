@@ -23,6 +23,8 @@ from typing import Any, Generic, TypeVar
 
 from pydantic import ConfigDict, ValidationError, create_model
 
+from rlhf_core.config import check_scalar_kind
+
 T = TypeVar("T")
 
 
@@ -112,7 +114,17 @@ def validate_spec(registry: Registry, spec: Mapping[str, Any], *, where: str) ->
     for pname, param in params.items():
         default = ... if param.default is inspect.Parameter.empty else param.default
         fields[pname] = (hints.get(pname, Any), default)
-    model = create_model(f"{cls.__name__}Params", __config__=ConfigDict(extra="forbid"), **fields)
+    for key, value in spec.items():  # `beta: yes` is not 1.0
+        if key in fields:
+            try:
+                check_scalar_kind(fields[key][0], value)
+            except ValueError as exc:
+                raise ValueError(f"{where}.{key} ({registry.kind} {name!r}): {exc}") from None
+    model = create_model(
+        f"{cls.__name__}Params",
+        __config__=ConfigDict(extra="forbid", allow_inf_nan=False),
+        **fields,
+    )
     try:
         values = model.model_validate({k: v for k, v in spec.items() if k != "name"})
     except ValidationError as exc:

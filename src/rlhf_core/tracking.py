@@ -17,7 +17,6 @@ from __future__ import annotations
 import json
 import math
 import os
-import re
 import sys
 import time
 from collections import defaultdict
@@ -27,7 +26,6 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, Field
 
-from rlhf_core.checkpoint import latest_checkpoint
 from rlhf_core.config import StrictModel, dump_config
 
 
@@ -49,61 +47,6 @@ class TrackingConfig(StrictModel):
 
 def timestamp() -> str:
     return datetime.now().strftime("%Y%m%d-%H%M%S")
-
-
-def default_run_root(package: str, name: str) -> Path:
-    return Path("outputs") / package / name
-
-
-def new_run_dir(package: str, name: str, output_dir: Path | None) -> Path:
-    """`output_dir` if given, else a fresh `outputs/<package>/<name>-<timestamp>`."""
-    if output_dir is not None:
-        return Path(output_dir)
-    base = Path("outputs") / package
-    candidate = base / f"{name}-{timestamp()}"
-    suffix = 1
-    while candidate.exists():
-        candidate = base / f"{name}-{timestamp()}-{suffix}"
-        suffix += 1
-    return candidate
-
-
-def resolve_resume(
-    resume: str | None, *, package: str, name: str, output_dir: Path | None
-) -> tuple[Path | None, Path | None]:
-    """Where to resume from: (run_dir, checkpoint_dir), or (None, None) to start fresh.
-
-    `auto` looks in `--output-dir` if given, else in the newest `outputs/<package>/<name>-*` run
-    that has a complete checkpoint; finding none starts fresh (with a message). A PATH may be a
-    checkpoint directory or a run directory.
-    """
-    if resume is None:
-        return None, None
-    if resume == "auto":
-        if output_dir is not None:
-            runs = [Path(output_dir)]
-        else:
-            # only `<name>-<timestamp>[-n]` (see new_run_dir): "sft-*" must not match "sft-long-*"
-            run_name = re.compile(re.escape(name) + r"-\d{8}-\d{6}(?:-\d+)?")
-            base = Path("outputs") / package
-            found = [p for p in base.glob("*") if p.is_dir() and run_name.fullmatch(p.name)]
-            runs = sorted(found, key=lambda p: p.stat().st_mtime, reverse=True)
-        for run_dir in runs:
-            ckpt = latest_checkpoint(run_dir / "checkpoints")
-            if ckpt is not None:
-                return run_dir, ckpt
-        print(f"--resume auto: no complete checkpoint found for {package}/{name}; starting fresh")
-        return None, None
-    path = Path(resume)
-    if (path / "trainer_state.pt").is_file():
-        return path.parent.parent, path
-    ckpt = latest_checkpoint(path / "checkpoints")
-    if ckpt is None:
-        raise FileNotFoundError(
-            f"--resume {resume}: not a checkpoint directory and no complete checkpoint under "
-            f"{path / 'checkpoints'}"
-        )
-    return path, ckpt
 
 
 def metric_family(key: str) -> str:

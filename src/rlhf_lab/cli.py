@@ -46,6 +46,13 @@ def _tiny(args: list[str]) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
+    """The console script: user errors become one line and exit code 2 (see rlhf_core.errors)."""
+    from rlhf_core.errors import run_main
+
+    return run_main(_dispatch, argv)
+
+
+def _dispatch(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     commands = sorted([*TRAINERS, *TOOLS, "tiny"])
     if not argv or argv[0] in ("-h", "--help"):

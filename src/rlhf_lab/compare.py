@@ -32,6 +32,7 @@ from typing import Any
 from pydantic import Field
 
 from rlhf_core.config import StrictModel
+from rlhf_core.errors import UserFileNotFound
 
 DEFAULT_CONFIG = Path("configs") / "quickstart" / "compare.yaml"
 
@@ -132,7 +133,7 @@ def run_compare(cfg: CompareConfig, out: Path, *, fast: bool = False) -> dict[st
     else:
         sft = Path(cfg.sft_model)
         if not (sft / "config.json").is_file():
-            raise FileNotFoundError(f"sft_model: {sft} is not a model directory (no config.json)")
+            raise UserFileNotFound(f"sft_model: {sft} is not a model directory (no config.json)")
 
     def train_one(trainer, run_cfg, base: str, name: str, spec: RunSpec) -> dict[str, Any]:
         """Run one trainer into out/<name>; its summary.json, plus the wall time."""
@@ -243,6 +244,7 @@ def plot_curves(out: Path, report: dict[str, Any]) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     from rlhf_core.config import load_config
+    from rlhf_core.rundir import locked_run
     from rlhf_core.tracking import timestamp
 
     parser = argparse.ArgumentParser(prog="rlhf-lab compare", description=__doc__.split("\n")[0])
@@ -255,13 +257,17 @@ def main(argv: list[str] | None = None) -> int:
         "--output-dir", type=Path, default=None, help="default outputs/compare-<time>"
     )
     parser.add_argument("--fast", action="store_true", help="2 steps per run: a smoke test")
+    parser.add_argument("--debug", action="store_true", help="show tracebacks of user errors")
     args = parser.parse_args(argv)
     cfg = load_config(CompareConfig, args.config, args.overrides)
     out = args.output_dir or Path("outputs") / f"{cfg.name}-{timestamp()}"
-    run_compare(cfg, out, fast=args.fast)
+    with locked_run(out, package="compare"):
+        run_compare(cfg, out, fast=args.fast)
     print(f"\ntable: {out / 'compare.md'}")
     return 0
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    from rlhf_core.errors import run_main
+
+    sys.exit(run_main(main))

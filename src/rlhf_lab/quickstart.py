@@ -36,13 +36,32 @@ def _config(name: str, cls: Any, overrides: list[str]) -> Any:
     return load_config(cls, REPO_CONFIGS / f"{name}.yaml", overrides)
 
 
-def _run(trainer: Any, cfg: Any, out: Path, config_name: str) -> dict[str, Any]:
-    from rlhf_core.config import RunArgs
+class StageInterrupted(Exception):
+    """A stage stopped on SIGINT/SIGTERM after saving its checkpoint."""
 
-    code = trainer(cfg, RunArgs(config_path=REPO_CONFIGS / f"{config_name}.yaml", output_dir=out))
+    def __init__(self, stage: str, code: int) -> None:
+        super().__init__(f"stage {stage} stopped by a signal (exit {code})")
+        self.stage, self.code = stage, code
+
+
+def _run(trainer: Any, cfg: Any, out: Path, config_name: str) -> dict[str, Any]:
+    """Run one stage into `out`, or reuse it if it already finished (a `--resume` of the
+    quickstart); a stage stopped part-way continues from its newest checkpoint."""
+    from rlhf_core.config import RunArgs
+    from rlhf_core.rundir import run_status
+
+    summary = out / "summary.json"
+    if summary.is_file() and run_status(out).get("status") == "finished":
+        print(f"stage {config_name}: finished earlier, reusing {out}", file=sys.stderr)
+        return json.loads(summary.read_text())
+    resume = "auto" if out.exists() else None
+    code = trainer(cfg, RunArgs(config_path=REPO_CONFIGS / f"{config_name}.yaml",
+                                output_dir=out, resume=resume))  # fmt: skip
+    if code in (130, 143):
+        raise StageInterrupted(config_name, code)
     if code != 0:
         raise RuntimeError(f"stage {config_name} exited with {code}")
-    return json.loads((out / "summary.json").read_text())
+    return json.loads(summary.read_text())
 
 
 def run_quickstart(
@@ -83,17 +102,22 @@ def run_quickstart(
     sft_dir = out / "sft"
     if sft_from is None:
         _run(train_sft, _config("sft", SFTConfig, short["sft"] if fast else []), sft_dir, "sft")
-    else:
+    elif not (sft_dir / "final").is_dir():
         import shutil
 
-        shutil.copytree(sft_from, sft_dir / "final", dirs_exist_ok=True)
+        tmp = sft_dir / ".tmp-final"
+        shutil.rmtree(tmp, ignore_errors=True)
+        shutil.copytree(sft_from, tmp)
+        tmp.rename(sft_dir / "final")
     sft_final = sft_dir / "final"
     times["sft"] = time.perf_counter() - t0
 
     t0 = stage("pairs (sample the SFT model, grade, pair)")
     n_pairs = short["pairs"] if fast else 512
-    pair_stats = {}
-    for split, seed in (("train", 1), ("eval", 20_000_000)):
+    pair_stats, stats_path = {}, out / "pairs" / "stats.json"
+    if stats_path.is_file():  # built by an earlier, interrupted run of this quickstart
+        pair_stats = json.loads(stats_path.read_text())
+    for split, seed in (("train", 1), ("eval", 20_000_000)) if not pair_stats else ():
         size = n_pairs if split == "train" else n_pairs // 4
         source = DataSource.model_validate(
             {"reasoning_gym": {**PAIR_PROMPTS, "size": size, "seed": seed}}
@@ -102,6 +126,7 @@ def run_quickstart(
             sft_final, source, out / "pairs" / f"{split}.jsonl", samples=4, max_new_tokens=16,
             seed=seed,
         )  # fmt: skip
+    stats_path.write_text(json.dumps(pair_stats, indent=2) + "\n")  # written last: pairs done
     figures["pairs"] = pair_stats
     times["pairs"] = time.perf_counter() - t0
 
@@ -281,6 +306,8 @@ def _plot(out: Path, figures: dict[str, Any]) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
+    from rlhf_core.errors import UserError
+    from rlhf_core.rundir import locked_run
     from rlhf_core.tracking import timestamp
 
     parser = argparse.ArgumentParser(prog="rlhf-lab quickstart", description=__doc__.split("\n")[0])
@@ -291,8 +318,52 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--sft-from", type=Path, default=None, help="reuse this SFT model dir (skip stage 1)"
     )
+    parser.add_argument(
+        "--resume", nargs="?", const="latest", default=None, metavar="DIR",
+        help="continue an interrupted quickstart (default: the newest outputs/quickstart-*): "
+        "finished stages are reused, a stage stopped part-way continues from its checkpoint",
+    )  # fmt: skip
+    parser.add_argument("--debug", action="store_true", help="show tracebacks of user errors")
     args = parser.parse_args(argv)
-    out = args.output_dir or Path("outputs") / f"quickstart-{timestamp()}"
-    run_quickstart(out, fast=args.fast, sft_from=args.sft_from)
+    if args.resume is not None:
+        out = Path(args.resume) if args.resume != "latest" else _latest_quickstart()
+        saved = out / "quickstart.json"
+        if not saved.is_file():
+            raise UserError(f"--resume {out}: not a quickstart run dir (no quickstart.json)")
+        options = json.loads(saved.read_text())
+        if args.fast or args.sft_from:
+            raise UserError("--resume uses the run's own options; drop --fast / --sft-from")
+    else:
+        out = args.output_dir or Path("outputs") / f"quickstart-{timestamp()}"
+        options = {"fast": args.fast, "sft_from": str(args.sft_from) if args.sft_from else None}
+    with locked_run(out, package="quickstart", resume=args.resume is not None) as outcome:
+        (out / "quickstart.json").write_text(json.dumps(options) + "\n")
+        try:
+            run_quickstart(
+                out,
+                fast=options["fast"],
+                sft_from=Path(options["sft_from"]) if options["sft_from"] else None,
+            )
+        except (StageInterrupted, KeyboardInterrupt) as exc:
+            outcome.exit_code = exc.code if isinstance(exc, StageInterrupted) else 130
+            print(f"\nquickstart interrupted; continue it with:\n  rlhf-lab quickstart "
+                  f"--resume {out}", file=sys.stderr)  # fmt: skip
+            return outcome.exit_code
     print(f"\nreport: {out / 'report.md'}")
     return 0
+
+
+def _latest_quickstart() -> Path:
+    from rlhf_core.errors import UserError
+
+    runs = sorted(Path("outputs").glob("quickstart-*"), key=lambda p: p.stat().st_mtime)
+    runs = [p for p in runs if (p / "quickstart.json").is_file()]
+    if not runs:
+        raise UserError("--resume: no outputs/quickstart-* run to continue; pass its directory")
+    return runs[-1]
+
+
+if __name__ == "__main__":
+    from rlhf_core.errors import run_main
+
+    sys.exit(run_main(main))

@@ -31,7 +31,6 @@ import json
 import os
 import re
 import shutil
-import socket
 import sys
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
@@ -42,6 +41,7 @@ import yaml
 
 from rlhf_core.checkpoint import CHECKPOINT_RE, list_checkpoints
 from rlhf_core.errors import UserError, run_main
+from rlhf_core.rundir import run_status as rundir_status
 
 PACKAGES = ("instruction_tuning", "reward_models", "policy_gradients", "direct_alignment")
 # directories inside a run that are never runs themselves
@@ -70,35 +70,22 @@ def _read_json(path: Path) -> dict[str, Any] | None:
         return None
 
 
-def _pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:  # exists, owned by someone else
-        return True
-    return True
-
-
 def run_status(run_dir: Path) -> tuple[str, str]:
-    """(status, reason) of one run dir; see the module docstring for the rules."""
-    status = _read_json(run_dir / "status.json")
-    if status is not None and "status" in status:
-        said = status["status"]
-        if said != "running":
-            return said, f"status.json: {said}"
-        lock = _read_json(run_dir / ".lock") or status
-        pid, host = lock.get("pid"), lock.get("host")
-        if host not in (None, socket.gethostname()):
-            return "running", f"lock held on host {host} (not checked)"
-        if isinstance(pid, int) and _pid_alive(pid):
-            return "running", f"pid {pid} alive"
-        return "interrupted", f"status.json says running but pid {pid} is gone (killed)"
-    if (run_dir / "summary.json").is_file():
-        return "finished", "summary.json (no status.json)"
-    if list_checkpoints(run_dir / "checkpoints") or (run_dir / "metrics.jsonl").is_file():
-        return "interrupted", "checkpoints/metrics without summary.json (no status.json)"
-    return "interrupted", "nothing written past the config (no status.json)"
+    """(status, reason) of one run dir, read by `rlhf_core.rundir.run_status` (the protocol's
+    owner): status.json, a dead lock's "running" read as interrupted, older runs inferred."""
+    from rlhf_core.rundir import read_lock
+
+    status = rundir_status(run_dir)
+    said = status.get("status", "?")
+    if status.get("inferred"):
+        return said, "inferred from the files (no status.json)"
+    if status.get("killed"):
+        return said, f"status.json says running but its process (pid {status.get('pid')}) is gone"
+    if said == "running":
+        holder = read_lock(run_dir) or {}
+        return said, f"pid {holder.get('pid')} on {holder.get('host')} holds .lock"
+    code = status.get("exit_code")
+    return said, "status.json" + (f" (exit code {code})" if code is not None else "")
 
 
 def _package_and_algorithm(run_dir: Path, root: Path) -> tuple[str, str]:
@@ -158,16 +145,14 @@ def read_metrics(run_dir: Path) -> list[dict[str, Any]]:
 
 
 def _last_step(run_dir: Path, status: dict[str, Any] | None, summary: dict[str, Any]) -> int | None:
-    if status and isinstance(status.get("step"), int):
-        return status["step"]
-    if isinstance(summary.get("steps"), int):
-        return summary["steps"]
-    rows = read_metrics(run_dir)
-    steps = [r["step"] for r in rows if isinstance(r.get("step"), int)]
-    ckpts = [
-        int(CHECKPOINT_RE.match(c.name).group(1)) for c in list_checkpoints(run_dir / "checkpoints")
-    ]
-    found = steps + ckpts
+    """The furthest step the run reached: status.json, the summary, the metrics log and the
+    checkpoints may each lag (a killed run's status.json keeps the step it started at)."""
+    found = [r["step"] for r in read_metrics(run_dir) if isinstance(r.get("step"), int)]
+    found += [int(CHECKPOINT_RE.match(c.name).group(1))
+              for c in list_checkpoints(run_dir / "checkpoints")]  # fmt: skip
+    for value in ((status or {}).get("step"), summary.get("steps")):
+        if isinstance(value, int):
+            found.append(value)
     return max(found) if found else None
 
 

@@ -156,6 +156,6 @@ def test_sigterm_saves_and_exits_143(tiny_sft_dict, tmp_path):
     proc.send_signal(signal.SIGTERM)
     assert proc.wait(timeout=120) == 143
     output = proc.stdout.read()
-    assert "checkpoint saved" in output and "--resume auto" in output
+    assert "checkpoint saved" in output and f"--resume {out}" in output
     saved = sorted(p.name for p in (out / "checkpoints").iterdir())
     assert saved and all(name.startswith("checkpoint-") for name in saved)

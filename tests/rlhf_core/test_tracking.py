@@ -1,25 +1,18 @@
 """Run directories and metric logs (rlhf_core.tracking): config.yaml, metrics.jsonl, curves.png,
-summary.json, resume truncation, `--resume` resolution, and wandb in offline mode."""
+summary.json, resume truncation, and wandb in offline mode (run dirs and `--resume`:
+test_rundir.py)."""
 
 from __future__ import annotations
 
 import json
-import os
 from pathlib import Path
 
 import pytest
 import yaml
 from pydantic import Field
 
-from rlhf_core.checkpoint import STATE_FILE
 from rlhf_core.config import StrictModel
-from rlhf_core.tracking import (
-    Tracker,
-    TrackingConfig,
-    metric_family,
-    new_run_dir,
-    resolve_resume,
-)
+from rlhf_core.tracking import Tracker, TrackingConfig, metric_family
 
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 
@@ -39,14 +32,6 @@ def make_tracker(run_dir: Path, *, plot_every: int = 100, **kwargs) -> Tracker:
     tracking = TrackingConfig(log_every=1, plot_every=plot_every)
     cfg = RunConfig(tracking=tracking)
     return Tracker(run_dir, cfg, tracking, total_steps=10, **kwargs)
-
-
-def fake_checkpoint(run_dir: Path, step: int) -> Path:
-    """A directory that `latest_checkpoint` counts as complete (it only checks the state file)."""
-    ckpt = run_dir / "checkpoints" / f"checkpoint-{step}"
-    ckpt.mkdir(parents=True)
-    (ckpt / STATE_FILE).write_bytes(b"")
-    return ckpt
 
 
 # ----------------------------------------------------------------------------- Tracker files
@@ -134,75 +119,6 @@ def test_disabled_tracker_writes_nothing(tmp_path, capsys):
     assert summary == {"final/loss": 1.0}
     assert not run_dir.exists()
     assert capsys.readouterr().err == ""
-
-
-# ----------------------------------------------------------------------------- run dirs, resume
-
-
-def test_new_run_dir(tmp_path, monkeypatch):
-    monkeypatch.chdir(tmp_path)
-    assert new_run_dir("pkg", "demo", tmp_path / "given") == tmp_path / "given"
-    first = new_run_dir("pkg", "demo", None)
-    assert first.parent == Path("outputs") / "pkg" and first.name.startswith("demo-")
-    first.mkdir(parents=True)
-    second = new_run_dir("pkg", "demo", None)  # same second: a suffix keeps it fresh
-    assert second != first and not second.exists()
-    # `--resume auto` recognises the names new_run_dir makes, with and without a suffix
-    for run, step in ((first, 1), (second, 2)):
-        ckpt = fake_checkpoint(run, step)
-        os.utime(run, (2_000_000_000 + step, 2_000_000_000 + step))
-        assert resolve_resume("auto", package="pkg", name="demo", output_dir=None) == (run, ckpt)
-
-
-def test_resolve_resume_none_starts_fresh():
-    assert resolve_resume(None, package="pkg", name="demo", output_dir=None) == (None, None)
-
-
-def test_resolve_resume_auto_with_output_dir(tmp_path, capsys):
-    run = tmp_path / "run"
-    assert resolve_resume("auto", package="pkg", name="demo", output_dir=run) == (None, None)
-    assert "starting fresh" in capsys.readouterr().out
-    fake_checkpoint(run, 2)
-    newest = fake_checkpoint(run, 10)
-    assert resolve_resume("auto", package="pkg", name="demo", output_dir=run) == (run, newest)
-
-
-def test_resolve_resume_auto_finds_newest_run(tmp_path, monkeypatch):
-    monkeypatch.chdir(tmp_path)
-    base = Path("outputs") / "pkg"
-    old = base / "demo-20240101-000000"
-    new = base / "demo-20240102-000000"
-    newest_empty = base / "demo-20240103-000000"  # killed before its first checkpoint
-    other_pkg = Path("outputs") / "other" / "demo-20240104-000000"
-    other_name = base / "demo-long-20240105-000000"  # another config whose name starts "demo-"
-    fake_checkpoint(old, 5)
-    ckpt = fake_checkpoint(new, 3)
-    newest_empty.mkdir(parents=True)
-    fake_checkpoint(other_pkg, 9)
-    fake_checkpoint(other_name, 9)
-    for i, run in enumerate([old, new, newest_empty, other_pkg, other_name]):
-        os.utime(run, (1_700_000_000 + i, 1_700_000_000 + i))
-    assert resolve_resume("auto", package="pkg", name="demo", output_dir=None) == (new, ckpt)
-    assert resolve_resume("auto", package="pkg", name="nothing", output_dir=None) == (None, None)
-
-
-def test_resolve_resume_explicit_paths(tmp_path):
-    run = tmp_path / "run"
-    fake_checkpoint(run, 4)
-    ckpt = fake_checkpoint(run, 8)
-    # a checkpoint directory: that exact checkpoint, even if it is not the newest
-    older = run / "checkpoints" / "checkpoint-4"
-    assert resolve_resume(str(older), package="p", name="n", output_dir=None) == (run, older)
-    # a run directory: its newest complete checkpoint
-    assert resolve_resume(str(run), package="p", name="n", output_dir=None) == (run, ckpt)
-
-
-def test_resolve_resume_bad_path(tmp_path):
-    (tmp_path / "empty").mkdir()
-    for bad in (tmp_path / "empty", tmp_path / "missing"):
-        with pytest.raises(FileNotFoundError, match="not a checkpoint directory") as info:
-            resolve_resume(str(bad), package="p", name="n", output_dir=None)
-        assert str(bad) in str(info.value)
 
 
 @pytest.mark.parametrize(

@@ -1,12 +1,15 @@
-"""A shortened quickstart end to end: every stage runs, every figure is finite, the report is
-written, and GRPO's training reward rose."""
+"""A shortened quickstart end to end, interrupted and resumed: every stage runs, every figure is
+finite, the report is written, and GRPO's training reward rose."""
 
 from __future__ import annotations
 
 import json
 import math
+import signal
 
-from rlhf_lab.quickstart import EVAL_STAGES, run_quickstart
+from rlhf_core.rundir import run_status
+from rlhf_lab.quickstart import EVAL_STAGES
+from rlhf_lab.quickstart import main as quickstart_main
 
 
 def _finite(value) -> bool:
@@ -17,12 +20,32 @@ def _finite(value) -> bool:
     return True
 
 
-def test_fast_quickstart_runs_every_stage(sft_checkpoint, tmp_path, monkeypatch):
-    from conftest import REPO
+def test_fast_quickstart_runs_every_stage_through_a_ctrl_c_and_resume(
+    sft_checkpoint, tmp_path, monkeypatch
+):
+    """The quickstart as a user runs it, interrupted by Ctrl-C in the GRPO stage: exit 130 and
+    a resume command; `--resume` reuses the finished stages and completes the run."""
+    from conftest import REPO, start_module
 
     monkeypatch.chdir(REPO)  # the stage configs are read from configs/quickstart/
     out = tmp_path / "qs"
-    figures = run_quickstart(out, fast=True, sft_from=sft_checkpoint)
+    proc = start_module("rlhf_lab.cli", "quickstart", "--fast", "--sft-from", str(sft_checkpoint),
+                        "--output-dir", str(out), cwd=REPO)  # fmt: skip
+    seen = []
+    for line in proc.stdout:
+        seen.append(line)
+        if "quickstart stage: GRPO" in line:
+            proc.send_signal(signal.SIGINT)
+            break
+    rest = proc.stdout.read()
+    assert proc.wait(timeout=300) == 130, "".join(seen)[-2000:] + rest[-2000:]
+    assert f"rlhf-lab quickstart --resume {out}" in rest and "Traceback" not in rest
+    assert run_status(out)["status"] == "interrupted"
+    assert (out / "rm" / "summary.json").is_file() and not (out / "grpo" / "final").exists()
+
+    assert quickstart_main(["--resume", str(out)]) == 0
+    assert run_status(out)["status"] == "finished"
+    figures = json.loads((out / "figures.json").read_text())
     for stage in ("sft", "rm", "grpo", "rloo_rm", "dpo"):
         assert (out / stage / "final").is_dir(), stage
     assert (out / "report.md").is_file() and (out / "report.png").stat().st_size > 0
@@ -30,9 +53,9 @@ def test_fast_quickstart_runs_every_stage(sft_checkpoint, tmp_path, monkeypatch)
     assert _finite(figures["eval"]) and _finite(figures["times_s"])
     assert figures["pairs"]["train"]["pairs"] > 0
     assert 0 <= figures["rm"]["eval/accuracy"] <= 1
-    saved = json.loads((out / "figures.json").read_text())
-    assert saved["eval"]["sft"]["eval/sampled_kl_k3"] == 0.0  # the SFT model against itself
+    assert figures["eval"]["sft"]["eval/sampled_kl_k3"] == 0.0  # the SFT model against itself
     rows = [json.loads(x) for x in (out / "grpo" / "metrics.jsonl").read_text().splitlines()]
     reward = {r["step"]: r["train/reward/total"] for r in rows if "train/reward/total" in r}
+    assert sorted(reward) == list(range(1, 7))  # one row per step across the interruption
     # measured from this SFT model: step 1 ~0.68, steps 4-6 ~0.70-0.76 in every run
     assert sum(reward[s] for s in (4, 5, 6)) / 3 > reward[1]
