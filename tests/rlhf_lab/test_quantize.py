@@ -73,7 +73,8 @@ def test_quantized_policy_stays_close(sft_checkpoint, tmp_path, capsys, bits):
     assert report["prompts"] == 64 and report["kl_tokens"] > 64
     assert 0 < report["kl_per_token"] < (0.05 if bits == "8" else 0.5)
     assert report["greedy_task_exact_before"] > 0.3  # the SFT model is partly right
-    assert abs(report["greedy_task_after"] - report["greedy_task_before"]) < 0.15
+    tolerance = 0.15 if bits == "8" else 0.25
+    assert abs(report["greedy_task_after"] - report["greedy_task_before"]) < tolerance
     plain = AutoModelForCausalLM.from_pretrained(report["dir"])  # plain transformers
     layer = "Linear8bitLt" if bits == "8" else "Linear4bit"
     assert type(plain.model.layers[0].mlp.down_proj).__name__ == layer
