@@ -86,3 +86,20 @@ def test_qlora_grpo_step_with_adapter_reference(tmp_path):
     cfg = PGConfig.model_validate(data)
     assert train(cfg, RunArgs(Path("t.yaml"), output_dir=tmp_path)) == 0
     _assert_only_adapter_trained(tmp_path)
+
+
+def test_qlora_reward_model_step(tmp_path):
+    from reward_models.config import RMConfig
+    from reward_models.train import train
+
+    rg = {"task": "spell_backward", "config": {"min_word_len": 3, "max_word_len": 6}}
+    cfg = RMConfig.model_validate({
+        "name": "qlora_rm", "model": QLORA,
+        "data": {"train": {"reasoning_gym": {**rg, "size": 32, "seed": 1}}, "max_length": 48},
+        "train": {"batch_size": 8, "max_steps": 1, "threads": 1},
+        "checkpoint": {"save_every": 1}, "tracking": {"log_every": 1, "plot_every": 100},
+    })  # fmt: skip
+    assert train(cfg, RunArgs(Path("t.yaml"), output_dir=tmp_path)) == 0
+    state = torch.load(tmp_path / "checkpoints" / "checkpoint-1" / "trainer_state.pt",
+                       weights_only=True)["optimizer"]["state"]  # fmt: skip
+    assert len(state) == ADAPTER_TENSORS + 1  # the adapter and the scalar head, no base weight
