@@ -20,7 +20,6 @@ import torch
 from transformers import AutoModelForCausalLM, Qwen3Config
 
 from rlhf_core.models import ModelConfig, load_causal_lm
-from rlhf_core.quantization import QuantizationConfig
 
 MODEL = Path("/tmp/qwen3_0p6b_widths_8_layers")
 
