@@ -35,6 +35,11 @@ class PreferenceDataConfig(StrictModel):
     )
     max_length: int = Field(512, gt=2, description="max prompt + completion tokens")
     max_prompt_length: int | None = Field(None, gt=0, description=MAX_PROMPT_LENGTH_HELP)
+    overlong: Literal["truncate", "drop"] = Field(
+        "truncate",
+        description="a row longer than the length limits: truncate it (counted as truncated) or "
+        "drop it (counted as dropped_overlong in the summary)",
+    )
 
     @model_validator(mode="after")
     def _heldout_is_heldout(self) -> PreferenceDataConfig:
@@ -82,6 +87,8 @@ class DAConfig(RunConfig):
                 "(rows {prompt, completion, label}), or a pair format with a pairwise loss "
                 "('kto' is KTO on pairs)"
             )
+        if self.data.format == "unpaired" and self.data.overlong == "drop":
+            raise ValueError("data.overlong 'drop' is for pairs; unpaired rows are truncated")
         return self
 
     @model_validator(mode="after")

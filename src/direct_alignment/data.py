@@ -65,6 +65,7 @@ class PreferenceData:
     truncated: int = 0
     truncated_prompts: int = 0  # prompts that lost their start to max_prompt_length
     empty_completions: int = 0  # kept: an empty reply is the eos token alone (HH has some)
+    dropped_overlong: int = 0  # pairs over the limits, with overlong="drop"
 
 
 # The wrong answers of synthetic reasoning-gym pairs: the reversed reference (an answer with no
@@ -91,8 +92,10 @@ def build_preference_data(
     max_prompt_length: int | None,
     where: str,
     limit: int | None = None,
+    overlong: str = "truncate",
 ) -> PreferenceData:
-    """Load, render, tokenize and truncate preference pairs (see the module docstring)."""
+    """Load, render, tokenize and truncate preference pairs (see the module docstring);
+    `overlong="drop"` drops (and counts) pairs that would be cut instead of cutting them."""
     rows, forced = _rows(source, where)
     fmt = forced or fmt
     prompts, completions, triples, empty = [], [], [], 0
@@ -109,6 +112,9 @@ def build_preference_data(
     )
     data = PreferenceData(pairs=[], empty_completions=empty)
     for prompt_text, (c, r) in zip(prompts, encoded, strict=True):
+        if overlong == "drop" and (c.prompt_truncated or c.truncated or r.truncated):
+            data.dropped_overlong += 1
+            continue
         data.truncated_prompts += c.prompt_truncated
         data.truncated += c.truncated or r.truncated
         if c.completion_ids == r.completion_ids:

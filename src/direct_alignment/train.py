@@ -94,10 +94,10 @@ def train(cfg: DAConfig, run: RunArgs) -> int:
     if d.format == "unpaired":  # labelled single completions (KTO), as pairs with a label
         build = build_unpaired_data
     else:
-        build = partial(build_preference_data, fmt=d.format)
+        build = partial(build_preference_data, fmt=d.format, overlong=d.overlong)
     train_data = build(d.train, tokenizer, where="data.train", **lengths)
     eval_data = None
-    if d.eval is not None:
+    if d.eval is not None and t.evaluate:
         eval_data = build(d.eval, tokenizer, where="data.eval", limit=t.eval_size, **lengths)
     micro, total_steps = plan_steps(t, len(train_data.pairs), world)
     check_engine_accumulation(accelerator, t.batch_size // (micro * world))
@@ -274,7 +274,8 @@ def train(cfg: DAConfig, run: RunArgs) -> int:
         **selector.summary(),
         "loss": cfg.loss, "reference": ref_mode, "train_pairs": len(train_data.pairs),
         "dropped_identical_pairs": train_data.dropped_identical,
-        "truncated_pairs": train_data.truncated, "final_train_loss": step_loss.item(),
+        "truncated_pairs": train_data.truncated,
+        "dropped_overlong": train_data.dropped_overlong, "final_train_loss": step_loss.item(),
         **{f"final_train/{k}": float(v) for k, v in metrics.items()}, **final_eval,
         **engine_facts,
     })  # fmt: skip

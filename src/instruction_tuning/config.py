@@ -29,6 +29,11 @@ class SFTDataConfig(StrictModel):
     )
     max_length: int = Field(512, gt=1, description="max prompt + completion tokens")
     max_prompt_length: int | None = Field(None, gt=0, description=MAX_PROMPT_LENGTH_HELP)
+    overlong: Literal["truncate", "drop"] = Field(
+        "truncate",
+        description="a row longer than the length limits: truncate it (counted as truncated) or "
+        "drop it (counted as dropped_overlong in the summary)",
+    )
 
     @model_validator(mode="after")
     def _heldout_is_heldout(self) -> SFTDataConfig:

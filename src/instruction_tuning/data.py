@@ -42,6 +42,7 @@ class SFTData:
     examples: list[SFTExample]
     scorer: Any | None  # reasoning-gym dataset (has score_answer) or None
     truncated_completions: int = 0
+    dropped_overlong: int = 0  # rows over the limits, with overlong="drop"
 
 
 def _split_row(row: dict[str, Any], index: int, fmt: str, where: str) -> tuple[Any, str]:
@@ -82,8 +83,10 @@ def build_sft_data(
     where: str,
     limit: int | None = None,
     exclude_prompts: set[str] | None = None,
+    overlong: str = "truncate",
 ) -> SFTData:
-    """Load and tokenize a source. `exclude_prompts` drops rows whose prompt text is in it."""
+    """Load and tokenize a source. `exclude_prompts` drops rows whose prompt text is in it;
+    `overlong="drop"` drops (and counts) rows that would be cut instead of cutting them."""
     scorer = None
     if source.reasoning_gym is not None:
         scorer = reasoning_gym_dataset(source.reasoning_gym)
@@ -110,21 +113,27 @@ def build_sft_data(
         tokenizer, [r[0] for r in rendered], [r[1] for r in rendered],
         max_length=max_length, max_prompt_length=max_prompt_length,
     )  # fmt: skip
-    examples, cut_count, tiny_prompts, tiny_completions = [], 0, 0, 0
+    examples, cut_count, dropped, tiny_prompts, tiny_completions = [], 0, 0, 0, 0
     for (prompt_text, completion, entry), e in zip(rendered, encoded, strict=True):
+        if overlong == "drop" and (e.truncated or e.prompt_truncated):
+            dropped += 1
+            continue
         cut_count += e.truncated
         tiny_prompts += len(e.prompt_ids) <= 1 and e.prompt_truncated
         tiny_completions += len(e.completion_ids) <= 1 and e.truncated
         examples.append(SFTExample(e.prompt_ids, e.completion_ids, prompt_text, completion, entry))
     if not examples:
-        raise UserError(f"{where}: no usable rows in {source.describe()}")
+        raise UserError(
+            f"{where}: no usable rows in {source.describe()}"
+            + (f" ({dropped} dropped as longer than max_length {max_length})" if dropped else "")
+        )
     report_degenerate(where, len(examples), {
         f"have their prompt cut to a single token (data.max_length {max_length}, "
         f"max_prompt_length {max_prompt_length})": tiny_prompts,
         f"have their completion cut to a single token (data.max_length {max_length})":
             tiny_completions,
     })  # fmt: skip
-    return SFTData(examples=examples, scorer=scorer, truncated_completions=cut_count)
+    return SFTData(examples, scorer, truncated_completions=cut_count, dropped_overlong=dropped)
 
 
 def collate(examples: list[SFTExample], pad_id: int) -> dict[str, torch.Tensor]:

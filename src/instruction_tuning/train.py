@@ -63,14 +63,14 @@ def train(cfg: SFTConfig, run: RunArgs) -> int:
     d, t = cfg.data, cfg.train
     train_data = build_sft_data(
         d.train, tokenizer, fmt=d.format, max_length=d.max_length,
-        max_prompt_length=d.max_prompt_length, where="data.train",
+        max_prompt_length=d.max_prompt_length, where="data.train", overlong=d.overlong,
     )  # fmt: skip
     eval_data = None
-    if d.eval is not None:
+    if d.eval is not None and t.evaluate:
         eval_data = build_sft_data(
             d.eval, tokenizer, fmt=d.format, max_length=d.max_length,
             max_prompt_length=d.max_prompt_length, where="data.eval", limit=t.eval_size,
-            exclude_prompts={e.prompt_text for e in train_data.examples},
+            exclude_prompts={e.prompt_text for e in train_data.examples}, overlong=d.overlong,
         )  # fmt: skip
     micro, total_steps = plan_steps(t, len(train_data.examples), world)
     check_engine_accumulation(accelerator, t.batch_size // (micro * world))
@@ -196,6 +196,7 @@ def train(cfg: SFTConfig, run: RunArgs) -> int:
         **selector.summary(),
         "train_rows": len(train_data.examples),
         "truncated_completions": train_data.truncated_completions,
+        "dropped_overlong": train_data.dropped_overlong,
         "final_train_loss": step_loss.item(), **final_eval, **engine_facts,
     })  # fmt: skip
     if is_main:

@@ -189,6 +189,7 @@ def collect_experience(
         # the rollouts are the same whatever the number of processes
         positions = list(range(prompts_per_step))[rank::world]
         indices = sampler.next_batch(prompts_per_step)[rank::world]
+        epoch = sampler.epoch
         items = [prompts.items[i] for i in indices]
         seeds = [sample_seed(cfg.seed, step, round_, p) for p in positions]
         t0 = time.perf_counter()
@@ -248,8 +249,9 @@ def collect_experience(
             # logged under the optimizer step they train (1-based, as in metrics.jsonl): a
             # resume from checkpoint-N keeps rows of steps <= N and redoes the rest
             log_rows.append((
-                step + 1, rin.prompts[row], ro.completions[row], float(total[row].sum()),
-                components, float(seq_adv[j]), int(lengths[row]), int(ro.truncated[row]),
+                step + 1, epoch, indices[row // r.group_size], row % r.group_size,
+                rin.prompts[row], ro.completions[row], float(total[row].sum()), components,
+                float(seq_adv[j]), int(lengths[row]), int(ro.truncated[row]),
             ))  # fmt: skip
         counts["groups"] += int(keep.sum())
         counts["completions"] += len(rows)

@@ -104,6 +104,11 @@ class PGConfig(RunConfig):
     )
     data: PromptDataConfig = Field(description="prompts")
     rewards: list[dict[str, Any]] = Field(description="reward components with weights")
+    strip_thinking: bool = Field(
+        True,
+        description="reward components (verifiers, reward models) score each completion without "
+        "its <think>...</think> blocks; false = the whole text",
+    )
     algorithm: AlgorithmConfig = Field(description="estimator + loss + KL placement")
     reference: ReferenceConfig = Field(
         default_factory=ReferenceConfig, description="pi_ref (used when a KL term needs it)"

@@ -4,10 +4,13 @@ components, their length, and the KL to the reference on the sampled ones.
 Reported per component c: `eval/greedy_<c>` (mean), `eval/greedy_<c>_exact` (share scoring
 1.0: accuracy for a verifier), the same for one sample at the rollout temperature (`sampled_`,
 i.e. pass@1), `eval/sampled_kl_k3` and `eval/sampled_kl_k1` (per-token means), and lengths.
+Every completion can also go to the rollout log's `eval_rollouts` table.
 Sampling runs under a forked RNG, so evaluating never changes the training run.
 """
 
 from __future__ import annotations
+
+import json
 
 import torch
 
@@ -30,7 +33,11 @@ def evaluate_policy(
     temperature: float,
     batch_size: int,
     seed: int,
+    log_rows: list[tuple] | None = None,
 ) -> dict[str, float]:
+    """Held-out figures (keys 'eval/...'); with `log_rows`, one row per completion is appended
+    to it: (kind, prompt_index, 0, prompt, completion, reward, components JSON, length,
+    truncated), the rollout log's `eval_rollouts` columns after `step`."""
     device = next(policy.parameters()).device
     results: dict[str, float] = {}
     for label, temp in (("greedy", 0.0), ("sampled", temperature)):
@@ -56,6 +63,14 @@ def evaluate_policy(
                     per_seq[key] = value
                     per_seq[f"{key}_exact"] = (value >= 1.0).float()
                 per_seq["length"] = lengths.float().cpu()
+                if log_rows is not None:
+                    for b, it in enumerate(items):
+                        components = json.dumps({k: float(v[b].sum()) for k, v in parts.items()})
+                        log_rows.append((
+                            label, start + b, 0, it["prompt"], ro.completions[b],
+                            float(per_seq["reward"][b]), components, int(lengths[b]),
+                            int(ro.truncated[b]),
+                        ))  # fmt: skip
                 if label == "sampled" and reference is not None:
                     args = (ro.sequence_ids, ro.attention_mask, ro.prompt_length)
                     logp = completion_logprobs(policy, *args, temperature=temp)

@@ -33,12 +33,13 @@ Components:
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Literal
 
 import torch
 
 from policy_gradients.advantages import last_token_rewards
+from rlhf_core.chat import strip_thinking
 from rlhf_core.errors import UserError
 from rlhf_core.registry import Registry
 
@@ -313,9 +314,11 @@ class RougeReward:
 
 class CombinedReward:
     """Weighted sum of named components. Returns (total, {name: component}); the total is (B,)
-    if every component is scalar, else (B, T) with scalar components on the last token."""
+    if every component is scalar, else (B, T) with scalar components on the last token. With
+    `strip_thinking`, components see each completion without its <think>...</think> blocks."""
 
-    def __init__(self, specs: list[dict[str, Any]]) -> None:
+    def __init__(self, specs: list[dict[str, Any]], *, strip_thinking: bool = True) -> None:
+        self.strip_thinking = strip_thinking
         if not specs:
             raise UserError("rewards: list at least one component")
         self.components = []
@@ -330,6 +333,8 @@ class CombinedReward:
             raise UserError(f"rewards: component labels must be unique, got {labels}")
 
     def __call__(self, batch: RewardInput) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        if self.strip_thinking:  # components score the answer, not the <think> block
+            batch = replace(batch, completions=[strip_thinking(c) for c in batch.completions])
         parts = {label: fn(batch).float() for label, _, fn in self.components}
         dense = any(v.dim() == 2 for v in parts.values())
         total = torch.zeros(batch.action_mask.shape if dense else batch.lengths.shape)

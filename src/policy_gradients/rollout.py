@@ -10,8 +10,8 @@ prompt, kept for the task's scorer) or file rows with a prompt and an answer col
 completion is everything after the (left-padded) prompt; `action_mask` is 1 through the first eos
 and 0 after it; a completion without eos is `truncated`.
 
-`RolloutLog` appends every rollout to `rollouts.sqlite` from a background thread, so writing
-never blocks training.
+`RolloutLog` appends every training rollout and every evaluation completion to
+`rollouts.sqlite` from a background thread, so writing never blocks training.
 """
 
 from __future__ import annotations
@@ -192,11 +192,34 @@ def completion_values(
 
 
 class RolloutLog:
-    """Appends rollouts to `<run_dir>/rollouts.sqlite` on a background thread."""
+    """Appends rollouts to `<run_dir>/rollouts.sqlite` on a background thread.
 
+    Two tables (schema and example queries: docs/policy_gradients/rollout_log.md):
+
+    - `rollouts`: every training sample, one row per completion: the step, the sampler's epoch,
+      the prompt's index in the training set, the sample's index within its group, the texts,
+      total reward, reward components (JSON), sequence advantage, length and truncation.
+    - `eval_rollouts`: every held-out completion of every evaluation (`kind` greedy / sampled),
+      with the same columns but no advantage.
+
+    Both are indexed on `step`. `write` / `write_eval` only queue rows; one thread owns the
+    connection and commits, so the training thread never waits on the disk.
+    """
+
+    COLUMNS = (
+        "step INTEGER, epoch INTEGER, prompt_index INTEGER, rollout_index INTEGER, prompt TEXT, "
+        "completion TEXT, reward REAL, components TEXT, advantage REAL, length INTEGER, "
+        "truncated INTEGER"
+    )
+    EVAL_COLUMNS = (
+        "step INTEGER, kind TEXT, prompt_index INTEGER, rollout_index INTEGER, prompt TEXT, "
+        "completion TEXT, reward REAL, components TEXT, length INTEGER, truncated INTEGER"
+    )
     SCHEMA = (
-        "CREATE TABLE IF NOT EXISTS rollouts (step INTEGER, prompt TEXT, completion TEXT, "
-        "reward REAL, components TEXT, advantage REAL, length INTEGER, truncated INTEGER)"
+        f"CREATE TABLE IF NOT EXISTS rollouts ({COLUMNS})",
+        f"CREATE TABLE IF NOT EXISTS eval_rollouts ({EVAL_COLUMNS})",
+        "CREATE INDEX IF NOT EXISTS rollouts_step ON rollouts (step)",
+        "CREATE INDEX IF NOT EXISTS eval_rollouts_step ON eval_rollouts (step)",
     )
 
     def __init__(self, path: Path, *, enabled: bool = True, resume_step: int | None = None) -> None:
@@ -207,24 +230,39 @@ class RolloutLog:
             return
         self.path.parent.mkdir(parents=True, exist_ok=True)
         with sqlite3.connect(self.path) as conn:
-            conn.execute(self.SCHEMA)
+            columns = [c[1] for c in conn.execute("PRAGMA table_info(rollouts)")]
+            if columns and "rollout_index" not in columns:  # a log from before these columns
+                conn.execute("ALTER TABLE rollouts RENAME TO rollouts_v1")
+            for statement in self.SCHEMA:
+                conn.execute(statement)
             # a fresh run starts empty; a resumed one drops the rows it is about to redo
-            conn.execute("DELETE FROM rollouts WHERE step > ?", (resume_step or 0,))
+            for table in ("rollouts", "eval_rollouts"):
+                conn.execute(f"DELETE FROM {table} WHERE step > ?", (resume_step or 0,))
         self._thread = threading.Thread(target=self._run, name="rollout-log", daemon=True)
         self._thread.start()
 
     def write(self, rows: list[tuple]) -> None:
+        """Queue training rows, in the order of `COLUMNS`."""
         if self.enabled:
-            self._queue.put(rows)
+            self._queue.put(("rollouts", rows))
+
+    def write_eval(self, rows: list[tuple]) -> None:
+        """Queue evaluation rows, in the order of `EVAL_COLUMNS`."""
+        if self.enabled:
+            self._queue.put(("eval_rollouts", rows))
 
     def _run(self) -> None:
         conn = sqlite3.connect(self.path)
+        width = {"rollouts": self.COLUMNS.count(",") + 1,
+                 "eval_rollouts": self.EVAL_COLUMNS.count(",") + 1}  # fmt: skip
         while True:
-            rows = self._queue.get()
-            if rows is None:
+            item = self._queue.get()
+            if item is None:
                 self._queue.task_done()
                 break
-            conn.executemany("INSERT INTO rollouts VALUES (?, ?, ?, ?, ?, ?, ?, ?)", rows)
+            table, rows = item
+            marks = ", ".join("?" * width[table])
+            conn.executemany(f"INSERT INTO {table} VALUES ({marks})", rows)
             conn.commit()
             self._queue.task_done()
         conn.close()

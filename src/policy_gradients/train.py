@@ -117,11 +117,11 @@ def train(cfg: PGConfig, run: RunArgs) -> int:
     }  # fmt: skip
     train_prompts = load_prompts(d.train, tokenizer, where="data.train", **prompt_args)
     eval_prompts = None
-    if d.eval is not None:
+    if d.eval is not None and t.evaluate:
         eval_prompts = load_prompts(
             d.eval, tokenizer, where="data.eval", limit=t.eval_size, **prompt_args
         )
-    reward_fn = CombinedReward(cfg.rewards)
+    reward_fn = CombinedReward(cfg.rewards, strip_thinking=cfg.strip_thinking)
     estimator = build_from_spec(ADVANTAGES, alg.advantage)
     loss_fn = build_from_spec(LOSSES, alg.loss)
     value_loss_fn = build_from_spec(VALUE_LOSSES, alg.value_loss) if alg.value_loss else None
@@ -200,12 +200,15 @@ def train(cfg: PGConfig, run: RunArgs) -> int:
         if eval_prompts is None:
             return {}
         # every process evaluates all prompts (the same numbers), its models gathered
+        rows: list[tuple] = []
         with engine.gathered_all(*held[:2]) as (whole, _):
-            return evaluate_policy(
+            results = evaluate_policy(
                 whole, reference, tokenizer, eval_prompts, reward_fn,
                 max_new_tokens=ro.max_new_tokens, temperature=ro.temperature,
-                batch_size=max(t.micro_batch_size, 32), seed=cfg.seed + step,
+                batch_size=max(t.micro_batch_size, 32), seed=cfg.seed + step, log_rows=rows,
             )  # fmt: skip
+        rollout_log.write_eval([(step, *row) for row in rows])
+        return results
 
     def save() -> None:
         rollout_log.flush()
@@ -332,8 +335,8 @@ def train(cfg: PGConfig, run: RunArgs) -> int:
                 tracker.plot()
                 return stop.exit_code
 
-    rollout_log.close()
     final_eval = run_eval()
+    rollout_log.close()
     if final_eval:
         tracker.log(step, final_eval)
     selector.observe(step, final_eval, policy, tokenizer)

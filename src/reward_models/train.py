@@ -95,7 +95,7 @@ def train(cfg: RMConfig, run: RunArgs) -> int:
         d.train, tokenizer, kind=kind, data_cfg=d, num_classes=classes, where="data.train"
     )
     eval_data = None
-    if d.eval is not None:
+    if d.eval is not None and t.evaluate:
         eval_data = build_reward_data(
             d.eval, tokenizer, kind=kind, data_cfg=d, num_classes=classes, where="data.eval",
             limit=t.eval_size,

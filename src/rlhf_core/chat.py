@@ -16,6 +16,8 @@ from rlhf_core.errors import UserError
 Messages = list[dict[str, str]]
 
 HH_TURN = re.compile(r"\n\n(Human|Assistant):[ ]?")
+# a reasoning block (Qwen3, DeepSeek-R1): closed, or opened and cut off by the length budget
+THINK_BLOCK = re.compile(r"<think>.*?(</think>|$)\s*", re.DOTALL)
 
 DEFAULT_CHAT_TEMPLATE = (
     "{%- for message in messages -%}"
@@ -58,11 +60,34 @@ def as_messages(prompt: str | Messages, *, where: str = "prompt") -> Messages:
     )
 
 
+def set_thinking(tokenizer: Any, enable_thinking: bool | None) -> None:
+    """Render prompts with `enable_thinking` (Qwen3's switch for its <think> block) from now on;
+    None = the template's default. A template that does not read the variable gets a warning."""
+    if enable_thinking is None:
+        tokenizer.rlhf_template_kwargs = {}
+        return
+    if "enable_thinking" not in (getattr(tokenizer, "chat_template", None) or ""):
+        warnings.warn(
+            f"model.enable_thinking={enable_thinking}: the chat template of "
+            f"{getattr(tokenizer, 'name_or_path', '?')!r} does not read enable_thinking; ignored",
+            stacklevel=2,
+        )
+    tokenizer.rlhf_template_kwargs = {"enable_thinking": enable_thinking}
+
+
 def render_prompt(tokenizer: Any, prompt: str | Messages, *, where: str = "prompt") -> str:
-    """The text the model sees before its reply (chat template with the generation prompt)."""
+    """The text the model sees before its reply (chat template with the generation prompt, and
+    the template variables set by `set_thinking`)."""
     return tokenizer.apply_chat_template(
-        as_messages(prompt, where=where), tokenize=False, add_generation_prompt=True
-    )
+        as_messages(prompt, where=where), tokenize=False, add_generation_prompt=True,
+        **getattr(tokenizer, "rlhf_template_kwargs", {}),
+    )  # fmt: skip
+
+
+def strip_thinking(text: str) -> str:
+    """`text` without its <think>...</think> blocks (an unclosed one runs to the end): what a
+    verifier or reward model should score is the answer, not the reasoning."""
+    return THINK_BLOCK.sub("", text) if "<think>" in text else text
 
 
 # ------------------------------------------------------------------ preference rows

@@ -42,6 +42,9 @@ class BaseLoopConfig(EngineSettings):
     """Loop settings every trainer shares (its `train:` block extends this)."""
 
     eval_every: int = Field(0, ge=0, description="evaluate every k steps (and at the end); 0 = end")
+    evaluate: bool = Field(
+        True, description="false = no held-out evaluation at all, not even at the end"
+    )
     eval_size: int | None = Field(None, gt=0, description="held-out rows to use; null = all")
     threads: int | None = Field(None, gt=0, description="CPU threads; null = free cores")
     device: Literal["auto", "cpu", "cuda"] = Field("auto", description="auto = cuda if available")

@@ -26,13 +26,18 @@ from pathlib import Path
 from typing import Literal
 
 import torch
-from pydantic import Field
+from pydantic import Field, model_validator
 
-from rlhf_core.chat import ensure_chat_template
+from rlhf_core.chat import ensure_chat_template, set_thinking
 from rlhf_core.checkpoint import is_sharded_checkpoint
 from rlhf_core.config import StrictModel
 from rlhf_core.errors import UserError, UserFileNotFound
 from rlhf_core.logprobs import causal_lm_token_logprobs
+from rlhf_core.quantization import (
+    QuantizationConfig,
+    keep_backward_through_4bit,
+    quantized_load_kwargs,
+)
 from rlhf_core.tiny import is_preset, preset_dir
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
@@ -76,7 +81,24 @@ class ModelConfig(StrictModel):
     chat_template: str | None = Field(
         None, description="Jinja chat template overriding the tokenizer's"
     )
+    enable_thinking: bool | None = Field(
+        None,
+        description="Qwen3 thinking mode: passed to the chat template as enable_thinking (false "
+        "renders an empty <think></think> block); null = the template's default",
+    )
     lora: LoraConfig | None = Field(None, description="train a LoRA adapter instead of all weights")
+    quantization: QuantizationConfig | None = Field(
+        None, description="load the base weights in 8 or 4 bits (bitsandbytes); with lora = QLoRA"
+    )
+
+    @model_validator(mode="after")
+    def _quantized_weights_train_through_lora(self) -> ModelConfig:
+        if self.quantization is not None and self.lora is None:
+            raise ValueError(
+                "model.quantization freezes the base weights in k bits: set model.lora too "
+                "(QLoRA), or drop model.quantization to train all weights"
+            )
+        return self
 
 
 def resolve_model_path(name_or_path: str) -> str:
@@ -125,6 +147,7 @@ def load_tokenizer(cfg: ModelConfig, *, padding_side: Literal["left", "right"]):
         tokenizer.pad_token = tokenizer.eos_token
     tokenizer.padding_side = padding_side
     ensure_chat_template(tokenizer, cfg.chat_template)
+    set_thinking(tokenizer, cfg.enable_thinking)
     return tokenizer
 
 
@@ -163,13 +186,19 @@ def load_policy(
     )  # fmt: skip
     seq2seq = bool(getattr(config, "is_encoder_decoder", False))
     auto = AutoModelForSeq2SeqLM if seq2seq else AutoModelForCausalLM
+    dtype = resolve_dtype(cfg, device)
     model = auto.from_pretrained(
         full_path,
         revision=cfg.revision if full_path == base_path else None,
-        dtype=resolve_dtype(cfg, device),
+        dtype=dtype,
         attn_implementation=resolve_attention(cfg, device),
         trust_remote_code=cfg.trust_remote_code,
-    ).to(device)
+        **quantized_load_kwargs(cfg.quantization, dtype, device),
+    )
+    if not getattr(model, "is_quantized", False):  # a k-bit model is placed while loading
+        model = model.to(device)
+    if cfg.quantization is not None and cfg.lora is not None:  # QLoRA training
+        keep_backward_through_4bit(model)
     if cfg.gradient_checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         model.config.use_cache = False
@@ -182,6 +211,12 @@ def load_policy(
             task_type = "SEQ_2_SEQ_LM" if seq2seq else "CAUSAL_LM"
             model = apply_lora(model, cfg.lora, task_type=task_type)
     return model
+
+
+def is_quantized(model: torch.nn.Module) -> bool:
+    """True if `model` (or the base under its adapter) was loaded with k-bit weights."""
+    return bool(getattr(model, "is_quantized", False) or getattr(
+        getattr(model, "base_model", None), "is_quantized", False))  # fmt: skip
 
 
 def apply_lora(model, lora: LoraConfig, *, task_type: str = "CAUSAL_LM"):

@@ -78,6 +78,11 @@ from rlhf_core.models import (
     resolve_dtype,
     resolve_model_path,
 )
+from rlhf_core.quantization import (
+    QuantizationConfig,
+    keep_backward_through_4bit,
+    quantized_load_kwargs,
+)
 
 KINDS = ("preference", "orm", "prm", "segment", "value")
 HEAD_WEIGHTS = "scalar_head.safetensors"
@@ -142,13 +147,19 @@ def load_backbone(
     adapter = weights_from is not None and (Path(weights_from) / "adapter_config.json").is_file()
     base_path = resolve_model_path(cfg.name_or_path)
     path = str(weights_from) if (weights_from is not None and not adapter) else base_path
+    dtype = resolve_dtype(cfg, device)
     model = AutoModel.from_pretrained(
         path,
         revision=cfg.revision if path == base_path else None,
-        dtype=resolve_dtype(cfg, device),
+        dtype=dtype,
         attn_implementation=resolve_attention(cfg, device),
         trust_remote_code=cfg.trust_remote_code,
-    ).to(device)
+        **quantized_load_kwargs(cfg.quantization, dtype, device),
+    )
+    if not getattr(model, "is_quantized", False):  # a k-bit model is placed while loading
+        model = model.to(device)
+    if cfg.quantization is not None and cfg.lora is not None:  # QLoRA training
+        keep_backward_through_4bit(model)
     if cfg.gradient_checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         model.config.use_cache = False
@@ -259,12 +270,14 @@ class ScalarHeadModel(nn.Module):
         device: torch.device | str = "cpu",
         dtype: Literal["auto", "fp32", "bf16", "fp16"] = "auto",
         attention: Literal["auto", "flash_attention_2", "sdpa", "eager"] = "auto",
+        quantization: QuantizationConfig | None = None,
     ) -> ScalarHeadModel:
         """Load a saved scalar-head directory or a `...ForSequenceClassification` directory, in
-        eval mode with its tokenizer attached."""
+        eval mode with its tokenizer attached; `quantization` loads the backbone in k bits (the
+        head stays float32)."""
         path = Path(path)
         if not (path / HEAD_CONFIG).is_file():
-            return cls._from_sequence_classification(path, device, dtype, attention)
+            return cls._from_sequence_classification(path, device, dtype, attention, quantization)
         raw = json.loads((path / HEAD_CONFIG).read_text())
         known = {f.name for f in fields(ScalarHeadInfo)}
         info = ScalarHeadInfo(**{k: v for k, v in raw.items() if k in known})
@@ -273,6 +286,8 @@ class ScalarHeadModel(nn.Module):
             raise ValueError(f"{path / HEAD_CONFIG}: an adapter model must name its base_model")
         base = info.base_model if adapter else str(path)
         cfg = ModelConfig(name_or_path=base, dtype=dtype, attention=attention)
+        # inference only: k-bit weights without the LoRA that training them would need
+        cfg = cfg.model_copy(update={"quantization": quantization})
         model = cls.from_config(cfg, info, device, weights_from=path)
         tok_source = str(path) if (path / "tokenizer_config.json").is_file() else base
         tok_cfg = ModelConfig(name_or_path=tok_source, chat_template=info.chat_template)
@@ -280,7 +295,9 @@ class ScalarHeadModel(nn.Module):
         return model.eval().requires_grad_(False)
 
     @classmethod
-    def _from_sequence_classification(cls, path, device, dtype, attention) -> ScalarHeadModel:
+    def _from_sequence_classification(
+        cls, path, device, dtype, attention, quantization=None
+    ) -> ScalarHeadModel:
         from transformers import AutoConfig, AutoModelForSequenceClassification
 
         config = AutoConfig.from_pretrained(str(path))
@@ -291,10 +308,15 @@ class ScalarHeadModel(nn.Module):
             )
         cfg = ModelConfig(name_or_path=str(path), dtype=dtype, attention=attention)
         device = torch.device(device)
+        if quantization is not None:  # the score head stays in full precision
+            quantization = quantization.model_copy(update={"skip_modules": ["score"]})
+        dtype = resolve_dtype(cfg, device)
         seq = AutoModelForSequenceClassification.from_pretrained(
-            str(path), dtype=resolve_dtype(cfg, device),
-            attn_implementation=resolve_attention(cfg, device),
-        ).to(device)  # fmt: skip
+            str(path), dtype=dtype, attn_implementation=resolve_attention(cfg, device),
+            **quantized_load_kwargs(quantization, dtype, device),
+        )  # fmt: skip
+        if not getattr(seq, "is_quantized", False):
+            seq = seq.to(device)
         if getattr(seq.score, "bias", None) is not None:
             raise ValueError(f"{path}: a score head with a bias is not supported")
         tokenizer = load_tokenizer(cfg, padding_side="right")

@@ -10,6 +10,9 @@
                                    held-out exact match, partial credit, ROUGE, RM score, KL
     rlhf-lab sft|rm|dpo|rl --config FILE [--set k=v ...]   the package trainers
     rlhf-lab tiny [--build]        list (and build) the offline tiny-world presets
+    rlhf-lab runs [list|show|compare|prune|snapshot|delete]   manage run directories
+    rlhf-lab quantize --model DIR --bits 8|4   quantise an RM or policy, report what it cost
+    rlhf-lab chat DIR [DIR ...] [--reward-model DIR]   a browser chat with checkpoints
 """
 
 from __future__ import annotations
@@ -27,6 +30,12 @@ TRAINERS = {
     "compare": "rlhf_lab.compare",
     "pairs": "rlhf_lab.onpolicy",
     "eval": "rlhf_lab.evaluate",
+}
+# tools (not trainers): a UserError prints as one line and exits 2
+TOOLS = {
+    "runs": "rlhf_lab.runs",
+    "quantize": "rlhf_lab.quantize",
+    "chat": "rlhf_lab.chat",
 }
 
 
@@ -51,13 +60,17 @@ def main(argv: list[str] | None = None) -> int:
 
 def _dispatch(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
-    commands = sorted([*TRAINERS, "tiny"])
+    commands = sorted([*TRAINERS, *TOOLS, "tiny"])
     if not argv or argv[0] in ("-h", "--help"):
         print(f"usage: rlhf-lab {{{','.join(commands)}}} [options]\n\n{__doc__}")
         return 0 if argv else 2
     command, rest = argv[0], argv[1:]
     if command == "tiny":
         return _tiny(rest)
+    if command in TOOLS:
+        from rlhf_core.errors import run_main
+
+        return run_main(importlib.import_module(TOOLS[command]).main, rest)
     if command not in TRAINERS:
         print(f"rlhf-lab: unknown command {command!r}; choose from {', '.join(commands)}")
         return 2

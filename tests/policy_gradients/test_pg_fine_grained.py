@@ -120,7 +120,7 @@ def t5_pg_dict(segment_rms: dict[str, Path], algorithm: dict) -> dict:
         ],  # fmt: skip
         "algorithm": algorithm,
         "rollout": {"prompts_per_step": 4, "group_size": 4, "max_new_tokens": 12},
-        "train": {"max_steps": 2, "micro_batch_size": 16, "threads": 1, "reference": "copy"},
+        "train": {"max_steps": 2, "micro_batch_size": 16, "threads": 1},
         "optim": {"lr": 1e-3, "warmup_steps": 0, "schedule": "constant"},
         "checkpoint": {"save_every": 0},
         "tracking": {"log_every": 1, "plot_every": 100},

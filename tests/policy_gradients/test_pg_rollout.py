@@ -163,13 +163,18 @@ def test_replay_buffer_shuffle_is_seeded_and_covers_every_row():
 def test_rollout_log_is_queryable_and_resume_drops_redone_steps(tmp_path):
     path = tmp_path / "rollouts.sqlite"
     log = RolloutLog(path)
-    log.write([(1, "p", "c", 1.0, "{}", 0.5, 3, 0), (2, "p", "d", 0.0, "{}", -0.5, 4, 1)])
+    log.write([(1, 0, 7, 0, "p", "c", 1.0, "{}", 0.5, 3, 0),
+               (2, 0, 7, 1, "p", "d", 0.0, "{}", -0.5, 4, 1)])  # fmt: skip
+    log.write_eval([(2, "greedy", 0, 0, "q", "e", 1.0, "{}", 2, 0)])
     log.close()
     with sqlite3.connect(path) as conn:
         assert conn.execute("SELECT COUNT(*), SUM(truncated) FROM rollouts").fetchone() == (2, 1)
+        assert conn.execute("SELECT prompt_index, rollout_index FROM rollouts").fetchall() == [
+            (7, 0), (7, 1)]  # fmt: skip
     RolloutLog(path, resume_step=1).close()
     with sqlite3.connect(path) as conn:
         assert conn.execute("SELECT step FROM rollouts").fetchall() == [(1,)]
+        assert conn.execute("SELECT COUNT(*) FROM eval_rollouts").fetchone() == (0,)
 
 
 def test_reward_model_component_loads_a_saved_scalar_head_directory(tmp_path):

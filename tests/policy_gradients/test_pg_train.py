@@ -164,3 +164,31 @@ def test_mini_batches_take_several_off_policy_steps_per_rollout_batch(sft_checkp
     assert all(abs(r - 1.0) > 1e-7 for r in ratio.values())
     with pytest.raises(ValueError, match=r"mini_batches \(5\) exceeds the micro-batches per pass"):
         run_cfg({**data, "algorithm": {**algorithm, "mini_batches": 5}}, tmp_path / "bad")
+
+
+def test_rollout_log_holds_training_and_eval_rollouts(tmp_path):
+    """2 GRPO steps with evaluation after step 1 and at the end: `rollouts` has every training
+    sample with its epoch, prompt index and place in its group; `eval_rollouts` has every
+    held-out completion of both evaluations (greedy and sampled)."""
+    data = tiny_pg_dict("tiny-qwen3", **algorithm_of("grpo"))
+    data["train"].update(eval_every=1)
+    assert run_cfg(data, tmp_path / "run") == 0
+    with sqlite3.connect(tmp_path / "run" / "rollouts.sqlite") as conn:
+        train_rows = conn.execute(
+            "SELECT step, epoch, prompt_index, rollout_index, advantage FROM rollouts"
+        ).fetchall()
+        eval_rows = conn.execute(
+            "SELECT step, kind, COUNT(*), COUNT(DISTINCT prompt_index) FROM eval_rollouts "
+            "GROUP BY step, kind ORDER BY step, kind"
+        ).fetchall()
+        indices = {r[1] for r in conn.execute("PRAGMA index_list(rollouts)")}
+        eval_columns = [c[1] for c in conn.execute("PRAGMA table_info(eval_rollouts)")]
+    assert len(train_rows) == 2 * 8 * 4
+    groups: dict[tuple[int, int], list[int]] = {}
+    for step, epoch, prompt_index, rollout_index, _ in train_rows:
+        assert epoch == 0 and 0 <= prompt_index < 2000
+        groups.setdefault((step, prompt_index), []).append(rollout_index)
+    assert len(groups) == 2 * 8 and all(sorted(g) == [0, 1, 2, 3] for g in groups.values())
+    assert eval_rows == [(1, "greedy", 16, 16), (1, "sampled", 16, 16),
+                         (2, "greedy", 16, 16), (2, "sampled", 16, 16)]  # fmt: skip
+    assert "rollouts_step" in indices and "advantage" not in eval_columns
