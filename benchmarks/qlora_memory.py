@@ -19,7 +19,7 @@ from pathlib import Path
 import torch
 from transformers import AutoModelForCausalLM, Qwen3Config
 
-from rlhf_core.models import ModelConfig, load_causal_lm
+from rlhf_core.models import ModelConfig, load_policy
 
 MODEL = Path("/tmp/qwen3_0p6b_widths_8_layers")
 
@@ -37,7 +37,7 @@ def main(mode: str) -> None:
     cfg = ModelConfig(name_or_path=str(MODEL), lora={"r": 16})
     if mode == "nf4":
         cfg = ModelConfig(name_or_path=str(MODEL), lora={"r": 16}, quantization={"bits": 4})
-    model = load_causal_lm(cfg)
+    model = load_policy(cfg)
     weights = model.get_memory_footprint()
     opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-4)
     x = torch.randint(0, 151936, (2, 128))

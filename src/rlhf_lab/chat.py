@@ -46,7 +46,7 @@ class ChatModel:
 
 def load_chat_model(spec: str) -> ChatModel:
     """A causal LM and its tokenizer from a model dir, adapter dir, hub id or tiny preset."""
-    from rlhf_core.models import LoraConfig, ModelConfig, load_causal_lm, load_tokenizer
+    from rlhf_core.models import LoraConfig, ModelConfig, load_policy, load_tokenizer
 
     path = Path(spec)
     adapter = path / "adapter_config.json"
@@ -55,7 +55,7 @@ def load_chat_model(spec: str) -> ChatModel:
         if not base:
             raise UserError(f"chat: {adapter} names no base_model_name_or_path")
         cfg = ModelConfig(name_or_path=base, lora=LoraConfig())
-        model = load_causal_lm(cfg, weights_from=path)
+        model = load_policy(cfg, weights_from=path)
         has_tokenizer = (path / "tokenizer_config.json").is_file()
         tokenizer = load_tokenizer(
             ModelConfig(name_or_path=str(path) if has_tokenizer else base), padding_side="left"
@@ -64,7 +64,7 @@ def load_chat_model(spec: str) -> ChatModel:
         if path.exists() and not (path / "config.json").is_file():
             raise UserError(f"chat: {spec} is neither a model nor a LoRA adapter directory")
         cfg = ModelConfig(name_or_path=spec)
-        model = load_causal_lm(cfg)
+        model = load_policy(cfg)
         tokenizer = load_tokenizer(cfg, padding_side="left")
     parts = path.parts
     label = "/".join(parts[-2:]) if len(parts) > 1 else spec

@@ -69,7 +69,7 @@ def main(argv: list[str] | None = None) -> int:
     from policy_gradients.rewards import CombinedReward
     from policy_gradients.rollout import load_prompts
     from rlhf_core.data import DataSource
-    from rlhf_core.models import ModelConfig, ReferencePolicy, load_causal_lm, load_tokenizer
+    from rlhf_core.models import ModelConfig, ReferencePolicy, load_policy, load_tokenizer
 
     args = build_parser().parse_args(argv)
     if args.task:
@@ -90,10 +90,10 @@ def main(argv: list[str] | None = None) -> int:
         prompt_template="{question}", system_prompt=None, where="--task/--prompts",
     )  # fmt: skip
     reward = CombinedReward(components(args))
-    policy = load_causal_lm(model_cfg).eval()
+    policy = load_policy(model_cfg).eval()
     reference = None
     if args.reference:
-        reference = ReferencePolicy(load_causal_lm(ModelConfig(name_or_path=args.reference)),
+        reference = ReferencePolicy(load_policy(ModelConfig(name_or_path=args.reference)),
                                     "frozen")  # fmt: skip
     with torch.no_grad():
         results = evaluate_policy(

@@ -11,7 +11,7 @@ import torch
 from conftest import tiny_pg_dict
 
 from rlhf_core.config import RunArgs
-from rlhf_core.models import ModelConfig, ReferencePolicy, load_causal_lm
+from rlhf_core.models import ModelConfig, ReferencePolicy, load_policy
 
 QLORA = {"name_or_path": "tiny-qwen3", "lora": {"r": 4, "alpha": 8},
          "quantization": {"bits": 4}}  # fmt: skip
@@ -19,7 +19,7 @@ ADAPTER_TENSORS = 2 * 7 * 2  # 2 layers x 7 projections x (lora_A, lora_B)
 
 
 def test_qlora_model_has_4bit_base_and_trainable_adapter_only():
-    model = load_causal_lm(ModelConfig(**QLORA))
+    model = load_policy(ModelConfig(**QLORA))
     layer = model.base_model.model.model.layers[0].mlp.down_proj
     assert type(layer.base_layer).__name__ == "Linear4bit"
     trainable = [n for n, p in model.named_parameters() if p.requires_grad]

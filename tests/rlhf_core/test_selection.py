@@ -10,13 +10,13 @@ from conftest import write_yaml
 from transformers import AutoModelForCausalLM
 
 from rlhf_core.errors import UserError
-from rlhf_core.models import ModelConfig, load_causal_lm, load_tokenizer
+from rlhf_core.models import ModelConfig, load_policy, load_tokenizer
 from rlhf_core.selection import ModelSelector, SelectionConfig
 
 
 def test_best_and_patience_follow_the_metric(tmp_path):
     mcfg = ModelConfig(name_or_path="tiny-qwen3")
-    model, tokenizer = load_causal_lm(mcfg), load_tokenizer(mcfg, padding_side="right")
+    model, tokenizer = load_policy(mcfg), load_tokenizer(mcfg, padding_side="right")
     cfg = SelectionConfig(metric="eval/loss", mode="min", min_delta=0.05, patience=3)
     selector = ModelSelector(cfg, tmp_path, Accelerator(cpu=True), periodic_eval=True)
     stops = []
