@@ -65,10 +65,6 @@ PLAN: dict[str, str] = {
     "--config configs/policy_gradients/grpo_qwen3_1p7b_reasoning_gym.yaml": "a hub model (network)",
     "uv run python -m policy_gradients.train --config configs/policy_gradients/grpo.yaml "
     "--set model.name_or_path=/models/Qwen3-0.6B": "a local Qwen3-0.6B the user has",
-    "uv run accelerate launch --config_file configs/accelerate/ddp.yaml -m policy_gradients.train "
-    "--config configs/policy_gradients/grpo.yaml": "a hub model on GPUs",
-    "uv run torchrun --nproc_per_node 2 -m direct_alignment.train "
-    "--config configs/direct_alignment/tiny_dpo.yaml --set train.micro_batch_size=4": RUN,
     "uv run python -m direct_alignment.train --config configs/direct_alignment/tiny_dpo.yaml": RUN,
     "uv run python -m direct_alignment.train "
     "--config configs/direct_alignment/dpo.yaml": "a hub model (network)",
@@ -81,6 +77,35 @@ PLAN: dict[str, str] = {
     "uv run ruff check . && uv run ruff format --check .": RUN,
     "uv run pytest -x -q": "the whole suite",
     "uv run python -m benchmarks.gpu": EXIT_2_WITHOUT_GPU,
+    # the toolkit, fine-grained and FSDP2 sections: each has its own test that runs it
+    "uv run rlhf-lab runs list": "tests/rlhf_lab/test_runs.py runs every verb on real runs",
+    "uv run rlhf-lab runs show instruction_tuning/tiny_sft-20261123-101500": "a run-name example; "
+    "tests/rlhf_lab/test_runs.py",
+    "uv run rlhf-lab runs compare RUN RUN --png cmp.png": "placeholders; "
+    "tests/rlhf_lab/test_runs.py",
+    "uv run rlhf-lab runs prune RUN --keep 2 [--by eval/loss --mode min] --yes": "placeholders; "
+    "tests/rlhf_lab/test_runs.py",
+    "uv run rlhf-lab runs snapshot RUN best-sft --checkpoint checkpoint-300": "placeholders; "
+    "tests/rlhf_lab/test_runs.py",
+    "uv run rlhf-lab runs delete RUN --yes": "placeholders; tests/rlhf_lab/test_runs.py",
+    "uv run rlhf-lab chat outputs/quickstart-<time>/sft/final outputs/quickstart-<time>/grpo/final "
+    "\\": "a server and a browser: tests/rlhf_lab/test_chat.py",
+    "--reward-model outputs/quickstart-<time>/rm/final": "the continuation of the chat command",
+    "uv run rlhf-lab quantize --model outputs/reward_models/<run>/final --bits 8": "a <run> "
+    "placeholder; tests/rlhf_lab/test_quantize.py",
+    "uv run rlhf-lab quantize --model outputs/policy_gradients/<run>/final --bits 4": "a <run> "
+    "placeholder; tests/rlhf_lab/test_quantize.py",
+    "sqlite3 outputs/policy_gradients/tiny_grpo-*/rollouts.sqlite \\": "the eval_rollouts query: "
+    "docs/policy_gradients/rollout_log.md's queries are checked by tests/policy_gradients",
+    "\"SELECT step, kind, AVG(json_extract(components, '$.reasoning_gym') >= 1.0) FROM "
+    'eval_rollouts GROUP BY step, kind"': "the continuation of the sqlite3 command",
+    "uv run python -m rlhf_core.longform data/longform": "writes the committed data files; "
+    "tests/rlhf_core/test_segmentation.py checks them",
+    "uv run python -m rlhf_lab.fine_grained --steps 15 --seeds 0": "tens of CPU minutes",
+    "uv run torchrun --nproc_per_node 2 -m instruction_tuning.train --config "
+    "configs/instruction_tuning/tiny_sft.yaml --set train.engine=fsdp2 --set "
+    "train.micro_batch_size=32 --set train.max_steps=20": "two minutes of two processes; "
+    "tests/test_fsdp2.py runs FSDP2 SFT",
 }
 
 

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from policy_gradients.experience import Experience, LossInputs
-from policy_gradients.losses import LOSSES
+from policy_gradients.losses import LOSSES, VALUE_LOSSES
 
 F64 = torch.float64
 
@@ -65,7 +65,7 @@ def test_value_loss_needs_only_mask_old_values_and_returns():
         action_mask=d["action_mask"], values_old=d["values_old"], returns=d["returns"]
     )
     values = torch.randn(3, 4, dtype=F64, requires_grad=True)
-    loss, _ = LOSSES.get("value")()(None, inputs, values=values)
+    loss, _ = VALUE_LOSSES.get("value")()(None, inputs, values=values)
     loss.backward()
     assert torch.isfinite(loss) and values.grad[~d["action_mask"]].abs().sum() == 0
 

@@ -225,9 +225,10 @@ def test_gradcheck_every_loss():
 
 
 def test_registry_names_kinds_and_heads():
-    assert LOSSES.names() == ["bradley_terry", "orm_bce", "prm_ce"]
+    assert LOSSES.names() == ["bradley_terry", "orm_bce", "prm_ce", "segment_ce"]
     kinds = {name: LOSSES.get(name).kind for name in LOSSES}
-    assert kinds == {"bradley_terry": "preference", "orm_bce": "orm", "prm_ce": "prm"}
+    assert kinds == {"bradley_terry": "preference", "orm_bce": "orm", "prm_ce": "prm",
+                     "segment_ce": "segment"}  # fmt: skip
     with pytest.raises(RegistryError, match="unknown reward model loss 'dpo'; registered: "):
         LOSSES.get("dpo")
     for name in LOSSES:  # every docstring cites its paper

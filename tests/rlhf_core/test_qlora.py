@@ -81,7 +81,8 @@ def test_qlora_grpo_step_with_adapter_reference(tmp_path):
     data = tiny_pg_dict("tiny-qwen3", name="grpo", advantage={"name": "grpo"},
                         loss={"name": "clipped", "kl_beta": 0.05})  # fmt: skip
     data.update(model=QLORA)
-    data["train"].update(max_steps=1, evaluate=False, reference="adapter")
+    data["train"].update(max_steps=1, evaluate=False)
+    data["reference"] = {"mode": "adapter"}
     data["checkpoint"].update(save_every=1)
     cfg = PGConfig.model_validate(data)
     assert train(cfg, RunArgs(Path("t.yaml"), output_dir=tmp_path)) == 0
