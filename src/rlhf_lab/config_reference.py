@@ -144,6 +144,8 @@ def _registered() -> list[str]:
         lines.append("| --- | --- | --- |")
         for name in registry.names():
             cls = registry.get(name)
+            if cls.__module__.split(".")[0] not in LIBRARY_PACKAGES:
+                continue  # a user's class registered in this process (e.g. by a test)
             hints = typing.get_type_hints(cls.__init__)
             params = [
                 f"`{p}`: {_type_name(hints.get(p, Any))}"
@@ -154,6 +156,12 @@ def _registered() -> list[str]:
             lines.append(f"| `{name}` | `{cls.__name__}` | {shown} |")
         lines.append("")
     return lines
+
+
+LIBRARY_PACKAGES = (
+    "rlhf_core", "instruction_tuning", "reward_models", "policy_gradients", "direct_alignment",
+    "rlhf_lab",
+)  # fmt: skip
 
 
 def render() -> str:
