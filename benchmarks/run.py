@@ -24,7 +24,7 @@ import time
 
 from benchmarks import dpo, grpo, reward_model, techniques
 from benchmarks.measure import RESULTS_DIR, machine, timestamp, write_results
-from benchmarks.workload import Workload
+from benchmarks.workload import MODEL_CHOICES, Workload
 
 SECTIONS = ("dpo", "techniques", "reward_model", "grpo", "generation")
 
@@ -38,7 +38,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--only", choices=SECTIONS, action="append", help="run only this section")
     parser.add_argument("--rounds", type=int, default=3, help="alternating rounds per comparison")
-    parser.add_argument("--model", choices=["tiny", "small"], default=defaults.model)
+    parser.add_argument("--model", choices=MODEL_CHOICES, default=defaults.model)
     parser.add_argument("--batch-size", type=int, default=defaults.batch_size, help="pairs")
     parser.add_argument("--steps", type=int, default=defaults.steps, help="optimizer steps")
     parser.add_argument("--max-length", type=int, default=defaults.max_length)

@@ -28,15 +28,30 @@ from benchmarks.measure import REPO_ROOT, PeakRSS, median
 
 HH_PATH = REPO_ROOT / "data" / "hh-rlhf" / "harmless-base-test.jsonl.gz"
 
-#: Architectures beyond the tiny preset (built with `rlhf_core.tiny.build_tiny_model`).
-SMALL_MODEL = {
-    "hidden_size": 256,
-    "num_hidden_layers": 4,
-    "num_attention_heads": 4,
-    "num_key_value_heads": 4,
-    "intermediate_size": 768,
-    "max_position_embeddings": 1024,
+#: Architectures beyond the tiny preset (built with `rlhf_core.tiny.build_tiny_model`, GPT-2
+#: vocabulary, tied embeddings). `tiny` and `small` are head-dominated: most of their FLOPs are the
+#: LM head, so a trainer that skips the head on prompt positions looks far faster than it would on
+#: a real model. `real` has Qwen3-0.6B's proportions: its LM head is ~27% of forward FLOPs
+#: (Qwen3-0.6B: ~26%), 95.0M parameters (hidden 512, 22 layers, GQA 8/4 heads, MLP 3x hidden).
+BENCH_MODELS: dict[str, dict[str, int]] = {
+    "small": {
+        "hidden_size": 256,
+        "num_hidden_layers": 4,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 4,
+        "intermediate_size": 768,
+        "max_position_embeddings": 1024,
+    },
+    "real": {
+        "hidden_size": 512,
+        "num_hidden_layers": 22,
+        "num_attention_heads": 8,
+        "num_key_value_heads": 4,
+        "intermediate_size": 1536,
+        "max_position_embeddings": 1024,
+    },
 }
+MODEL_CHOICES = ("tiny", *BENCH_MODELS)
 
 
 class JsonDataclass:
@@ -52,7 +67,7 @@ class JsonDataclass:
 
 @dataclass(frozen=True)
 class Workload(JsonDataclass):
-    model: str = "tiny"  # "tiny" (preset tiny-qwen3-gpt2) or "small"
+    model: str = "tiny"  # one of MODEL_CHOICES: "tiny" (preset tiny-qwen3-gpt2), "small", "real"
     batch_size: int = 4
     steps: int = 8
     warmup_steps: int = 1  # steps before the timed window
@@ -85,21 +100,21 @@ def model_dir(name: str) -> Path:
 
     if name == "tiny":
         return preset_dir("tiny-qwen3-gpt2")
-    if name != "small":
-        raise ValueError(f"unknown benchmark model {name!r}; expected 'tiny' or 'small'")
+    if name not in BENCH_MODELS:
+        raise ValueError(f"unknown benchmark model {name!r}; expected one of {MODEL_CHOICES}")
     import transformers
 
-    preset = TinyPreset(tokenizer="gpt2", **SMALL_MODEL)
+    preset = TinyPreset(tokenizer="gpt2", **BENCH_MODELS[name])
     spec = json.dumps({"preset": asdict(preset), "tf": transformers.__version__})
     target = (
         cache_root()
         / "bench"
-        / f"qwen3-gpt2-small-{hashlib.sha256(spec.encode()).hexdigest()[:10]}"
+        / f"qwen3-gpt2-{name}-{hashlib.sha256(spec.encode()).hexdigest()[:10]}"
     )
     if (target / "config.json").is_file():
         return target
     target.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=".small-", dir=target.parent))
+    tmp = Path(tempfile.mkdtemp(prefix=f".{name}-", dir=target.parent))
     try:
         tokenizer = build_gpt2_tokenizer()
         build_tiny_model(preset, tokenizer).save_pretrained(tmp)
