@@ -51,6 +51,13 @@ class DATrainConfig(LoopConfig):
     samples_every: int = Field(0, ge=0, description="write sampled generations every k steps")
     num_samples: int = Field(4, ge=0, description="held-out prompts to sample each time")
     sample_max_new_tokens: int = Field(64, gt=0, description="length budget of those samples")
+    packing: bool = Field(
+        True,
+        description="run each pair as one packed row segment [prompt | chosen | rejected] with a "
+        "4D mask, the prompt encoded once for both completions and short pairs sharing a row "
+        "(rlhf_core.packing; same log-probs). Applies to causal models with SDPA or eager "
+        "attention; others (flash-attention 2, T5) run unpacked 2B rows",
+    )
 
 
 class DAConfig(RunConfig):

@@ -36,6 +36,7 @@ from rlhf_core.chat import Messages, as_messages, completion_text, render_prompt
 from rlhf_core.data import DataSource, load_rows, reasoning_gym_dataset, warn_truncated_prompts
 from rlhf_core.encoding import encode_pairs
 from rlhf_core.errors import UserError
+from rlhf_core.packing import pack_groups
 from rlhf_core.preference import (
     column,
     preference_row,
@@ -240,5 +241,23 @@ def collate_pairs(pairs: list[PreferencePair], pad_id: int) -> dict[str, torch.T
         "lengths": loss_mask.sum(-1),
     }
     if pairs[0].label is not None:  # unpaired rows: (B,) labels, for KTO
+        batch["labels"] = torch.tensor([bool(p.label) for p in pairs])
+    return batch
+
+
+def pack_pairs(
+    pairs: list[PreferencePair], pad_id: int, *, pack: bool = True
+) -> dict[str, torch.Tensor]:
+    """The pairs as packed rows [prompt | chosen | rejected] (`rlhf_core.packing.pack_groups`):
+    each prompt encoded once for both completions, several short pairs per row (one per row
+    with `pack=False`). Streams 2i and 2i + 1 are pair i's chosen and rejected completions;
+    `lengths` (2B,) are completion token counts, chosen then rejected (as `collate_pairs`);
+    labels (B,) bool for unpaired rows."""
+    batch = pack_groups(
+        [(p.prompt_ids, (p.chosen_ids, p.rejected_ids)) for p in pairs], pad_id, pack=pack
+    )
+    per_pair = batch["branch_lengths"].view(-1, 2)
+    batch["lengths"] = torch.cat([per_pair[:, 0], per_pair[:, 1]])
+    if pairs[0].label is not None:
         batch["labels"] = torch.tensor([bool(p.label) for p in pairs])
     return batch

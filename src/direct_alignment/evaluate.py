@@ -30,15 +30,17 @@ def evaluate_pairs(
     *,
     pad_id: int,
     batch_size: int,
+    collate: Callable[..., dict[str, torch.Tensor]] = collate_pairs,
 ) -> dict[str, float]:
-    """Pair-weighted means of the loss and its metrics over `pairs`, keys prefixed 'eval/'."""
+    """Pair-weighted means of the loss and its metrics over `pairs`, keys prefixed 'eval/';
+    `collate` makes the batches (`collate_pairs`, or the packed `pack_pairs`)."""
     device = next(model.parameters()).device
     was_training = model.training
     model.eval()
     totals: dict[str, float] = {}
     for start in range(0, len(pairs), batch_size):
         chunk = slice(start, min(start + batch_size, len(pairs)))
-        batch = {k: v.to(device) for k, v in collate_pairs(pairs[chunk], pad_id).items()}
+        batch = {k: v.to(device) for k, v in collate(pairs[chunk], pad_id).items()}
         chosen, rejected = pair_logps(model, batch)
         refs = reference_logps(batch, chunk) if reference_logps is not None else (None, None)
         loss, metrics = loss_fn(chosen, rejected, *refs, **loss_inputs(batch))

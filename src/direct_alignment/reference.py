@@ -1,8 +1,9 @@
 """Sequence log-probs of preference batches, for the policy and the reference.
 
 `pair_logps` runs the chosen and rejected sequences of a batch through the model in ONE forward
-(they are concatenated into 2B rows by `collate_pairs`) and returns the summed completion
-log-probs (B,) of each half.
+and returns the summed completion log-probs (B,) of each: packed rows [prompt | chosen |
+rejected] that encode each prompt once (`pack_pairs`, the default for SDPA/eager causal models),
+or 2B rows, prompt + chosen then prompt + rejected (`collate_pairs`).
 
 The reference pi_ref comes in three modes (`reference.mode`):
   model        a frozen copy of the starting policy, loaded separately (full or LoRA training)
@@ -16,6 +17,7 @@ All three give the same numbers (tested).
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -23,13 +25,17 @@ import torch
 from direct_alignment.data import PreferencePair, collate_pairs
 from rlhf_core.logprobs import masked_sum
 from rlhf_core.models import ReferencePolicy
+from rlhf_core.packing import is_packed, packed_token_logprobs, stream_sums
 from rlhf_core.policy_model import policy_logprobs
 
 
 def pair_logps(
     model: torch.nn.Module, batch: dict[str, torch.Tensor]
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """(chosen, rejected) summed completion log-probs, each (B,), from one concatenated forward."""
+    """(chosen, rejected) summed completion log-probs, each (B,), from one forward."""
+    if is_packed(batch):
+        both = stream_sums(packed_token_logprobs(model, batch), batch).view(-1, 2)
+        return both[:, 0], both[:, 1]
     token_logps = policy_logprobs(
         model, batch["input_ids"], batch["attention_mask"], batch["loss_mask"]
     )
@@ -54,11 +60,12 @@ def precompute_reference(
     pad_id: int,
     batch_size: int,
     device: torch.device,
+    collate: Callable[..., dict[str, torch.Tensor]] = collate_pairs,
 ) -> torch.Tensor:
     """Reference log-probs of every pair, (N, 2) = [chosen, rejected], in pair order."""
     out = []
     for start in range(0, len(pairs), batch_size):
-        batch = collate_pairs(pairs[start : start + batch_size], pad_id)
+        batch = collate(pairs[start : start + batch_size], pad_id)
         batch = {k: v.to(device) for k, v in batch.items()}
         chosen, rejected = reference_pair_logps(reference, batch)
         out.append(torch.stack([chosen, rejected], dim=-1).float().cpu())

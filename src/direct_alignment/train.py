@@ -21,7 +21,12 @@ from functools import partial
 import torch
 
 from direct_alignment.config import DAConfig
-from direct_alignment.data import build_preference_data, build_unpaired_data, collate_pairs
+from direct_alignment.data import (
+    build_preference_data,
+    build_unpaired_data,
+    collate_pairs,
+    pack_pairs,
+)
 from direct_alignment.evaluate import evaluate_pairs, write_samples
 from direct_alignment.losses import LOSSES, loss_inputs
 from direct_alignment.reference import (
@@ -49,6 +54,7 @@ from rlhf_core.loop import (
 )
 from rlhf_core.models import ReferencePolicy, load_policy, load_tokenizer, resolve_model_path
 from rlhf_core.optim import build_optimizer, build_scheduler
+from rlhf_core.packing import supports_packing
 from rlhf_core.registry import build_from_spec
 from rlhf_core.rundir import managed_run, open_run_dir
 from rlhf_core.runtime import seed_everything
@@ -125,6 +131,8 @@ def train(cfg: DAConfig, run: RunArgs) -> int:
     seed_everything(cfg.seed)
     policy = engine.prepare(load_policy(cfg.model, device, weights_from=ckpt).train())
     pad_id = tokenizer.pad_token_id
+    # pairs as packed rows, each prompt encoded once, where the attention takes a 4D mask
+    collate = pack_pairs if t.packing and supports_packing(policy) else collate_pairs
     reference, ref_cache = None, None
     if loss_fn.needs_reference:
         if cfg.reference.mode == "adapter":
@@ -140,7 +148,8 @@ def train(cfg: DAConfig, run: RunArgs) -> int:
             else:
                 ref_cache = {
                     k: precompute_reference(
-                        reference, v, pad_id=pad_id, batch_size=micro, device=device
+                        reference, v, pad_id=pad_id, batch_size=micro, device=device,
+                        collate=collate,
                     ) if v else torch.zeros(0, 2)
                     for k, v in splits.items()
                 }  # fmt: skip
@@ -191,7 +200,7 @@ def train(cfg: DAConfig, run: RunArgs) -> int:
             return evaluate_pairs(
                 whole, loss_fn, eval_data.pairs,
                 lambda batch, rows: ref_logps("eval", batch, rows) if loss_fn.needs_reference
-                else (None, None), pad_id=pad_id, batch_size=micro,
+                else (None, None), pad_id=pad_id, batch_size=micro, collate=collate,
             )  # fmt: skip
 
     def save() -> None:
@@ -212,7 +221,7 @@ def train(cfg: DAConfig, run: RunArgs) -> int:
             metrics = {}
             for start in range(0, len(indices), micro):
                 rows = indices[start : start + micro]
-                batch = collate_pairs([train_data.pairs[j] for j in rows], pad_id)
+                batch = collate([train_data.pairs[j] for j in rows], pad_id)
                 batch = {k: v.to(device) for k, v in batch.items()}
                 weight = len(rows) / t.batch_size  # share of the global step's pairs
                 with engine.grad_sync(policy, sync=start + micro >= len(indices)):

@@ -56,6 +56,7 @@ from rlhf_core.encoding import (
     pad_sequences,
 )
 from rlhf_core.errors import UserError
+from rlhf_core.packing import pack_groups
 from rlhf_core.preference import (
     PREFERENCE_FORMATS,
     column,
@@ -422,69 +423,26 @@ def collate_pairs(
     return batch
 
 
-def pack_rows(lengths: list[int]) -> list[list[int]]:
-    """Indices of sequences grouped into rows no longer than the longest sequence, by first-fit
-    decreasing: the longest first, each into the first row with room. Rows never get longer
-    than padding every sequence to the longest would make them, and short sequences share a
-    row instead of each padding one (on HH batches of 4 pairs: ~14% fewer positions, ~15% less
-    attention than one row per pair)."""
-    capacity = max(lengths)
-    rows: list[list[int]] = []
-    room: list[int] = []
-    for i in sorted(range(len(lengths)), key=lambda i: -lengths[i]):
-        r = next((r for r, free in enumerate(room) if free >= lengths[i]), None)
-        if r is None:
-            rows.append([])
-            room.append(capacity)
-            r = len(rows) - 1
-        rows[r].append(i)
-        room[r] -= lengths[i]
-    return rows
-
-
 def pack_pairs(pairs: list[PreferencePair], pad_id: int) -> dict[str, torch.Tensor]:
     """Pairs packed as [prompt | chosen | rejected] segments into rows, right-padded, for a
-    shared-prompt forward in one call (prefix sharing, Wang et al. 2024): each prompt is encoded
-    once, both its completions attend to it, the rejected tokens do not see the chosen ones,
-    positions restart at every pair and the rejected ones where the prompt ends, and no token
-    sees another pair: every token sees exactly what it would see in its own prompt + completion
-    row (rewards equal, tested). Short pairs share a row (`pack_rows`).
+    shared-prompt forward in one call (`rlhf_core.packing.pack_groups`, the layout DPO uses
+    too): each prompt is encoded once, both its completions attend to it, the rejected tokens
+    do not see the chosen ones, no token sees another pair, and short pairs share a row: every
+    token sees exactly what it would see in its own prompt + completion row (rewards equal,
+    tested).
 
-    Returns input_ids (R, L), attention_mask (R, 1, L, L) boolean (True = may attend; a padding
-    query attends to itself only, so no row is empty), position_ids (R, L), ends (B, 2) the
-    last chosen and last rejected token of each pair as flat indices into the (R * L) positions,
-    lengths (B, 3) the prompt, chosen and rejected lengths, and margins when the pairs have them.
+    Returns input_ids (R, L), attention_mask (R, 1, L, L) boolean (True = may attend),
+    position_ids (R, L), ends (B, 2) the last chosen and last rejected token of each pair as
+    flat indices into the (R * L) positions, lengths (B, 3) the prompt, chosen and rejected
+    lengths, and margins when the pairs have them.
     """
-    lengths = torch.tensor([[len(p.prompt_ids), len(p.chosen_ids), len(p.rejected_ids)]
-                            for p in pairs])  # fmt: skip
-    rows = pack_rows(lengths.sum(1).tolist())
-    longest = int(lengths.sum(1).max())
-    ids = torch.full((len(rows), longest), pad_id, dtype=torch.long)
-    positions = torch.zeros((len(rows), longest), dtype=torch.long)
-    pair_of = torch.full((len(rows), longest), -1, dtype=torch.long)  # -1 = padding
-    part = torch.zeros((len(rows), longest), dtype=torch.long)  # 0 prompt 1 chosen 2 rejected
-    ends = torch.zeros((len(pairs), 2), dtype=torch.long)
-    for r, members in enumerate(rows):
-        start = 0
-        for i in members:
-            p, (n_p, n_c, n_r) = pairs[i], lengths[i].tolist()
-            end = start + n_p + n_c + n_r
-            ids[r, start:end] = torch.tensor(p.prompt_ids + p.chosen_ids + p.rejected_ids)
-            positions[r, start : start + n_p + n_c] = torch.arange(n_p + n_c)
-            positions[r, start + n_p + n_c : end] = torch.arange(n_p, n_p + n_r)
-            pair_of[r, start:end] = i
-            part[r, start + n_p : start + n_p + n_c] = 1
-            part[r, start + n_p + n_c : end] = 2
-            ends[i] = r * longest + torch.tensor([start + n_p + n_c - 1, end - 1])
-            start = end
-    index = torch.arange(longest)
-    causal = index[None, :, None] >= index[None, None, :]  # (1, L, L): query >= key
-    q_pair, k_pair = pair_of[:, :, None], pair_of[:, None, :]
-    q_part, k_part = part[:, :, None], part[:, None, :]
-    allowed = causal & (q_pair == k_pair) & (k_pair >= 0) & ((k_part == 0) | (k_part == q_part))
-    allowed |= torch.eye(longest, dtype=torch.bool)[None] & (q_pair < 0)
-    batch = {"input_ids": ids, "attention_mask": allowed[:, None], "position_ids": positions,
-             "ends": ends, "lengths": lengths}  # fmt: skip
+    packed = pack_groups([(p.prompt_ids, (p.chosen_ids, p.rejected_ids)) for p in pairs], pad_id)
+    lengths = torch.cat(
+        [packed["prefix_lengths"][:, None], packed["branch_lengths"].view(-1, 2)], 1
+    )
+    batch = {"input_ids": packed["input_ids"], "attention_mask": packed["attention_mask"],
+             "position_ids": packed["position_ids"], "ends": packed["ends"].view(-1, 2),
+             "lengths": lengths}  # fmt: skip
     if all(p.margin is not None for p in pairs):
         batch["margins"] = torch.tensor([p.margin for p in pairs], dtype=torch.float32)
     return batch

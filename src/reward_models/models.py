@@ -25,6 +25,7 @@ import torch
 
 from reward_models.config import RMConfig
 from reward_models.losses import RewardLoss
+from rlhf_core.packing import additive_mask
 from rlhf_core.scalar_head import (
     ScalarHeadInfo,
     ScalarHeadModel,
@@ -52,7 +53,8 @@ class BaseRewardModel(ScalarHeadModel):
         may attend to a key, with explicit `position_ids` (B, T); several sequences then share
         one row (SDPA and eager attention; flash-attention 2 takes 2D masks only). A preference
         pair packs as [prompt | chosen | rejected] with the rejected tokens blind to the chosen
-        ones and positions restarting after the prompt (`reward_models.data.pack_pairs`).
+        ones and positions restarting after the prompt (`reward_models.data.pack_pairs`, laid out
+        by `rlhf_core.packing.pack_groups`, the layout shared-prompt DPO uses too).
 
         Shared prefix: with `prefix_ids` / `prefix_mask` (Bp, P), left-padded, the rows of
         `input_ids` (B = Bp x r, right-padded) are continuations of those prefixes, r per prefix
@@ -77,21 +79,14 @@ class BaseRewardModel(ScalarHeadModel):
     ) -> torch.Tensor:
         if position_ids is None:
             raise ValueError("a 4D attention mask (packed rows) needs explicit position_ids")
+        # the boolean mask as the additive one transformers passes on untouched
+        dtype = self.backbone.get_input_embeddings().weight.dtype
         with self._grad_context():
             hidden = self.backbone(
-                input_ids=input_ids, attention_mask=self.additive_mask(allowed),
+                input_ids=input_ids, attention_mask=additive_mask(allowed, dtype),
                 position_ids=position_ids, use_cache=False,
             ).last_hidden_state  # fmt: skip
         return self.head(hidden.to(self.head.weight.dtype))
-
-    def additive_mask(self, allowed: torch.Tensor) -> torch.Tensor:
-        """A 4D boolean mask (True = may attend) as the additive mask transformers passes on
-        untouched: 0 where allowed, the dtype's minimum elsewhere, in the backbone's dtype.
-        Eager attention adds the mask to the scores (a boolean one would add 0/1: wrong), and
-        SDPA would otherwise convert a boolean mask in every layer's forward and backward."""
-        dtype = self.backbone.get_input_embeddings().weight.dtype
-        mask = torch.zeros(allowed.shape, dtype=dtype, device=allowed.device)
-        return mask.masked_fill_(~allowed.bool(), torch.finfo(dtype).min)
 
     def _shared_prefix_forward(
         self,

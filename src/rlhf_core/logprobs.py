@@ -295,6 +295,48 @@ def _fused_selected_logprobs(
     return tuple(outs) if with_entropy else outs[0]
 
 
+def causal_lm_logprobs_at(
+    model: torch.nn.Module,
+    input_ids: torch.Tensor,
+    attention_mask: torch.Tensor,
+    position_ids: torch.Tensor,
+    sources: torch.Tensor,
+    labels: torch.Tensor,
+    *,
+    temperature: float = 1.0,
+) -> torch.Tensor:
+    """log p(labels[n] | the hidden state at flat position sources[n]), (N,), for rows whose
+    layout the caller owns (explicit `position_ids`; `attention_mask` 2D or a 4D additive mask:
+    `rlhf_core.packing`). The LM head runs on the N source positions only, fused with the
+    log-softmax as in `causal_lm_selected_logprobs`, with the same fallback to the full head."""
+    parts = _decoder_and_head(model)
+    if parts is None:
+        logits = model(
+            input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
+            use_cache=False,
+        ).logits  # fmt: skip
+        return token_logprobs(logits.flatten(0, 1)[sources], labels, temperature=temperature)
+    return run_as_root_forward(
+        model, _fused_logprobs_at, *parts, input_ids, attention_mask, position_ids, sources,
+        labels, temperature,
+    )  # fmt: skip
+
+
+def _fused_logprobs_at(
+    decoder, head, input_ids, attention_mask, position_ids, sources, labels, temperature
+):
+    """The decoder, then the fused head on the `sources` positions (see the caller)."""
+    hidden = decoder(
+        input_ids=input_ids,
+        attention_mask=attention_mask,
+        position_ids=position_ids,
+        use_cache=False,
+    ).last_hidden_state
+    return linear_token_logprobs(
+        hidden.flatten(0, 1)[sources], head, labels, temperature=temperature
+    )
+
+
 def masked_sum(values: torch.Tensor, mask: torch.Tensor, dim: int | None = None) -> torch.Tensor:
     """Sum of `values` where `mask` is true (mask may be bool or 0/1 float)."""
     if values.shape != mask.shape:
