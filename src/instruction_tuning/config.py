@@ -44,6 +44,13 @@ class SFTDataConfig(StrictModel):
 class SFTTrainConfig(LoopConfig):
     eval_max_new_tokens: int = Field(32, gt=0, description="generation budget for task accuracy")
     eval_sampled: bool = Field(True, description="also report sampled (T=1) exact match")
+    packing: bool = Field(
+        True,
+        description="pack several examples into one row (positions restarting, attention "
+        "blocked across examples; rlhf_core.packing) instead of padding each to the batch's "
+        "longest; same loss. Applies to causal models with SDPA or eager attention; others "
+        "(flash-attention 2, T5) run padded rows",
+    )
 
 
 class SFTConfig(RunConfig):

@@ -26,6 +26,7 @@ from rlhf_core.chat import as_messages, render_prompt
 from rlhf_core.data import DataSource, load_rows, reasoning_gym_dataset, report_degenerate
 from rlhf_core.encoding import encode_completions
 from rlhf_core.errors import UserError
+from rlhf_core.packing import pack_groups
 
 
 @dataclass
@@ -149,3 +150,13 @@ def collate(examples: list[SFTExample], pad_id: int) -> dict[str, torch.Tensor]:
         attention_mask[b, : len(ids)] = 1
         loss_mask[b, len(ex.prompt_ids) - 1 : len(ids) - 1] = True
     return {"input_ids": input_ids, "attention_mask": attention_mask, "loss_mask": loss_mask}
+
+
+def pack(examples: list[SFTExample], pad_id: int) -> dict[str, torch.Tensor]:
+    """The examples packed several to a row (`rlhf_core.packing.pack_groups`: positions restart
+    at every example, attention blocked across examples, rows no longer than the longest
+    example), the targets being the completion tokens: loss_mask (1, N) is all true, aligned
+    with `rlhf_core.packing.batch_logprobs`. Same loss as `collate` (tested)."""
+    batch = pack_groups([(e.prompt_ids, (e.completion_ids,)) for e in examples], pad_id)
+    batch["loss_mask"] = torch.ones((1, batch["targets"].shape[0]), dtype=torch.bool)
+    return batch

@@ -13,11 +13,11 @@ from __future__ import annotations
 
 import torch
 
-from instruction_tuning.data import SFTData, collate
+from instruction_tuning.data import SFTData, collate, pack
 from instruction_tuning.losses import CompletionNLLLoss
 from rlhf_core.generation import generate_completions
 from rlhf_core.models import with_padding_side
-from rlhf_core.policy_model import policy_logprobs
+from rlhf_core.packing import batch_logprobs, supports_packing
 from rlhf_core.scoring import exact_match, task_score
 
 
@@ -32,9 +32,11 @@ def evaluate(
     sampled: bool,
     seed: int,
     shard: tuple[int, int] = (0, 1),
+    packing: bool = True,
 ) -> dict[str, float]:
     """Eval loss (per completion token), greedy (and sampled) exact match, task score, length.
-    `shard` = (rank, world): this process's share; every process must call it (see above)."""
+    `shard` = (rank, world): this process's share; every process must call it (see above).
+    `packing`: the loss over packed rows where the model takes them (`rlhf_core.packing`)."""
     rank, world = shard
     examples = data.examples[rank::world]
     device = next(model.parameters()).device
@@ -42,12 +44,11 @@ def evaluate(
     model.eval()
     nll_sum, tokens = 0.0, 0
     loss_fn = CompletionNLLLoss()
+    batcher = pack if packing and supports_packing(model) else collate
     for start in range(0, len(examples), batch_size):
-        batch = collate(examples[start : start + batch_size], tokenizer.pad_token_id)
+        batch = batcher(examples[start : start + batch_size], tokenizer.pad_token_id)
         batch = {k: v.to(device) for k, v in batch.items()}
-        logps = policy_logprobs(
-            model, batch["input_ids"], batch["attention_mask"], batch["loss_mask"]
-        )
+        logps = batch_logprobs(model, batch)
         _, metrics = loss_fn(logps, batch["loss_mask"], 1.0)
         nll_sum += metrics["nll_sum"].item()
         tokens += int(metrics["tokens"].item())

@@ -20,7 +20,7 @@ import sys
 import torch
 
 from instruction_tuning.config import SFTConfig
-from instruction_tuning.data import build_sft_data, collate
+from instruction_tuning.data import build_sft_data, collate, pack
 from instruction_tuning.evaluate import evaluate
 from instruction_tuning.losses import LOSSES
 from rlhf_core.checkpoint import StopSignal
@@ -41,7 +41,7 @@ from rlhf_core.loop import (
 )
 from rlhf_core.models import load_policy, load_tokenizer, resolve_model_path
 from rlhf_core.optim import build_optimizer, build_scheduler
-from rlhf_core.policy_model import policy_logprobs
+from rlhf_core.packing import batch_logprobs, supports_packing
 from rlhf_core.registry import build_from_spec
 from rlhf_core.rundir import managed_run, open_run_dir
 from rlhf_core.runtime import seed_everything
@@ -123,6 +123,7 @@ def train(cfg: SFTConfig, run: RunArgs) -> int:
             return evaluate(
                 whole, tokenizer, eval_data, batch_size=max(micro, 64), seed=cfg.seed + step,
                 max_new_tokens=t.eval_max_new_tokens, sampled=t.eval_sampled, shard=(rank, world),
+                packing=t.packing,
             )  # fmt: skip
 
     def save() -> None:
@@ -136,12 +137,13 @@ def train(cfg: SFTConfig, run: RunArgs) -> int:
 
     # --- the loop
     pad_id = tokenizer.pad_token_id
+    batcher = pack if t.packing and supports_packing(model) else collate
     step_loss = torch.zeros(())
     with StopSignal() as stop:
         while step < total_steps:
             indices = sampler.next_batch(t.batch_size)[rank::world]
             batches = [
-                collate([train_data.examples[i] for i in indices[s : s + micro]], pad_id)
+                batcher([train_data.examples[i] for i in indices[s : s + micro]], pad_id)
                 for s in range(0, len(indices), micro)
             ]
             local_tokens = sum(b["loss_mask"].sum() for b in batches).to(device)
@@ -150,9 +152,7 @@ def train(cfg: SFTConfig, run: RunArgs) -> int:
             for i, batch in enumerate(batches):
                 batch = {k: v.to(device) for k, v in batch.items()}
                 with engine.grad_sync(model, sync=i == len(batches) - 1):
-                    logps = policy_logprobs(
-                        model, batch["input_ids"], batch["attention_mask"], batch["loss_mask"]
-                    )
+                    logps = batch_logprobs(model, batch)
                     loss, _ = loss_fn(logps, batch["loss_mask"], num_tokens)
                     # DDP/FSDP average gradients over processes; scale so they sum (loss /global N)
                     accelerator.backward(loss * world)

@@ -21,6 +21,8 @@ longer than the longest group, `pack_rows`).
     packed_token_logprobs(model, batch)  -> (N,) log-probs of those N targets, through the fused
                                             completion-only LM head (`rlhf_core.logprobs`)
     stream_sums(values, batch)           -> (S,) one sum per branch ("stream"), group-major
+    batch_logprobs(model, batch)         -> log-probs aligned with batch["loss_mask"], for a
+                                            packed batch or a flat one (`policy_logprobs`)
 
 The results equal the unpacked forward's up to float rounding (tested in float64 to 1e-6).
 
@@ -40,6 +42,7 @@ from collections.abc import Sequence
 import torch
 
 from rlhf_core.logprobs import causal_lm_logprobs_at
+from rlhf_core.policy_model import policy_logprobs
 
 Group = tuple[Sequence[int], Sequence[Sequence[int]]]  # (prefix ids, [branch ids, ...])
 
@@ -198,3 +201,11 @@ def stream_sums(values: torch.Tensor, batch: dict[str, torch.Tensor]) -> torch.T
     a stream with no targets sums to 0."""
     out = values.new_zeros(batch["ends"].shape[0])
     return out.index_add(0, batch["owners"], values)
+
+
+def batch_logprobs(model: torch.nn.Module, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+    """Completion log-probs aligned with `batch["loss_mask"]`: (1, N) for a packed batch whose
+    loss_mask is its N targets, (B, S - 1) for flat rows (`policy_logprobs`, any model kind)."""
+    if is_packed(batch):
+        return packed_token_logprobs(model, batch)[None]
+    return policy_logprobs(model, batch["input_ids"], batch["attention_mask"], batch["loss_mask"])

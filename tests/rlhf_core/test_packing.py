@@ -97,3 +97,34 @@ def test_unpaired_rows_keep_their_labels():
     for p, label in zip(pairs, (True, False), strict=True):
         p.label = label
     assert pack_pairs(pairs, 0)["labels"].tolist() == [True, False]
+
+
+def test_packed_sft_loss_and_gradients_equal_the_padded_batch():
+    from instruction_tuning.data import SFTExample, collate, pack
+    from instruction_tuning.losses import CompletionNLLLoss
+    from rlhf_core.packing import batch_logprobs
+
+    model = tiny_policy("sdpa")
+    g = torch.Generator().manual_seed(1)
+    examples = [
+        SFTExample(torch.randint(6, 100, (p,), generator=g).tolist(),
+                   torch.randint(6, 100, (c,), generator=g).tolist(), "", "")
+        for p, c in [(4, 9), (2, 3), (7, 1), (1, 5), (3, 3)]
+    ]  # fmt: skip
+    results = []
+    for batch in (collate(examples, 0), pack(examples, 0)):
+        model.zero_grad(set_to_none=True)
+        logps = batch_logprobs(model, batch)
+        loss, metrics = CompletionNLLLoss()(logps, batch["loss_mask"], 21.0)
+        loss.backward()
+        grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+        results.append((loss.detach(), metrics["tokens"], grads))
+    (loss_a, tokens_a, grads_a), (loss_b, tokens_b, grads_b) = results
+    assert int(tokens_a) == int(tokens_b) == 21
+    packed = pack(examples, 0)
+    assert packed["input_ids"].shape == (3, 13)  # 13 | 5 + 8 | 6 + 6, not 5 rows of 13
+    torch.testing.assert_close(loss_b, loss_a, rtol=0, atol=1e-6)
+    assert grads_a.keys() == grads_b.keys() and grads_a
+    for name, grad in grads_b.items():
+        relative = (grad - grads_a[name]).norm() / grads_a[name].norm()
+        assert relative <= 1e-5, (name, float(relative))
