@@ -33,7 +33,10 @@ step, i.e. steps warmup_steps+1..steps in full (collation, forwards, backward, o
 and nothing before (imports, model and data loading, tokenization, optimizer creation, the first
 step's lazy initialisation). Tokens: the non-pad tokens (attention_mask sum) of the chosen and
 rejected rows fed to the policy in those steps, counted where each trainer hands the batch to its
-forward (our `pair_logps`, TRL's `training_step`). Peak RSS: the whole process's high-water mark
+forward (our `pair_logps`, TRL's `training_step`); ours packs each pair as [prompt | chosen |
+rejected] (`train.packing`, on by default), and its tokens are counted as the 2B rows the packed
+rows stand for (`rlhf_core.packing.unpacked_tokens`), so both trainers count the same tokens.
+Peak RSS: the whole process's high-water mark
 (VmHWM = ru_maxrss), and separately the peak during the timed steps (the mark is reset at the
 window's start). CPU seconds (user + kernel, all threads) over the same window are recorded too:
 they do not count time spent waiting for a core on a loaded machine.
@@ -82,6 +85,7 @@ def run_ours(w: Workload, workdir: Path) -> dict[str, Any]:
     from rlhf_core.data import DataSource
     from rlhf_core.models import ModelConfig
     from rlhf_core.optim import OptimConfig
+    from rlhf_core.packing import is_packed, unpacked_tokens
     from rlhf_core.tracking import TrackingConfig
 
     after_imports = rss_mb()
@@ -113,7 +117,10 @@ def run_ours(w: Workload, workdir: Path) -> dict[str, Any]:
         return out
 
     def counted_logps(model, batch):
-        clock.count(batch["attention_mask"])
+        if is_packed(batch):  # the non-pad tokens of the 2B rows the packed rows stand for
+            clock.tokens.append(unpacked_tokens(batch))
+        else:
+            clock.count(batch["attention_mask"])
         return original_logps(model, batch)
 
     da_train.optimizer_step, da_train.pair_logps = timed_step, counted_logps

@@ -4,20 +4,27 @@ The unit of work is the DPO step minus the optimizer: the policy's chosen/reject
 gradients, the reference's without, the `dpo` loss from `direct_alignment.losses.LOSSES` and the
 backward pass, on one batch of the DPO workload (`benchmarks.workload`: same model, pairs, order and
 batch size): the batch of median padded size among the workload's steps. "shipped" is what our
-trainer does (`direct_alignment.reference.pair_logps` = one concatenated forward through
-`rlhf_core.logprobs.causal_lm_selected_logprobs`, the LM head only on completion positions, batches
-padded to their longest row by `collate_pairs`, chunked `token_logprobs`, a frozen reference model).
-Each other variant changes exactly one thing:
+trainer does (`direct_alignment.reference.pair_logps` on `pack_pairs` batches: each pair packed as
+[prompt | chosen | rejected] with a 4D mask, its prompt encoded once, short pairs sharing a row,
+`rlhf_core.packing`; the LM head only on completion positions, fused with the log-softmax; a
+frozen reference model). "flat_rows" is what it did before packing (`collate_pairs`: 2B rows,
+prompt + chosen then prompt + rejected, padded to the batch's longest, one concatenated forward
+through `rlhf_core.logprobs.causal_lm_selected_logprobs`). Each other variant changes exactly one
+thing, of shipped or of flat_rows:
 
-  two_forwards      chosen and rejected rows in two forwards (each half of the batch cut to its
-                    own longest row) instead of one concatenated forward
-  fixed_padding     rows padded to max_length instead of the batch's longest row
-  full_log_softmax  log_softmax over the full (2B, S-1, V) logits, then gather, instead of the
-                    chunked logit[y] - logsumexp
+  one_pair_per_row  shipped without packing: each pair's [prompt | chosen | rejected] in a row of
+                    its own (the prompt still shared)
+  flat_rows         one_pair_per_row without the shared prompt (see above)
+  two_forwards      flat_rows' chosen and rejected rows in two forwards (each half of the batch
+                    cut to its own longest row) instead of one concatenated forward
+  fixed_padding     flat_rows padded to max_length instead of the batch's longest row
+  full_log_softmax  flat_rows with log_softmax over the full (2B, S-1, V) logits, then gather,
+                    instead of the fused completion-only logit[y] - logsumexp
   precomputed_ref   reference log-probs looked up from a cache made once by our
                     `precompute_reference` (its one-off cost is reported), no reference model held
-  full_lm_head      the LM head on every position of the batch (`causal_lm_token_logprobs`, then
-                    the completion positions picked), instead of shipped's completion-only head
+  full_lm_head      flat_rows with the LM head on every position of the batch
+                    (`causal_lm_token_logprobs`, then the completion positions picked), instead of
+                    the completion-only head
 
 Plus two things outside the step's code. THP: the same worker run again in a process started with
 `THP_MEM_ALLOC_ENABLE=1`, which makes PyTorch's CPU allocator back tensors of 2 MiB and more with
@@ -58,6 +65,8 @@ from benchmarks.workload import Workload, model_dir, prepare
 
 VARIANTS = (
     "shipped",
+    "one_pair_per_row",
+    "flat_rows",
     "two_forwards",
     "fixed_padding",
     "full_log_softmax",
@@ -66,12 +75,15 @@ VARIANTS = (
 )
 #: (technique, variant with it, variant without it, in src?)
 TECHNIQUES = (
-    ("concatenated chosen/rejected forward", "shipped", "two_forwards", "yes"),
-    ("padding to the batch's longest row", "shipped", "fixed_padding", "yes"),
-    ("chunked selective log-softmax", "shipped", "full_log_softmax", "yes"),
+    ("packing several pairs per row", "shipped", "one_pair_per_row", "yes (train.packing)"),
+    ("shared prompt, encoded once per pair", "one_pair_per_row", "flat_rows",
+     "yes (train.packing)"),
+    ("concatenated chosen/rejected forward", "flat_rows", "two_forwards", "yes"),
+    ("padding to the batch's longest row", "flat_rows", "fixed_padding", "yes"),
+    ("fused completion-only log-softmax", "flat_rows", "full_log_softmax", "yes"),
     ("precomputed reference log-probs", "precomputed_ref", "shipped", "yes (reference.mode)"),
-    ("completion-only LM head", "shipped", "full_lm_head", "yes"),
-)
+    ("completion-only LM head", "flat_rows", "full_lm_head", "yes"),
+)  # fmt: skip
 
 
 # ----------------------------------------------------------------------------- the variants
@@ -83,7 +95,7 @@ class Bench:
     def __init__(self, w: Workload, workdir: Path) -> None:
         import torch
 
-        from direct_alignment.data import build_preference_data, collate_pairs
+        from direct_alignment.data import build_preference_data, collate_pairs, pack_pairs
         from direct_alignment.losses import LOSSES
         from direct_alignment.reference import precompute_reference
         from rlhf_core.data import DataSource, EpochSampler
@@ -110,6 +122,10 @@ class Bench:
         self.batch_index = sorted(range(len(steps)), key=lambda i: (sizes[i], i))[len(steps) // 2]
         self.pairs = [steps[self.batch_index]]
         self.batches = [collate_pairs(p, self.pad_id) for p in self.pairs]
+        self.packed = {
+            pack: [pack_pairs(p, self.pad_id, pack=pack) for p in self.pairs]
+            for pack in (True, False)
+        }
         self.tokens = sum(int(b["attention_mask"].sum()) for b in self.batches)
         self.loss_fn = build_from_spec(LOSSES, {"name": "dpo", "beta": w.beta})
         self.policy = load_policy(cfg).train()
@@ -122,7 +138,7 @@ class Bench:
         for pairs in self.pairs:
             cache = precompute_reference(
                 self.reference, pairs, pad_id=self.pad_id, batch_size=w.batch_size,
-                device=torch.device("cpu"),
+                device=torch.device("cpu"), collate=pack_pairs,
             )  # fmt: skip
             self.ref_cache.append((cache[:, 0], cache[:, 1]))
         self.precompute_s = time.perf_counter() - start
@@ -193,7 +209,8 @@ class Bench:
         """The DPO step minus the optimizer on every batch; returns the policy's summed
         log-probs (chosen then rejected of each batch), to check the variants agree."""
         logps = {
-            "shipped": self.shipped_logps, "two_forwards": self.two_forward_logps,
+            "shipped": self.shipped_logps, "one_pair_per_row": self.shipped_logps,
+            "flat_rows": self.shipped_logps, "two_forwards": self.two_forward_logps,
             "fixed_padding": self.shipped_logps, "full_log_softmax": self.full_softmax_logps,
             "precomputed_ref": self.shipped_logps, "full_lm_head": self.full_head_logps,
         }[variant]  # fmt: skip
@@ -201,6 +218,8 @@ class Bench:
         for i, batch in enumerate(self.batches):
             if variant == "fixed_padding":
                 batch = self.padded_to_max_length(batch)
+            elif variant in ("shipped", "precomputed_ref", "one_pair_per_row"):
+                batch = self.packed[variant != "one_pair_per_row"][i]
             chosen, rejected = logps(self.policy, batch)
             if variant == "precomputed_ref":
                 ref_c, ref_r = self.ref_cache[i]
@@ -279,6 +298,10 @@ def worker(w: Workload, workdir: Path, rounds: int) -> dict[str, Any]:
         "pairs": sum(len(p) for p in bench.pairs),
         "tokens_per_call": bench.tokens,
         "padded_positions": sum(int(b["attention_mask"].numel()) for b in bench.batches),
+        "packed_positions": {
+            str(pack): sum(int(b["input_ids"].numel()) for b in batches)
+            for pack, batches in bench.packed.items()
+        },
         "times": times,
         "cpu_times": cpu,
         "working_memory_mb": memory,
@@ -339,7 +362,7 @@ def summarize(m: dict[str, Any], thp: dict[str, Any]) -> dict[str, Any]:
             "cpu_speedup": median(cpu[v]) / median(thp["cpu_times"][v]),
             "working_memory_ratio": thp["working_memory_mb"][v] / memory[v],
         }
-        for v in ("shipped", "full_lm_head")
+        for v in ("shipped", "flat_rows")
     }
     adam = m["adamw"]
     out["adamw"] = adam | {"speedup": adam["for_loop_s"] / adam["fused_s"]}
@@ -355,7 +378,9 @@ def markdown(result: dict[str, Any]) -> str:
         f"Unit of work: one DPO step without the optimizer (policy forward+backward, reference "
         f"forward, `dpo` loss) on batch {m['batch_index'] + 1} of the DPO workload (the median "
         f"padded size: {m['pairs']} pairs, {m['tokens_per_call']} non-pad tokens in "
-        f"{m['padded_positions']} positions), model `{w.model}`, {w.threads} threads. Time: "
+        f"{m['padded_positions']} positions as flat rows; packed: "
+        f"{m['packed_positions']['True']} positions, one pair per row "
+        f"{m['packed_positions']['False']}), model `{w.model}`, {w.threads} threads. Time: "
         f"median of {result['rounds']} rotating rounds in one process (CPU s: user + kernel time "
         "of all threads). Working memory: the peak "
         "RSS above the RSS at the start of the work (after `malloc_trim`).",
@@ -414,7 +439,8 @@ def profile(w: Workload, variants: list[str], rows: int) -> None:
         bench = Bench(w, Path(tmp))
     print(
         f"batch {bench.batch_index + 1}: {bench.tokens} non-pad tokens, "
-        f"{bench.batches[0]['input_ids'].numel()} positions, {w.threads} thread(s)"
+        f"{bench.batches[0]['input_ids'].numel()} positions as flat rows, "
+        f"{bench.packed[True][0]['input_ids'].numel()} packed, {w.threads} thread(s)"
     )
     for variant in variants:
         bench.run(variant)  # warm-up
@@ -441,9 +467,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--result", type=Path)
     parser.add_argument("--profile", action="store_true", help="print torch.profiler tables")
-    parser.add_argument(
-        "--variants", nargs="+", choices=VARIANTS, default=["shipped", "full_lm_head"]
-    )
+    parser.add_argument("--variants", nargs="+", choices=VARIANTS, default=["shipped", "flat_rows"])
     parser.add_argument("--threads", type=int, default=Workload().threads, help="with --profile")
     parser.add_argument("--rows", type=int, default=12, help="operators shown per variant")
     parser.add_argument("--steps", type=int, default=Workload().steps, help="with --profile")

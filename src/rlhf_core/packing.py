@@ -144,6 +144,7 @@ def pack_groups(
         "ends": ends,
         "branch_lengths": torch.tensor([len(b) for _, bs in groups for b in bs], dtype=torch.long),
         "prefix_lengths": torch.tensor([len(p) for p, _ in groups], dtype=torch.long),
+        "branches_per_group": torch.tensor([len(bs) for _, bs in groups], dtype=torch.long),
     }
 
 
@@ -209,3 +210,11 @@ def batch_logprobs(model: torch.nn.Module, batch: dict[str, torch.Tensor]) -> to
     if is_packed(batch):
         return packed_token_logprobs(model, batch)[None]
     return policy_logprobs(model, batch["input_ids"], batch["attention_mask"], batch["loss_mask"])
+
+
+def unpacked_tokens(batch: dict[str, torch.Tensor]) -> int:
+    """Non-pad tokens of the unpacked rows a packed batch stands for: each branch with its
+    prefix (a shared prompt counts once per completion reading it), so a tokens/s figure does
+    not depend on packing."""
+    prefix = batch["prefix_lengths"].repeat_interleave(batch["branches_per_group"])
+    return int(prefix.sum() + batch["branch_lengths"].sum())
