@@ -61,7 +61,7 @@ from benchmarks.measure import (
     run_worker,
     write_result_file,
 )
-from benchmarks.workload import Workload, model_dir, prepare
+from benchmarks.workload import MODEL_CHOICES, Workload, model_dir, prepare
 
 VARIANTS = (
     "shipped",
@@ -471,11 +471,14 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--threads", type=int, default=Workload().threads, help="with --profile")
     parser.add_argument("--rows", type=int, default=12, help="operators shown per variant")
     parser.add_argument("--steps", type=int, default=Workload().steps, help="with --profile")
+    parser.add_argument(
+        "--model", choices=MODEL_CHOICES, default=Workload().model, help="with --profile"
+    )
     args = parser.parse_args(argv)
     if args.profile:
         w = dataclasses.replace(
             Workload.from_json(args.workload) if args.workload else Workload(),
-            threads=args.threads, steps=args.steps,
+            threads=args.threads, steps=args.steps, model=args.model,
         )  # fmt: skip
         profile(w, args.variants, args.rows)
         return
