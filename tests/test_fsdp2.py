@@ -42,10 +42,27 @@ def torchrun_cmd(module: str, cfg: Path, out: Path, *extra: str) -> list[str]:
             "-m", module, "--config", str(cfg), "--output-dir", str(out), *extra]  # fmt: skip
 
 
+def untied_copy(preset: str, target: Path) -> Path:
+    """The preset with its LM head untied from the input embedding (a copy of it), as in
+    Qwen3-8B: under FSDP2 the embedding and the head are then units of their own."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from rlhf_core.tiny import preset_dir
+
+    model = AutoModelForCausalLM.from_pretrained(preset_dir(preset))
+    model.config.tie_word_embeddings = False
+    model.lm_head.weight = torch.nn.Parameter(model.model.embed_tokens.weight.detach().clone())
+    model.save_pretrained(target)
+    AutoTokenizer.from_pretrained(preset_dir(preset)).save_pretrained(target)
+    return target
+
+
 def test_sft_fsdp2_equals_one_process_resumes_after_sigkill_and_final_loads(
     tiny_sft_dict, tmp_path
 ):
     data = tiny_sft_dict
+    # untied: the embedding and the fused LM head run as FSDP2 units of their own
+    data["model"]["name_or_path"] = str(untied_copy("tiny-qwen3", tmp_path / "untied"))
     data["train"].update(micro_batch_size=4, max_steps=4, eval_every=2)  # accumulation
     data["checkpoint"] = {"save_every": 2, "keep_last": 2}
     cfg = write_yaml(tmp_path / "sft.yaml", data)
@@ -53,6 +70,8 @@ def test_sft_fsdp2_equals_one_process_resumes_after_sigkill_and_final_loads(
     launch("instruction_tuning.train", cfg, tmp_path / "two", 2, *FSDP2)
     assert_same_run(tmp_path / "one", tmp_path / "two", "train/loss")
     assert_half_per_rank(tmp_path / "two", tmp_path / "one")
+    units = json.loads((tmp_path / "two" / "summary.json").read_text())["fsdp/units"]
+    assert {"model.embed_tokens", "lm_head", "model.layers.0", "(root)"} <= set(units)
     # every process evaluated its share with the parameters gathered: greedy metrics and the
     # eval loss equal one process's
     for key in ("eval/loss", "eval/greedy_exact_match", "eval/greedy_task_score"):
