@@ -173,8 +173,7 @@ def test_policy_gradient_fsdp2_equals_one_process(tmp_path, algo):
 
     spec = yaml.safe_load((REPO / f"configs/policy_gradients/{algo}.yaml").read_text())
     algorithm = {**spec["algorithm"], "ppo_epochs": 2}
-    if algo == "ppo":  # whitening is per process (under DDP too): not one process's numbers
-        algorithm["advantage"] = {**algorithm["advantage"], "whiten": False}
+    # PPO whitens GAE advantages over the whole step's batch, across the processes
     data = tiny_pg_dict("tiny-qwen3", **algorithm)
     data["data"]["eval"]["reasoning_gym"]["size"] = 8
     data["rollout"].update(prompts_per_step=4, group_size=4 if algo == "grpo" else 2,
@@ -190,5 +189,12 @@ def test_policy_gradient_fsdp2_equals_one_process(tmp_path, algo):
         one, two = (metric_series(tmp_path / r, key) for r in ("one", "two"))
         assert one and one.keys() == two.keys(), key
         assert all(two[k] == pytest.approx(one[k]) for k in one), key
+    # loss components are micro-batch means weighted by each micro-batch's share of the step:
+    # summed over the processes they are the step's mean (one process's, up to how the rows
+    # fall into micro-batches); one process's share alone would be about half of it
+    for key in ("train/loss/ratio_mean", "train/loss/entropy"):
+        one, two = (metric_series(tmp_path / r, key) for r in ("one", "two"))
+        assert one and one.keys() == two.keys(), key
+        assert all(two[k] == pytest.approx(one[k], rel=0.1) for k in one), (key, one, two)
     summary = json.loads((tmp_path / "two" / "summary.json").read_text())
     assert summary["engine"] == "fsdp2"

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import sys
 import time
+from functools import partial
 
 import torch
 from accelerate.utils import gather_object
@@ -123,6 +124,9 @@ def train(cfg: PGConfig, run: RunArgs) -> int:
         )
     reward_fn = CombinedReward(cfg.rewards, strip_thinking=cfg.strip_thinking)
     estimator = build_from_spec(ADVANTAGES, alg.advantage)
+    if world > 1 and not alg.dynamic_sampling:  # whiten over the whole step's batch (one call
+        # per process per step; dynamic sampling's rounds differ between processes: per slice)
+        estimator.sum_across_processes = partial(accelerator.reduce, reduction="sum")
     loss_fn = build_from_spec(LOSSES, alg.loss)
     value_loss_fn = build_from_spec(VALUE_LOSSES, alg.value_loss) if alg.value_loss else None
     needs_reference = loss_fn.needs_reference or alg.kl_in_reward.beta > 0
@@ -313,6 +317,9 @@ def train(cfg: PGConfig, run: RunArgs) -> int:
             step += 1
 
             if step % cfg.tracking.log_every == 0 or step == t.max_steps:
+                # each process holds its rows' share of the step's loss components: sum them
+                sums = {k: accelerator.reduce(torch.tensor(v, device=device), reduction="sum")
+                        .item() for k, v in sorted(sums.items())}  # fmt: skip
                 tracker.log(step, {
                     "train/loss": step_loss.item(), "train/grad_norm": grad_norm,
                     "train/lr": scheduler.get_last_lr()[0], "train/skipped_steps": skips.total,
