@@ -175,6 +175,17 @@ def test_policy_gradient_fsdp2_equals_one_process(tmp_path, algo):
     algorithm = {**spec["algorithm"], "ppo_epochs": 2}
     # PPO whitens GAE advantages over the whole step's batch, across the processes
     data = tiny_pg_dict("tiny-qwen3", **algorithm)
+    if algo == "ppo":  # a learned reward too: sharded at rest, gathered while it scores
+        from rlhf_core.models import ModelConfig, load_tokenizer
+        from rlhf_core.scalar_head import ScalarHeadInfo, ScalarHeadModel
+
+        torch.manual_seed(0)
+        tiny = ModelConfig(name_or_path="tiny-qwen3")
+        rm = ScalarHeadModel.from_config(tiny, ScalarHeadInfo(kind="preference", max_length=64))
+        rm.tokenizer = load_tokenizer(tiny, padding_side="right")
+        rm.save_pretrained(tmp_path / "rm")
+        data["rewards"].append({"name": "reward_model", "path": str(tmp_path / "rm"),
+                                "weight": 0.5, "device": "cpu"})  # fmt: skip
     data["data"]["eval"]["reasoning_gym"]["size"] = 8
     data["rollout"].update(prompts_per_step=4, group_size=4 if algo == "grpo" else 2,
                            max_new_tokens=8)  # fmt: skip
@@ -198,3 +209,4 @@ def test_policy_gradient_fsdp2_equals_one_process(tmp_path, algo):
         assert all(two[k] == pytest.approx(one[k], rel=0.1) for k in one), (key, one, two)
     summary = json.loads((tmp_path / "two" / "summary.json").read_text())
     assert summary["engine"] == "fsdp2"
+    assert_half_per_rank(tmp_path / "two", tmp_path / "one")  # the reward model's shards too

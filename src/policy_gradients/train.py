@@ -157,6 +157,10 @@ def train(cfg: PGConfig, run: RunArgs) -> int:
         else:  # the starting weights, never the resumed ones
             start = load_policy(cfg.model.model_copy(update={"lora": None}), device)
             reference = ReferencePolicy(engine.prepare(start, trainable=False), "frozen")
+    # learned rewards: sharded at rest like the reference, gathered while they score
+    for component, model in reward_fn.models():
+        component.model = engine.prepare(model.requires_grad_(False), trainable=False)
+    reward_models = [component.model for component, _ in reward_fn.models()]
     value_model = value_opt = value_sched = None
     if value_loss_fn is not None:  # PPO: backbone + scalar head, from the policy's start
         value_model = ScalarHeadModel.from_config(
@@ -197,15 +201,17 @@ def train(cfg: PGConfig, run: RunArgs) -> int:
     )
     buffer = ReplayBuffer()
     held = [policy, reference.own_model if reference else None, value_model]
-    engine_facts = engine.announce([m for m in held if m is not None], [optimizer] + (
-        [value_opt] if value_opt is not None else []))  # fmt: skip
+    engine_facts = engine.announce(
+        [m for m in [*held, *reward_models] if m is not None],
+        [optimizer] + ([value_opt] if value_opt is not None else []),
+    )
 
     def run_eval() -> dict[str, float]:
         if eval_prompts is None:
             return {}
         # every process evaluates all prompts (the same numbers), its models gathered
         rows: list[tuple] = []
-        with engine.gathered_all(*held[:2]) as (whole, _):
+        with engine.gathered_all(*held[:2], *reward_models) as (whole, *_):
             results = evaluate_policy(
                 whole, reference, tokenizer, eval_prompts, reward_fn,
                 max_new_tokens=ro.max_new_tokens, temperature=ro.temperature,
@@ -285,7 +291,7 @@ def train(cfg: PGConfig, run: RunArgs) -> int:
     with StopSignal() as stop:
         while step < t.max_steps:
             # each process generates its own prompts' rollouts, its models gathered
-            with engine.gathered_all(*held) as (whole, _, whole_value):
+            with engine.gathered_all(*held, *reward_models) as (whole, _, whole_value, *_):
                 collected = collect_experience(
                     step=step, policy=whole, reference=reference, tokenizer=tokenizer,
                     prompts=train_prompts, sampler=sampler, prompts_per_step=ro.prompts_per_step,
