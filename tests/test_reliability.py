@@ -406,12 +406,14 @@ def test_kills_inside_checkpoint_saving_never_leave_a_torn_checkpoint(tiny_sft_d
 
 @pytest.mark.slow
 def test_grpo_survives_random_sigkills_exactly(sft_checkpoint, tmp_path):
-    """Ten SIGKILLs at random moments of a 16-step GRPO run (each while it trains, samples or
-    writes a checkpoint), each followed by `--resume`: the final weights equal the uninterrupted
-    run's and the rollout log holds exactly one set of rows per step."""
+    """Ten SIGKILLs at random moments of a 16-step GRPO run with two PPO epochs a step (each
+    while it trains, samples or writes a checkpoint), each followed by `--resume`: the final
+    weights equal the uninterrupted run's and the rollout log holds exactly one set of rows per
+    step."""
     data = tiny_pg_dict(sft_checkpoint, name="grpo", advantage={"name": "grpo"},
                         loss={"name": "clipped"})  # fmt: skip
     data["data"]["eval"] = None
+    data["algorithm"]["ppo_epochs"] = 2  # the replay buffer's shuffles resume too
     data["train"]["max_steps"] = steps = 16
     data["checkpoint"].update(save_every=1, keep_last=2)
     cfg_path = write_yaml(tmp_path / "grpo.yaml", data)

@@ -170,10 +170,9 @@ def completion_values(
     model = value_model.module if hasattr(value_model, "module") else value_model
     if not is_encoder_decoder(model.backbone):
         return value_model(ids, attention_mask)[..., 0][:, prompt_length - 1 : -1]
-    backbone = model.backbone
-    completion = ids[:, prompt_length:]
-    hidden = backbone(
-        input_ids=ids[:, :prompt_length], attention_mask=attention_mask[:, :prompt_length],
-        decoder_input_ids=shift_right(completion, decoder_start_id(backbone)), use_cache=False,
-    ).last_hidden_state  # fmt: skip
-    return model.head(hidden.to(model.head.weight.dtype))[..., 0]
+    # through the value model's own forward, so a DDP or FSDP2 wrapper's hooks run
+    start = decoder_start_id(model.backbone)
+    return value_model(
+        ids[:, :prompt_length], attention_mask[:, :prompt_length],
+        decoder_input_ids=shift_right(ids[:, prompt_length:], start),
+    )[..., 0]  # fmt: skip

@@ -339,20 +339,34 @@ class ScalarHeadModel(nn.Module):
     def backbone_frozen(self) -> bool:
         return not any(p.requires_grad for p in self.backbone.parameters())
 
-    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        attention_mask: torch.Tensor,
+        decoder_input_ids: torch.Tensor | None = None,
+    ) -> torch.Tensor:
         """Scores of every position, (B, T, head_dim), float32. Padding positions hold garbage.
 
         Position ids come from the attention mask, so left or right padding scores the same.
-        (`reward_models.models.BaseRewardModel` adds the packed and shared-prefix forwards that
-        reward-model training uses.)"""
-        position_ids = (attention_mask.long().cumsum(-1) - 1).clamp(min=0)
+        An encoder-decoder backbone reads `input_ids` with its encoder and scores the positions
+        of `decoder_input_ids` (B, T). (`reward_models.models.BaseRewardModel` adds the packed
+        and shared-prefix forwards that reward-model training uses.)"""
         with self._grad_context():
-            hidden = self.backbone(
-                input_ids=input_ids,
-                attention_mask=attention_mask,
-                position_ids=position_ids,
-                use_cache=False,
-            ).last_hidden_state
+            if decoder_input_ids is not None:
+                hidden = self.backbone(
+                    input_ids=input_ids,
+                    attention_mask=attention_mask,
+                    decoder_input_ids=decoder_input_ids,
+                    use_cache=False,
+                ).last_hidden_state
+            else:
+                position_ids = (attention_mask.long().cumsum(-1) - 1).clamp(min=0)
+                hidden = self.backbone(
+                    input_ids=input_ids,
+                    attention_mask=attention_mask,
+                    position_ids=position_ids,
+                    use_cache=False,
+                ).last_hidden_state
         return self.head(hidden.to(self.head.weight.dtype))
 
     def _grad_context(self) -> Any:
