@@ -428,13 +428,26 @@ def test_grpo_survives_random_sigkills_exactly(sft_checkpoint, tmp_path):
     step_time = (time.time() - t0 - first) / (steps - 1)
     out, rng, kills = tmp_path / "soak", random.Random(0), 0
     args = ["--config", str(cfg_path), "--output-dir", str(out)]
-    for _ in range(10):  # each attempt lives to a random point up to ~1.5 steps past start-up
+
+    def newest() -> int:  # the newest whole checkpoint's step (0: none yet)
+        done = [int(p.parent.name.split("-")[1]) for p in
+                (out / "checkpoints").glob("checkpoint-*/trainer_state.pt")
+                if p.parent.name.split("-")[1].isdigit()]  # fmt: skip
+        return max(done, default=0)
+
+    for _ in range(10):
+        # each attempt gets past its start-up and one more step (so every attempt makes
+        # progress, whatever the machine's load), then dies at a random moment of the next
+        # step: while it samples, trains or writes its checkpoint
         proc = subprocess.Popen(
             [sys.executable, "-m", "policy_gradients.train", *args], cwd=tmp_path,
             env={**os.environ, "PYTHONPATH": str(REPO / "src")},
             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
         )  # fmt: skip
-        time.sleep(first * rng.uniform(0.8, 1.0) + step_time * rng.uniform(0.0, 1.5))
+        target, deadline = newest() + 1, time.time() + 600
+        while newest() < target and proc.poll() is None and time.time() < deadline:
+            time.sleep(0.005)
+        time.sleep(step_time * rng.uniform(0.0, 0.9))
         args = ["--resume", str(out)]
         if proc.poll() is not None:  # it finished (or failed) before its kill
             assert proc.returncode == 0
