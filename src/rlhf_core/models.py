@@ -23,7 +23,7 @@ import warnings
 from collections.abc import Iterator
 from contextlib import contextmanager, nullcontext
 from pathlib import Path
-from typing import Literal
+from typing import TYPE_CHECKING, Literal
 
 import torch
 from pydantic import Field, model_validator
@@ -39,6 +39,9 @@ from rlhf_core.quantization import (
     quantized_load_kwargs,
 )
 from rlhf_core.tiny import is_preset, preset_dir
+
+if TYPE_CHECKING:
+    from rlhf_core.distributed import Engine
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
@@ -333,3 +336,15 @@ class ReferencePolicy:
         """Next-token log-probs under pi_ref, (B, S - 1); see `causal_lm_token_logprobs`."""
         with self.model() as ref:
             return causal_lm_token_logprobs(ref, input_ids, attention_mask, temperature=temperature)
+
+
+def load_reference(
+    reference: ReferenceConfig, model: ModelConfig, policy: torch.nn.Module, engine: Engine
+) -> ReferencePolicy:
+    """pi_ref for `reference.mode`: the LoRA `policy` with its adapter disabled ("adapter"), or
+    the starting policy `model` loaded again, frozen and placed by `engine` ("model" and
+    "precomputed"; never the resumed weights, and without LoRA)."""
+    if reference.mode == "adapter":
+        return ReferencePolicy(policy, "adapter")
+    start = load_policy(model.model_copy(update={"lora": None}), engine.accelerator.device)
+    return ReferencePolicy(engine.prepare(start, trainable=False), "frozen")
