@@ -106,9 +106,8 @@ def train(cfg: DAConfig, run: RunArgs) -> int:
             "train pairs": f"{len(train_data.pairs)} ({d.train.describe()}; dropped identical "
             f"{train_data.dropped_identical}, truncated {train_data.truncated})",
             "eval pairs": len(eval_data.pairs) if eval_data else 0,
-            "would run": f"{total_steps} steps x {t.batch_size} pairs on {device} ({world} procs, "
-            f"engine {engine.name})",
-        }, run_dir=run_dir, ckpt=ckpt)  # fmt: skip
+            "would run": f"{total_steps} steps x {t.batch_size} pairs",
+        }, engine=engine, run_dir=run_dir, ckpt=ckpt)  # fmt: skip
         return 0
 
     # --- policy and reference
@@ -147,12 +146,12 @@ def train(cfg: DAConfig, run: RunArgs) -> int:
     scheduler = build_scheduler(optimizer, cfg.optim, total_steps)
     # data position, skipped steps, best model, tracker: fresh, or resumed from ckpt
     book = start_bookkeeping(
-        cfg, run, package=PACKAGE, run_dir=run_dir, ckpt=ckpt, accelerator=accelerator,
-        num_rows=len(train_data.pairs), total_steps=total_steps,
+        cfg, run, package=PACKAGE, accelerator=accelerator, threads=threads, run_dir=run_dir,
+        ckpt=ckpt, num_rows=len(train_data.pairs), total_steps=total_steps,
         periodic_eval=bool(t.eval_every) and eval_data is not None,
         model=policy, tokenizer=tokenizer, optimizer=optimizer, scheduler=scheduler,
     )  # fmt: skip
-    step, sampler, skips, tracker = book.start_step, book.sampler, book.skips, book.tracker
+    step, sampler, skips = book.start_step, book.sampler, book.skips
 
     engine_facts = engine.announce(
         [policy, *([reference.own_model] if reference and reference.own_model else [])],
@@ -198,16 +197,9 @@ def train(cfg: DAConfig, run: RunArgs) -> int:
             )  # fmt: skip
             step += 1
 
-            if step % cfg.tracking.log_every == 0 or step == total_steps:
-                reduced = {
-                    k: accelerator.reduce(v, reduction="sum").item() for k, v in metrics.items()
-                }
-                tracker.log(step, {
-                    "train/loss": step_loss.item(), "train/grad_norm": grad_norm,
-                    "train/lr": scheduler.get_last_lr()[0], "train/epoch": sampler.epoch_float,
-                    "train/skipped_steps": skips.total,
-                    **{f"train/{k}": v for k, v in reduced.items()},
-                })  # fmt: skip
+            if book.log_due(step):  # the step's metrics, summed over processes
+                reduced = {k: accelerator.reduce(v, "sum").item() for k, v in metrics.items()}
+                book.log_step(step, step_loss, grad_norm, reduced)
             if book.evaluate(step, run_eval):  # every train.eval_every steps
                 break  # early stop: the final evaluation and final/ follow
             if t.samples_every and step % t.samples_every == 0 and eval_data:
@@ -217,11 +209,8 @@ def train(cfg: DAConfig, run: RunArgs) -> int:
                         run_dir / "samples.jsonl" if is_main else None, step=step,
                         max_new_tokens=t.sample_max_new_tokens, seed=cfg.seed + step,
                     )  # fmt: skip
-            if book.save_due(step):
-                book.save(step)
-            if stop.requested:
-                book.save(step)
-                return book.stopped(step, stop)
+            if (exit_code := book.checkpoint(step, stop)) is not None:
+                return exit_code  # stopped by a signal, checkpoint saved
 
     # --- final evaluation, final/ and summary
     book.finish(step, run_eval(), {
@@ -230,7 +219,7 @@ def train(cfg: DAConfig, run: RunArgs) -> int:
         "truncated_pairs": train_data.truncated,
         "dropped_overlong": train_data.dropped_overlong, "final_train_loss": step_loss.item(),
         **{f"final_train/{k}": float(v) for k, v in metrics.items()},
-    }, threads=threads, engine_facts=engine_facts)  # fmt: skip
+    }, engine_facts)  # fmt: skip
     return 0
 
 

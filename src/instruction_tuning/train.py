@@ -72,9 +72,8 @@ def train(cfg: SFTConfig, run: RunArgs) -> int:
         print_dry_run(cfg, tokenizer, {
             "train rows": f"{len(train_data.examples)} ({d.train.describe()})",
             "eval rows": len(eval_data.examples) if eval_data else 0,
-            "would run": f"{total_steps} steps x {t.batch_size} rows on {device} ({world} procs, "
-            f"engine {engine.name})",
-        }, run_dir=run_dir, ckpt=ckpt)  # fmt: skip
+            "would run": f"{total_steps} steps x {t.batch_size} rows",
+        }, engine=engine, run_dir=run_dir, ckpt=ckpt)  # fmt: skip
         return 0
 
     # --- model, optimizer, schedule
@@ -86,12 +85,12 @@ def train(cfg: SFTConfig, run: RunArgs) -> int:
     scheduler = build_scheduler(optimizer, cfg.optim, total_steps)
     # data position, skipped steps, best model, tracker: fresh, or resumed from ckpt
     book = start_bookkeeping(
-        cfg, run, package=PACKAGE, run_dir=run_dir, ckpt=ckpt, accelerator=accelerator,
-        num_rows=len(train_data.examples), total_steps=total_steps,
+        cfg, run, package=PACKAGE, accelerator=accelerator, threads=threads, run_dir=run_dir,
+        ckpt=ckpt, num_rows=len(train_data.examples), total_steps=total_steps,
         periodic_eval=bool(t.eval_every) and eval_data is not None,
         model=model, tokenizer=tokenizer, optimizer=optimizer, scheduler=scheduler,
     )  # fmt: skip
-    step, sampler, skips, tracker = book.start_step, book.sampler, book.skips, book.tracker
+    step, sampler, skips = book.start_step, book.sampler, book.skips
     loss_fn = build_from_spec(LOSSES, cfg.loss)
     engine_facts = engine.announce([model], [optimizer])
 
@@ -134,26 +133,19 @@ def train(cfg: SFTConfig, run: RunArgs) -> int:
             )  # fmt: skip
             step += 1
 
-            if step % cfg.tracking.log_every == 0 or step == total_steps:
-                tracker.log(step, {
-                    "train/loss": step_loss.item(), "train/grad_norm": grad_norm,
-                    "train/lr": scheduler.get_last_lr()[0], "train/epoch": sampler.epoch_float,
-                    "train/tokens": num_tokens.item(), "train/skipped_steps": skips.total,
-                })  # fmt: skip
+            if book.log_due(step):
+                book.log_step(step, step_loss, grad_norm, {"tokens": num_tokens.item()})
             if book.evaluate(step, run_eval):  # every train.eval_every steps
                 break  # early stop: the final evaluation and final/ follow
-            if book.save_due(step):
-                book.save(step)
-            if stop.requested:
-                book.save(step)
-                return book.stopped(step, stop)
+            if (exit_code := book.checkpoint(step, stop)) is not None:
+                return exit_code  # stopped by a signal, checkpoint saved
 
     # --- final evaluation, final/ and summary
     book.finish(step, run_eval(), {
         "train_rows": len(train_data.examples),
         "truncated_completions": train_data.truncated_completions,
         "dropped_overlong": train_data.dropped_overlong, "final_train_loss": step_loss.item(),
-    }, threads=threads, engine_facts=engine_facts)  # fmt: skip
+    }, engine_facts)  # fmt: skip
     return 0
 
 

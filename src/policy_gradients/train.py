@@ -124,8 +124,8 @@ def train(cfg: PGConfig, run: RunArgs) -> int:
             "train prompts": f"{len(train_prompts.items)} ({d.train.describe()})",
             "eval prompts": len(eval_prompts.items) if eval_prompts else 0,
             "would run": f"{t.max_steps} steps x {ro.prompts_per_step} prompts x "
-            f"{ro.group_size} completions on {device} ({world} procs, engine {engine.name})",
-        }, run_dir=run_dir, ckpt=ckpt)  # fmt: skip
+            f"{ro.group_size} completions",
+        }, engine=engine, run_dir=run_dir, ckpt=ckpt)  # fmt: skip
         return 0
 
     # --- policy, reference, optimizer
@@ -150,8 +150,8 @@ def train(cfg: PGConfig, run: RunArgs) -> int:
         value_sched = build_scheduler(value_opt, cfg.optim, total_updates)
     # data position, skipped steps, best model, tracker: fresh, or resumed from ckpt
     book = start_bookkeeping(
-        cfg, run, package=PACKAGE, run_dir=run_dir, ckpt=ckpt, accelerator=accelerator,
-        num_rows=len(train_prompts.items), total_steps=t.max_steps,
+        cfg, run, package=PACKAGE, accelerator=accelerator, threads=threads, run_dir=run_dir,
+        ckpt=ckpt, num_rows=len(train_prompts.items), total_steps=t.max_steps,
         periodic_eval=bool(t.eval_every) and cfg.data.eval is not None,
         model=policy, tokenizer=tokenizer, optimizer=optimizer, scheduler=scheduler,
         extra={"value": (value_model, value_opt)} if value_model is not None else None,
@@ -297,7 +297,7 @@ def train(cfg: PGConfig, run: RunArgs) -> int:
         "algorithm": alg.name, "train_prompts": len(train_prompts.items),
         "first_train_reward": first[0]["train/reward/total"] if first else None,
         "last_train_reward": first[-1]["train/reward/total"] if first else None,
-    }, final_eval, threads=threads, engine_facts=engine_facts)  # fmt: skip
+    }, final_eval, engine_facts)  # fmt: skip
     return 0
 
 

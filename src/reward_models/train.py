@@ -104,9 +104,8 @@ def train(cfg: RMConfig, run: RunArgs) -> int:
             f"{'frozen' if cfg.freeze_backbone else 'LoRA' if cfg.model.lora else 'trained'})",
             "train examples": f"{train_data.describe()} from {d.train.describe()}",
             "eval examples": eval_data.describe() if eval_data else 0,
-            "would run": f"{total_steps} steps x {t.batch_size} examples on {device} "
-            f"({world} procs, engine {engine.name})",
-        }, run_dir=run_dir, ckpt=ckpt)  # fmt: skip
+            "would run": f"{total_steps} steps x {t.batch_size} examples",
+        }, engine=engine, run_dir=run_dir, ckpt=ckpt)  # fmt: skip
         return 0
 
     # --- model, optimizer, schedule
@@ -123,12 +122,12 @@ def train(cfg: RMConfig, run: RunArgs) -> int:
     scheduler = build_scheduler(optimizer, cfg.optim, total_steps)
     # data position, skipped steps, best model, tracker: fresh, or resumed from ckpt
     book = start_bookkeeping(
-        cfg, run, package=PACKAGE, run_dir=run_dir, ckpt=ckpt, accelerator=accelerator,
-        num_rows=len(train_data.examples), total_steps=total_steps,
+        cfg, run, package=PACKAGE, accelerator=accelerator, threads=threads, run_dir=run_dir,
+        ckpt=ckpt, num_rows=len(train_data.examples), total_steps=total_steps,
         periodic_eval=bool(t.eval_every) and eval_data is not None,
         model=model, tokenizer=tokenizer, optimizer=optimizer, scheduler=scheduler,
     )  # fmt: skip
-    step, sampler, skips, tracker = book.start_step, book.sampler, book.skips, book.tracker
+    step, sampler, skips = book.start_step, book.sampler, book.skips
     pad_id = tokenizer.pad_token_id
     engine_facts = engine.announce([model], [optimizer])
 
@@ -166,23 +165,13 @@ def train(cfg: RMConfig, run: RunArgs) -> int:
             )  # fmt: skip
             step += 1
 
-            if step % cfg.tracking.log_every == 0 or step == total_steps:
-                reduced = {
-                    k: accelerator.reduce(v, reduction="sum").item() for k, v in metrics.items()
-                }
-                tracker.log(step, {
-                    "train/loss": step_loss.item(), "train/grad_norm": grad_norm,
-                    "train/lr": scheduler.get_last_lr()[0], "train/epoch": sampler.epoch_float,
-                    "train/skipped_steps": skips.total,
-                    **{f"train/{k}": v for k, v in reduced.items()},
-                })  # fmt: skip
+            if book.log_due(step):  # the step's metrics, summed over processes
+                reduced = {k: accelerator.reduce(v, "sum").item() for k, v in metrics.items()}
+                book.log_step(step, step_loss, grad_norm, reduced)
             if book.evaluate(step, run_eval):  # every train.eval_every steps
                 break  # early stop: the final evaluation and final/ follow
-            if book.save_due(step):
-                book.save(step)
-            if stop.requested:
-                book.save(step)
-                return book.stopped(step, stop)
+            if (exit_code := book.checkpoint(step, stop)) is not None:
+                return exit_code  # stopped by a signal, checkpoint saved
 
     # --- final evaluation, final/ (and final-seqcls/), summary
     final_eval = run_eval()
@@ -197,7 +186,7 @@ def train(cfg: RMConfig, run: RunArgs) -> int:
         **{f"train_data/{k}": v for k, v in train_data.counts.items()},
         "final_train_loss": step_loss.item(),
         **{f"final_train/{k}": float(v) for k, v in metrics.items()},
-    }, final_eval, threads=threads, engine_facts=engine_facts)  # fmt: skip
+    }, final_eval, engine_facts)  # fmt: skip
     return 0
 
 

@@ -7,9 +7,11 @@ A package's `train()` keeps its own loop, read top to bottom: batches, forward, 
     `optim:`, `checkpoint:`, `tracking:`);
   - `start_bookkeeping`: the data position (`EpochSampler`), the skipped-step count, best-model
     selection (`ModelSelector`) and the `Tracker`, resumed together from a checkpoint;
-  - after each step: `evaluate` (every `train.eval_every` steps; True = stop early),
-    `save_due` / `save` (the checkpoint schedule), `stopped` (after SIGINT/SIGTERM);
-  - at the end: `finish` (the final evaluation logged, best/ and `final/`, `summary.json`).
+  - after each step: `log_due` / `log_step` (what every trainer logs), `evaluate` (every
+    `train.eval_every` steps; True = stop early), `checkpoint` (the checkpoint schedule and
+    the stop after SIGINT/SIGTERM; or its parts `save_due`, `save`, `stopped`);
+  - at the end: `finish` (the final evaluation logged, best/ and `final/`, `summary.json`),
+    or its two halves `save_final_model` and `summarize`.
 
 Not here: anything a trainer does differently (its models, batches, losses and metrics).
 """
@@ -37,6 +39,8 @@ from rlhf_core.loop import (
 from rlhf_core.optim import OptimConfig
 from rlhf_core.selection import ModelSelector
 from rlhf_core.tracking import Tracker, TrackingConfig
+
+Facts = dict[str, Any]  # named figures: metrics, summary entries
 
 
 class TrainerConfig(RunConfig):
@@ -70,6 +74,7 @@ class Bookkeeping:
     skips: SkippedSteps
     selector: ModelSelector
     tracker: Tracker
+    threads: int = 1  # CPU threads in use (reported in the summary)
     start_step: int = 0
     restored: dict[str, Any] = field(default_factory=dict)  # the loop state a resume read
     extra: dict[str, tuple[torch.nn.Module, torch.optim.Optimizer | None]] = field(
@@ -95,6 +100,22 @@ class Bookkeeping:
             extra_optimizers={k: o for k, (_, o) in self.extra.items() if o is not None},
         )  # fmt: skip
 
+    def log_due(self, step: int) -> bool:
+        """True every `tracking.log_every` steps and at the last step."""
+        return step % self.cfg.tracking.log_every == 0 or step == self.total_steps
+
+    def log_step(
+        self, step: int, loss: torch.Tensor, grad_norm: float, metrics: dict[str, Any]
+    ) -> None:
+        """Log what every supervised trainer logs after an optimizer step (loss, gradient norm,
+        learning rate, epoch, skipped steps), then `metrics` (numbers), each as `train/<key>`."""
+        self.tracker.log(step, {
+            "train/loss": loss.item(), "train/grad_norm": grad_norm,
+            "train/lr": self.scheduler.get_last_lr()[0],
+            "train/epoch": self.sampler.epoch_float, "train/skipped_steps": self.skips.total,
+            **{f"train/{k}": v for k, v in metrics.items()},
+        })  # fmt: skip
+
     def save_due(self, step: int) -> bool:
         """True every `checkpoint.save_every` steps."""
         every = self.cfg.checkpoint.save_every
@@ -109,6 +130,13 @@ class Bookkeeping:
         evaluation = run_eval()
         self.tracker.log(step, evaluation)
         return self.selector.observe(step, evaluation, self.model, self.tokenizer)
+
+    def checkpoint(self, step: int, stop: StopSignal) -> int | None:
+        """Save checkpoint-<step> when due (`checkpoint.save_every`) or after a stop signal;
+        after a signal also `stopped`, and return its exit code (None: the loop goes on)."""
+        if self.save_due(step) or stop.requested:
+            self.save(step)
+        return self.stopped(step, stop) if stop.requested else None
 
     def stopped(self, step: int, stop: StopSignal) -> int:
         """After a stop signal (the checkpoint already saved): the resume command, the curves,
@@ -126,19 +154,11 @@ class Bookkeeping:
         if self.cfg.checkpoint.save_final:
             save_final(self.accelerator, self.model, self.tokenizer, self.run_dir / "final")
 
-    def summarize(
-        self,
-        step: int,
-        facts: dict[str, Any],
-        final_eval: dict[str, float],
-        *,
-        threads: int,
-        engine_facts: dict[str, Any],
-    ) -> dict[str, Any]:
+    def summarize(self, step: int, facts: Facts, final_eval: Facts, engine_facts: Facts) -> Facts:
         """Write summary.json (the shared counts, the trainer's `facts`, the final evaluation,
         the engine's facts) and print it on the main process."""
         summary = self.tracker.finish({
-            "steps": step, "skipped_steps": self.skips.total, "threads": threads,
+            "steps": step, "skipped_steps": self.skips.total, "threads": self.threads,
             "processes": self.accelerator.num_processes, **self.selector.summary(), **facts,
             **final_eval, **engine_facts,
         })  # fmt: skip
@@ -147,18 +167,10 @@ class Bookkeeping:
             print(f"run dir: {self.run_dir}\n{lines}")
         return summary
 
-    def finish(
-        self,
-        step: int,
-        final_eval: dict[str, float],
-        facts: dict[str, Any],
-        *,
-        threads: int,
-        engine_facts: dict[str, Any],
-    ) -> dict[str, Any]:
+    def finish(self, step: int, final_eval: Facts, facts: Facts, engine_facts: Facts) -> Facts:
         """`save_final_model`, then `summarize`."""
         self.save_final_model(step, final_eval)
-        return self.summarize(step, facts, final_eval, threads=threads, engine_facts=engine_facts)
+        return self.summarize(step, facts, final_eval, engine_facts)
 
 
 def start_bookkeeping(
@@ -169,6 +181,7 @@ def start_bookkeeping(
     run_dir: Path,
     ckpt: Path | None,
     accelerator: Accelerator,
+    threads: int,
     num_rows: int,
     total_steps: int,
     periodic_eval: bool,
@@ -202,5 +215,5 @@ def start_bookkeeping(
         cfg=cfg, run=run, package=package, run_dir=run_dir, accelerator=accelerator,
         total_steps=total_steps, model=model, tokenizer=tokenizer, optimizer=optimizer,
         scheduler=scheduler, sampler=sampler, skips=skips, selector=selector, tracker=tracker,
-        start_step=step, restored=restored, extra=dict(extra or {}),
+        threads=threads, start_step=step, restored=restored, extra=dict(extra or {}),
     )  # fmt: skip

@@ -135,15 +135,24 @@ def plan_steps(loop: LoopConfig, num_rows: int, world: int) -> tuple[int, int]:
 
 
 def print_dry_run(
-    cfg: BaseModel, tokenizer: Any, facts: dict[str, Any], *, run_dir: Path, ckpt: Path | None
+    cfg: BaseModel,
+    tokenizer: Any,
+    facts: dict[str, Any],
+    *,
+    engine: Engine,
+    run_dir: Path,
+    ckpt: Path | None,
 ) -> None:
     """What --dry-run prints: the resolved config, then what would run: the model (`cfg.model`)
-    and tokenizer, the trainer's `facts`, the run dir."""
+    and tokenizer, the trainer's `facts`, where it would run (engine, device, processes), the
+    run dir."""
     name = cfg.model.name_or_path  # type: ignore[attr-defined]
+    accelerator = engine.accelerator
     facts = {
         "model": f"{name} -> {resolve_model_path(name)}",
         "tokenizer": f"{type(tokenizer).__name__}, vocab {len(tokenizer)}",
         **facts,
+        "engine": f"{engine.name} on {accelerator.device}, {accelerator.num_processes} procs",
         "run dir": f"{run_dir}" + (f" (resuming {ckpt})" if ckpt else ""),
     }
     print(dump_config(cfg))

@@ -154,6 +154,18 @@ def load_tokenizer(cfg: ModelConfig, *, padding_side: Literal["left", "right"]):
     return tokenizer
 
 
+@contextmanager
+def eval_mode(model: torch.nn.Module) -> Iterator[torch.nn.Module]:
+    """`model` in eval mode inside this context; its train/eval mode is restored after (also
+    after an error)."""
+    was_training = model.training
+    model.eval()
+    try:
+        yield model
+    finally:
+        model.train(was_training)
+
+
 def with_padding_side(tokenizer, side: Literal["left", "right"]):
     """A shallow copy of `tokenizer` with another padding side (the original is not changed)."""
     other = copy.copy(tokenizer)
@@ -189,10 +201,28 @@ def load_policy(
     )  # fmt: skip
     seq2seq = bool(getattr(config, "is_encoder_decoder", False))
     auto = AutoModelForSeq2SeqLM if seq2seq else AutoModelForCausalLM
+    model = load_pretrained(auto, cfg, full_path, device)
+    if cfg.lora is not None:
+        if weights_from is not None:
+            from peft import PeftModel
+
+            model = PeftModel.from_pretrained(model, str(weights_from), is_trainable=True)
+        else:
+            task_type = "SEQ_2_SEQ_LM" if seq2seq else "CAUSAL_LM"
+            model = apply_lora(model, cfg.lora, task_type=task_type)
+    return model
+
+
+def load_pretrained(auto, cfg: ModelConfig, path: str, device: torch.device) -> torch.nn.Module:
+    """`auto.from_pretrained(path)` (a transformers Auto class: causal LM, seq2seq LM, bare
+    backbone) with `cfg`'s revision (for `cfg.name_or_path` itself, not another directory),
+    dtype, attention and quantization, on `device`; QLoRA's backward hook and gradient
+    checkpointing as configured. No adapter: the caller adds or loads one."""
+    base_path = resolve_model_path(cfg.name_or_path)
     dtype = resolve_dtype(cfg, device)
     model = auto.from_pretrained(
-        full_path,
-        revision=cfg.revision if full_path == base_path else None,
+        path,
+        revision=cfg.revision if path == base_path else None,
         dtype=dtype,
         attn_implementation=resolve_attention(cfg, device),
         trust_remote_code=cfg.trust_remote_code,
@@ -205,14 +235,6 @@ def load_policy(
     if cfg.gradient_checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         model.config.use_cache = False
-    if cfg.lora is not None:
-        if weights_from is not None:
-            from peft import PeftModel
-
-            model = PeftModel.from_pretrained(model, str(weights_from), is_trainable=True)
-        else:
-            task_type = "SEQ_2_SEQ_LM" if seq2seq else "CAUSAL_LM"
-            model = apply_lora(model, cfg.lora, task_type=task_type)
     return model
 
 
@@ -321,13 +343,8 @@ class ReferencePolicy:
     def model(self) -> Iterator[torch.nn.Module]:
         """The module to run as pi_ref, in eval mode, inside this context."""
         ctx = self._model.disable_adapter() if self.mode == "adapter" else nullcontext()
-        was_training = self._model.training
-        self._model.eval()
-        try:
-            with ctx:
-                yield self._model
-        finally:
-            self._model.train(was_training)
+        with eval_mode(self._model), ctx:
+            yield self._model
 
     @torch.no_grad()
     def token_logprobs(
