@@ -49,14 +49,19 @@ from benchmarks.measure import (
     PeakRSS,
     machine,
     median,
-    peak_rss_mb,
     rss_mb,
     run_worker,
     spread,
     timestamp,
     write_result_file,
 )
-from benchmarks.workload import JsonDataclass, StepClock, count_params
+from benchmarks.workload import (
+    JsonDataclass,
+    StepClock,
+    count_params,
+    trl_clock,
+    worker_result,
+)
 
 ARMS = ("ours", "trl")
 LABELS = {"ours": "ours (policy_gradients, GRPO)", "trl": "TRL GRPOTrainer"}
@@ -104,7 +109,6 @@ def prepare(w: Workload, workdir: Path) -> dict[str, Any]:
 
 def run_ours(w: Workload, workdir: Path) -> dict[str, Any]:
     memory = PeakRSS()
-    import torch
 
     import policy_gradients.train as pg_train
     from policy_gradients.config import PGConfig
@@ -156,9 +160,7 @@ def run_ours(w: Workload, workdir: Path) -> dict[str, Any]:
     per_step = [m for m in metrics if "train/length/mean" in m]
     timed = per_step[w.warmup_steps :]
     return {
-        "impl": "ours", **clock.summary(), "rss_after_imports_mb": after_imports,
-        "peak_rss_mb": memory.overall(), "peak_rss_timed_mb": peak_rss_mb(),
-        "threads": torch.get_num_threads(),
+        **worker_result("ours", clock, memory, after_imports),
         "completion_length_per_step": [m["train/length/mean"] for m in per_step],
         "completion_length_mean": sum(m["train/length/mean"] for m in timed) / len(timed),
         "reward_per_step": [m.get("train/reward/total") for m in per_step],
@@ -171,7 +173,6 @@ def run_trl(w: Workload, workdir: Path) -> dict[str, Any]:
 
     torch.set_num_threads(w.threads)
     from datasets import Dataset
-    from transformers import TrainerCallback
     from trl import GRPOConfig, GRPOTrainer
 
     from rlhf_core.data import EpochSampler, ReasoningGymSource, reasoning_gym_dataset
@@ -213,13 +214,10 @@ def run_trl(w: Workload, workdir: Path) -> dict[str, Any]:
         disable_tqdm=True, dataloader_num_workers=0,
     )  # fmt: skip
 
-    class Clock(TrainerCallback):
-        def on_step_end(self, args, state, control, **kwargs):
-            clock.step_done()
-
     trainer = GRPOTrainer(
         model=path, reward_funcs=spell_backward_reward, args=args,
-        train_dataset=Dataset.from_list(rows), processing_class=tokenizer, callbacks=[Clock()],
+        train_dataset=Dataset.from_list(rows), processing_class=tokenizer,
+        callbacks=[trl_clock(clock)],
     )  # fmt: skip
     original_compute_loss = trainer.compute_loss
 
@@ -233,9 +231,7 @@ def run_trl(w: Workload, workdir: Path) -> dict[str, Any]:
     logs = [h for h in trainer.state.log_history if "completions/mean_length" in h]
     timed = logs[w.warmup_steps :]
     return {
-        "impl": "trl", **clock.summary(), "rss_after_imports_mb": after_imports,
-        "peak_rss_mb": memory.overall(), "peak_rss_timed_mb": peak_rss_mb(),
-        "threads": torch.get_num_threads(), "optimizer": str(args.optim),
+        **worker_result("trl", clock, memory, after_imports), "optimizer": str(args.optim),
         "completion_length_per_step": [h["completions/mean_length"] for h in logs],
         "completion_length_mean": sum(h["completions/mean_length"] for h in timed) / len(timed),
         "reward_per_step": [h.get("reward") for h in logs],
