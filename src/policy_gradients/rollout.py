@@ -6,9 +6,10 @@ prompt, kept for the task's scorer) or file rows with a prompt and an answer col
 <answer> tags) and an optional system prompt is prepended.
 
 `generate_rollouts` samples `group_size` completions for each prompt with
-`rlhf_core.generation.decode` (KV cache, left padding) and returns token-level tensors: the
-completion is everything after the (left-padded) prompt; `action_mask` is 1 through the first eos
-and 0 after it; a completion without eos is `truncated`.
+`rlhf_core.generation.decode` (KV cache, left padding; each prompt encoded once and its KV cache
+shared by its group) and returns token-level tensors: the completion is everything after the
+(left-padded) prompt; `action_mask` is 1 through the first eos and 0 after it; a completion
+without eos is `truncated`.
 
 `RolloutLog` appends every training rollout and every evaluation completion to
 `rollouts.sqlite` from a background thread, so writing never blocks training.
@@ -119,8 +120,6 @@ def generate_rollouts(
         raise UserError("generate_rollouts needs a left-padding tokenizer")
     device = next(model.parameters()).device
     enc = tokenizer(prompts, return_tensors="pt", padding=True, add_special_tokens=False).to(device)
-    ids = enc["input_ids"].repeat_interleave(group_size, dim=0)
-    mask = enc["attention_mask"].repeat_interleave(group_size, dim=0)
     was_training = model.training
     model.eval()
     try:
@@ -128,14 +127,17 @@ def generate_rollouts(
         if seeds is not None:
             rows = [seed * 1_000_003 + j for seed in seeds for j in range(group_size)]
             generator = row_generators(rows, device)
-        out = decode(
-            model, ids, mask, max_new_tokens=max_new_tokens, eos_token_id=tokenizer.eos_token_id,
-            pad_token_id=tokenizer.pad_token_id, temperature=temperature, top_p=top_p,
-            top_k=top_k, min_p=min_p, generator=generator,
+        out = decode(  # each prompt encoded once, its KV cache shared by its group
+            model, enc["input_ids"], enc["attention_mask"], max_new_tokens=max_new_tokens,
+            eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id,
+            temperature=temperature, top_p=top_p, top_k=top_k, min_p=min_p, generator=generator,
+            group_size=group_size,
         )  # fmt: skip
     finally:
         model.train(was_training)
-    prompt_length = ids.shape[1]
+    prompt_length = enc["input_ids"].shape[1]
+    ids = out[:, :prompt_length]
+    mask = enc["attention_mask"].repeat_interleave(group_size, dim=0)
     completion = out[:, prompt_length:]
     is_eos = completion == tokenizer.eos_token_id
     # 1 through the first eos: positions whose count of earlier eos tokens is zero
