@@ -30,8 +30,9 @@ from rlhf_core.chat import render_prompt
 from rlhf_core.data import DataSource, load_rows, reasoning_gym_dataset
 from rlhf_core.errors import UserError
 from rlhf_core.generation import decode, row_generators
+from rlhf_core.logprobs import shared_prompt_logprobs
 from rlhf_core.policy_model import completion_values as policy_completion_values
-from rlhf_core.policy_model import policy_logprobs
+from rlhf_core.policy_model import is_encoder_decoder, policy_logprobs
 
 
 @dataclass
@@ -164,9 +165,22 @@ def completion_logprobs(
     Only the completion positions (`action_mask` (B, T); by default every completion position)
     are scored (`rlhf_core.policy_model.policy_logprobs`: a causal LM's head runs on them alone,
     fused with the log-softmax; an encoder-decoder model encodes the prompt and scores the
-    completion with its decoder); positions outside the mask are 0."""
+    completion with its decoder); positions outside the mask are 0. With an `action_mask` and a
+    causal LM, the rows that share a prompt (a group) share one encoding of it
+    (`rlhf_core.logprobs.shared_prompt_logprobs`: equal log-probs, gradients summed over the
+    group as with separate rows)."""
 
     batch, total = rollouts_ids.shape
+    if action_mask is not None and not is_encoder_decoder(model):
+        p = prompt_length
+        out = shared_prompt_logprobs(
+            model, rollouts_ids[:, :p], attention_mask[:, :p], rollouts_ids[:, p:],
+            attention_mask[:, p:], temperature=temperature, with_entropy=with_entropy,
+        )  # fmt: skip
+        keep = action_mask.bool()
+        if with_entropy:
+            return tuple(torch.where(keep, x, torch.zeros_like(x)) for x in out)
+        return torch.where(keep, out, torch.zeros_like(out))
     target = torch.zeros(batch, total - 1, dtype=torch.bool, device=rollouts_ids.device)
     if action_mask is None:
         target[:, prompt_length - 1 :] = True
