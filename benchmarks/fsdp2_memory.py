@@ -1,9 +1,11 @@
 """Per-process peak memory of full fine-tuning: one process vs 2-process FSDP2 (CPU, gloo).
 
-    uv run python benchmarks/fsdp2_memory.py            # ~3-5 min on 2 CPU cores, ~9 GB RAM
+    uv run python benchmarks/fsdp2_memory.py                       # 267M: ~10 min, ~9 GB RAM
+    uv run python benchmarks/fsdp2_memory.py --model 505m --malloc release   # ~15 min, ~11 GB
 
-A transformers Qwen3 of ~0.3B parameters (hidden 1024, 16 layers, vocab 32k; random weights:
-memory does not depend on the values) trains a few AdamW steps on a fixed global batch of random
+A transformers Qwen3 (random weights: memory does not depend on the values; untied 32k vocabulary)
+of 267M parameters (hidden 1024, 16 layers) or 505M (Qwen3-0.6B's body: hidden 1024, 28 layers,
+head_dim 128) trains a few AdamW steps on a fixed global batch of random
 tokens through the trainers' own path: `rlhf_core.distributed.Engine.prepare` (fully_shard per
 decoder layer + root under fsdp2), `build_optimizer`, the fused completion-only log-probs. Each
 run is a fresh process (`torchrun --nproc_per_node 2` for FSDP2); each reports its peak RSS (the
@@ -15,6 +17,20 @@ against the measured per-rank bytes: full fine-tuning with AdamW holds per param
     weights w + gradients w + two Adam moments 2 x 4 bytes  (w = 4 fp32, 2 bf16)
 replicated under single/DDP, divided by the number of processes under FSDP2; a LoRA run holds
 the frozen base at w bytes (divided under FSDP2) and the adapter's few parameters in full.
+Each process also holds a fixed cost no sharding divides: ~0.73 GiB of imported libraries (torch,
+transformers) and ~0.08 GiB more for the process group, and, under FSDP2, the one unit being
+gathered with its unsharded gradient (the untied LM head, 2 x 125 MiB at 32k x 1024). So the ratio
+falls towards 1/2 as the model grows: (b + S/2 + t) / (b + S) for state S.
+
+The CPU allocator: glibc raises its mmap threshold (up to 32 MiB) the first time a large block is
+freed, after which the transient gathers and unsharded gradients of every step come from the heap
+and fragment it; RSS then keeps hundreds of MiB nobody uses. `--malloc release` runs both arms with
+MALLOC_MMAP_THRESHOLD_=131072 (glibc's initial threshold, held fixed), so freed blocks go back to
+the system and the peak is what training needs; it is not the trainers' default because it made a
+CPU training step ~25% slower (95M model, 1 thread: 44.2 vs 35.4 s/step; the page faults of fresh
+mmaps). `--malloc default` measures what a run gets as shipped. GPU memory does not have this
+issue (CUDA's caching allocator).
+
 Not measured here: GPU activations (they scale with micro-batch x sequence length, and gradient
 checkpointing cuts them to about one layer's) and the CUDA context; the table leaves a reserve.
 
@@ -34,14 +50,20 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from measure import peak_rss_mb, write_results  # noqa: E402
 
-MODEL = {"hidden_size": 1024, "intermediate_size": 3072, "num_hidden_layers": 16,
-         "num_attention_heads": 16, "num_key_value_heads": 8, "head_dim": 64,
-         "vocab_size": 32000, "tie_word_embeddings": False}  # fmt: skip
+MODELS = {
+    "267m": {"hidden_size": 1024, "intermediate_size": 3072, "num_hidden_layers": 16,
+             "num_attention_heads": 16, "num_key_value_heads": 8, "head_dim": 64,
+             "vocab_size": 32000, "tie_word_embeddings": False},
+    "505m": {"hidden_size": 1024, "intermediate_size": 3072, "num_hidden_layers": 28,
+             "num_attention_heads": 16, "num_key_value_heads": 8, "head_dim": 128,
+             "vocab_size": 32000, "tie_word_embeddings": False},
+}  # fmt: skip
+MALLOC = {"default": {}, "release": {"MALLOC_MMAP_THRESHOLD_": "131072"}}
 GLOBAL_BATCH, SEQ, STEPS = 4, 64, 3
 KINDS = ("params", "grads", "optim")
 
 
-def worker(out: Path, engine_name: str) -> None:
+def worker(out: Path, engine_name: str, model_name: str) -> None:
     import torch
     from transformers import Qwen3Config, Qwen3ForCausalLM
 
@@ -56,11 +78,12 @@ def worker(out: Path, engine_name: str) -> None:
     accelerator, _ = start_accelerator(Loop)
     engine = Engine(accelerator, engine_name)
     torch.manual_seed(0)
-    model = Qwen3ForCausalLM(Qwen3Config(**MODEL)).train()
+    spec = MODELS[model_name]
+    model = Qwen3ForCausalLM(Qwen3Config(**spec)).train()
     n_params = sum(p.numel() for p in model.parameters())
     model = engine.prepare(model)
     optimizer = engine.prepare_optimizer(build_optimizer(model, OptimConfig(lr=1e-5)))
-    ids = torch.randint(0, MODEL["vocab_size"], (GLOBAL_BATCH, SEQ), generator=torch.Generator()
+    ids = torch.randint(0, spec["vocab_size"], (GLOBAL_BATCH, SEQ), generator=torch.Generator()
                         .manual_seed(1))[engine.rank :: engine.world]  # fmt: skip
     mask = torch.ones_like(ids)
     target = torch.zeros(ids.shape[0], SEQ - 1, dtype=torch.bool)
@@ -86,11 +109,14 @@ def worker(out: Path, engine_name: str) -> None:
                                    "losses": losses, **facts}))  # fmt: skip
 
 
-def run(engine: str, nproc: int, tmp: Path) -> dict:
+def run(engine: str, nproc: int, tmp: Path, model: str, malloc: str) -> dict:
     out = tmp / f"{engine}.json"
     env = {**os.environ, "OMP_NUM_THREADS": str(max(1, (os.cpu_count() or 2) // nproc))}
+    env.pop("MALLOC_MMAP_THRESHOLD_", None)
+    env.update(MALLOC[malloc])
     env["PYTHONPATH"] = str(Path(__file__).resolve().parents[1] / "src")
-    cmd = [sys.executable, __file__, "--worker", "--engine", engine, "--out", str(out)]
+    cmd = [sys.executable, __file__, "--worker", "--engine", engine, "--out", str(out),
+           "--model", model]  # fmt: skip
     if nproc > 1:
         cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc),
                "--master_addr", "127.0.0.1", "--master_port", "29533", *cmd[1:]]  # fmt: skip
@@ -134,32 +160,18 @@ def fits_table(gpu_gib: tuple[int, ...] = (24, 48, 80), reserve_gib: float = 6.0
     return "\n".join(rows)
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--worker", action="store_true")
-    ap.add_argument("--engine", default="single")
-    ap.add_argument("--out", type=Path)
-    args = ap.parse_args()
-    if args.worker:
-        worker(args.out, args.engine)
-        return
-    with tempfile.TemporaryDirectory() as tmp:
-        one = run("single", 1, Path(tmp))
-        two = run("fsdp2", 2, Path(tmp))
-    n = one["params"]
+def describe(one: dict, two: dict, malloc: str) -> list[str]:
     mib = 1 << 20
-    lines = [f"model: Qwen3 {n / 1e6:.0f}M parameters ({n * 4 / mib:.0f} MiB fp32), global "
-             f"batch {GLOBAL_BATCH} x {SEQ} tokens, {STEPS} AdamW steps, CPU\n"]  # fmt: skip
+    lines = [f"\n### allocator: {malloc}\n"]
     for run_ in (one, two):
         for r, peak in enumerate(run_["peak_rss_mb_per_rank"]):
-            b = {
-                k: run_[f"memory/{k}_bytes_per_rank"][r] / mib for k in ("params", "grads", "optim")
-            }
+            b = {k: run_[f"memory/{k}_bytes_per_rank"][r] / mib for k in KINDS}
             lines.append(f"- {run_['engine']} rank {r}: peak RSS {peak:.0f} MiB; params "
                          f"{b['params']:.0f} MiB, grads {b['grads']:.0f} MiB, optimizer "
                          f"{b['optim']:.0f} MiB")  # fmt: skip
     ratio = max(two["peak_rss_mb_per_rank"]) / one["peak_rss_mb_per_rank"][0]
-    lines.append(f"\nFSDP2 x2 per-rank peak RSS / one process: **{ratio:.2f}**\n")
+    lines.append(f"\nFSDP2 x2 per-rank peak RSS / one process ({malloc}): **{ratio:.2f}**\n")
+    n = one["params"]
     for label, run_, procs, sharded in (("single", one, 1, False), ("fsdp2", two, 2, True)):
         model = state_bytes(n, processes=procs, sharded=sharded)
         measured = {k: run_[f"memory/{k}_bytes_per_rank"][0] for k in model}
@@ -167,11 +179,56 @@ def main() -> None:
         lines.append(f"- memory model vs measured bytes ({label}, rank 0): max relative error "
                      f"{err:.4f}")  # fmt: skip
     lines.append(f"- losses single {one['losses']}, fsdp2 {two['losses']}")
+    lines.append(f"- FSDP2 units: {len(two['fsdp/units'])} ({', '.join(two['fsdp/units'][:2])}, "
+                 f"..., {', '.join(two['fsdp/units'][-2:])})")  # fmt: skip
+    return lines
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--worker", action="store_true")
+    ap.add_argument("--engine", default="single")
+    ap.add_argument("--out", type=Path)
+    ap.add_argument("--model", choices=list(MODELS), default="267m")
+    ap.add_argument(
+        "--malloc",
+        choices=list(MALLOC),
+        nargs="+",
+        default=list(MALLOC),
+        help="allocator settings to measure (each: one process, then FSDP2 x2)",
+    )
+    args = ap.parse_args()
+    if args.worker:
+        worker(args.out, args.engine, args.model)
+        return
+    results: dict[str, dict] = {}
+    mib = 1 << 20
+    lines: list[str] = []
+    for malloc in args.malloc:
+        with tempfile.TemporaryDirectory() as tmp:
+            one = run("single", 1, Path(tmp), args.model, malloc)
+            two = run("fsdp2", 2, Path(tmp), args.model, malloc)
+        ratio = max(two["peak_rss_mb_per_rank"]) / one["peak_rss_mb_per_rank"][0]
+        results[malloc] = {"single": one, "fsdp2": two, "peak_ratio": ratio}
+        lines += describe(one, two, malloc)
+    n = one["params"]
+    head = [
+        f"model: Qwen3 {args.model}, {n / 1e6:.0f}M parameters ({n * 4 / mib:.0f} MiB fp32), "
+        f"global batch {GLOBAL_BATCH} x {SEQ} tokens, {STEPS} AdamW steps, CPU\n",
+        "| allocator | one process | FSDP2 x2 (max rank) | ratio |",
+        "| --- | ---: | ---: | ---: |",
+    ]
+    for malloc, r in results.items():
+        head.append(f"| {malloc} | {r['single']['peak_rss_mb_per_rank'][0]:.0f} MiB | "
+                    f"{max(r['fsdp2']['peak_rss_mb_per_rank']):.0f} MiB | "
+                    f"**{r['peak_ratio']:.2f}** |")  # fmt: skip
+    lines = head + lines
     lines.append("\nWhat fits (weights + gradients + AdamW; 6 GiB kept for activations/CUDA):\n")
     lines.append(fits_table())
     text = "\n".join(lines) + "\n"
     print(text)
-    write_results("fsdp2_memory", {"single": one, "fsdp2": two, "peak_ratio": ratio}, text)
+    stem = "fsdp2_memory" if args.model == "267m" else f"fsdp2_memory-{args.model}"
+    write_results(stem, {"model": args.model, **results}, text)
 
 
 if __name__ == "__main__":

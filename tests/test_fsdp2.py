@@ -42,10 +42,27 @@ def torchrun_cmd(module: str, cfg: Path, out: Path, *extra: str) -> list[str]:
             "-m", module, "--config", str(cfg), "--output-dir", str(out), *extra]  # fmt: skip
 
 
+def untied_copy(preset: str, target: Path) -> Path:
+    """The preset with its LM head untied from the input embedding (a copy of it), as in
+    Qwen3-8B: under FSDP2 the embedding and the head are then units of their own."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from rlhf_core.tiny import preset_dir
+
+    model = AutoModelForCausalLM.from_pretrained(preset_dir(preset))
+    model.config.tie_word_embeddings = False
+    model.lm_head.weight = torch.nn.Parameter(model.model.embed_tokens.weight.detach().clone())
+    model.save_pretrained(target)
+    AutoTokenizer.from_pretrained(preset_dir(preset)).save_pretrained(target)
+    return target
+
+
 def test_sft_fsdp2_equals_one_process_resumes_after_sigkill_and_final_loads(
     tiny_sft_dict, tmp_path
 ):
     data = tiny_sft_dict
+    # untied: the embedding and the fused LM head run as FSDP2 units of their own
+    data["model"]["name_or_path"] = str(untied_copy("tiny-qwen3", tmp_path / "untied"))
     data["train"].update(micro_batch_size=4, max_steps=4, eval_every=2)  # accumulation
     data["checkpoint"] = {"save_every": 2, "keep_last": 2}
     cfg = write_yaml(tmp_path / "sft.yaml", data)
@@ -53,6 +70,8 @@ def test_sft_fsdp2_equals_one_process_resumes_after_sigkill_and_final_loads(
     launch("instruction_tuning.train", cfg, tmp_path / "two", 2, *FSDP2)
     assert_same_run(tmp_path / "one", tmp_path / "two", "train/loss")
     assert_half_per_rank(tmp_path / "two", tmp_path / "one")
+    units = json.loads((tmp_path / "two" / "summary.json").read_text())["fsdp/units"]
+    assert {"model.embed_tokens", "lm_head", "model.layers.0", "(root)"} <= set(units)
     # every process evaluated its share with the parameters gathered: greedy metrics and the
     # eval loss equal one process's
     for key in ("eval/loss", "eval/greedy_exact_match", "eval/greedy_task_score"):
@@ -154,9 +173,19 @@ def test_policy_gradient_fsdp2_equals_one_process(tmp_path, algo):
 
     spec = yaml.safe_load((REPO / f"configs/policy_gradients/{algo}.yaml").read_text())
     algorithm = {**spec["algorithm"], "ppo_epochs": 2}
-    if algo == "ppo":  # whitening is per process (under DDP too): not one process's numbers
-        algorithm["advantage"] = {**algorithm["advantage"], "whiten": False}
+    # PPO whitens GAE advantages over the whole step's batch, across the processes
     data = tiny_pg_dict("tiny-qwen3", **algorithm)
+    if algo == "ppo":  # a learned reward too: sharded at rest, gathered while it scores
+        from rlhf_core.models import ModelConfig, load_tokenizer
+        from rlhf_core.scalar_head import ScalarHeadInfo, ScalarHeadModel
+
+        torch.manual_seed(0)
+        tiny = ModelConfig(name_or_path="tiny-qwen3")
+        rm = ScalarHeadModel.from_config(tiny, ScalarHeadInfo(kind="preference", max_length=64))
+        rm.tokenizer = load_tokenizer(tiny, padding_side="right")
+        rm.save_pretrained(tmp_path / "rm")
+        data["rewards"].append({"name": "reward_model", "path": str(tmp_path / "rm"),
+                                "weight": 0.5, "device": "cpu"})  # fmt: skip
     data["data"]["eval"]["reasoning_gym"]["size"] = 8
     data["rollout"].update(prompts_per_step=4, group_size=4 if algo == "grpo" else 2,
                            max_new_tokens=8)  # fmt: skip
@@ -171,5 +200,13 @@ def test_policy_gradient_fsdp2_equals_one_process(tmp_path, algo):
         one, two = (metric_series(tmp_path / r, key) for r in ("one", "two"))
         assert one and one.keys() == two.keys(), key
         assert all(two[k] == pytest.approx(one[k]) for k in one), key
+    # loss components are micro-batch means weighted by each micro-batch's share of the step:
+    # summed over the processes they are the step's mean (one process's, up to how the rows
+    # fall into micro-batches); one process's share alone would be about half of it
+    for key in ("train/loss/ratio_mean", "train/loss/entropy"):
+        one, two = (metric_series(tmp_path / r, key) for r in ("one", "two"))
+        assert one and one.keys() == two.keys(), key
+        assert all(two[k] == pytest.approx(one[k], rel=0.1) for k in one), (key, one, two)
     summary = json.loads((tmp_path / "two" / "summary.json").read_text())
     assert summary["engine"] == "fsdp2"
+    assert_half_per_rank(tmp_path / "two", tmp_path / "one")  # the reward model's shards too

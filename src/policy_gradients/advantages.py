@@ -42,6 +42,7 @@ caller adds them to the dense rewards), and dynamic sampling (the train loop dro
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from typing import ClassVar, Literal
 
 import torch
@@ -64,7 +65,13 @@ class AdvantageEstimator(Configurable):
     A subclass sets `needs_groups` / `needs_values`, takes its settings as keyword-only
     `__init__` arguments stored under their own names, and implements `_estimate`. Arguments an
     estimator does not need (group_ids, values) are ignored.
+
+    `sum_across_processes`: set by the trainer when several processes each hold a slice of one
+    step's rollouts (a function summing a tensor over them); whitening then standardises with the
+    mean and variance of the whole step's batch, as one process would, instead of its own slice.
     """
+
+    sum_across_processes: Callable[[torch.Tensor], torch.Tensor] | None = None
 
     name: ClassVar[str] = "advantage estimator"  # replaced by the registered name
     role: ClassVar[str] = "advantage estimator"
@@ -182,12 +189,13 @@ class AdvantageEstimator(Configurable):
 
     def _whiten(self, x: torch.Tensor, mask: torch.Tensor, what: str) -> torch.Tensor:
         """(x - mean) / sqrt(var + WHITEN_EPS) over positions where `mask` is true (unbiased
-        variance); 0 elsewhere."""
-        count = int(mask.sum())
+        variance), on every process's positions together (`sum_across_processes`); 0 elsewhere."""
+        every = self.sum_across_processes or (lambda t: t)
+        count = int(every(mask.sum().to(x.dtype)))
         if count < 2:
             raise self._error(f"whiten needs at least 2 {what} to estimate a variance, got {count}")
-        mean = masked_mean(x, mask)
-        var = masked_sum((x - mean).square(), mask) / (count - 1)
+        mean = every(masked_sum(x, mask)) / count
+        var = every(masked_sum((x - mean).square(), mask)) / (count - 1)
         return torch.where(mask, (x - mean) * torch.rsqrt(var + WHITEN_EPS), torch.zeros_like(x))
 
 

@@ -332,6 +332,14 @@ class CombinedReward:
         if len(set(labels)) != len(labels):
             raise UserError(f"rewards: component labels must be unique, got {labels}")
 
+    def models(self) -> list[tuple[Any, torch.nn.Module]]:
+        """(component, its model) for the learned components, whose `model` a trainer may
+        replace by a sharded one (`rlhf_core.distributed.Engine.prepare`)."""
+        return [
+            (fn, fn.model) for _, _, fn in self.components
+            if isinstance(getattr(fn, "model", None), torch.nn.Module)
+        ]  # fmt: skip
+
     def __call__(self, batch: RewardInput) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         if self.strip_thinking:  # components score the answer, not the <think> block
             batch = replace(batch, completions=[strip_thinking(c) for c in batch.completions])

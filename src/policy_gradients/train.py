@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import sys
 import time
+from functools import partial
 
 import torch
 from accelerate.utils import gather_object
@@ -123,6 +124,9 @@ def train(cfg: PGConfig, run: RunArgs) -> int:
         )
     reward_fn = CombinedReward(cfg.rewards, strip_thinking=cfg.strip_thinking)
     estimator = build_from_spec(ADVANTAGES, alg.advantage)
+    if world > 1 and not alg.dynamic_sampling:  # whiten over the whole step's batch (one call
+        # per process per step; dynamic sampling's rounds differ between processes: per slice)
+        estimator.sum_across_processes = partial(accelerator.reduce, reduction="sum")
     loss_fn = build_from_spec(LOSSES, alg.loss)
     value_loss_fn = build_from_spec(VALUE_LOSSES, alg.value_loss) if alg.value_loss else None
     needs_reference = loss_fn.needs_reference or alg.kl_in_reward.beta > 0
@@ -153,6 +157,10 @@ def train(cfg: PGConfig, run: RunArgs) -> int:
         else:  # the starting weights, never the resumed ones
             start = load_policy(cfg.model.model_copy(update={"lora": None}), device)
             reference = ReferencePolicy(engine.prepare(start, trainable=False), "frozen")
+    # learned rewards: sharded at rest like the reference, gathered while they score
+    for component, model in reward_fn.models():
+        component.model = engine.prepare(model.requires_grad_(False), trainable=False)
+    reward_models = [component.model for component, _ in reward_fn.models()]
     value_model = value_opt = value_sched = None
     if value_loss_fn is not None:  # PPO: backbone + scalar head, from the policy's start
         value_model = ScalarHeadModel.from_config(
@@ -193,15 +201,17 @@ def train(cfg: PGConfig, run: RunArgs) -> int:
     )
     buffer = ReplayBuffer()
     held = [policy, reference.own_model if reference else None, value_model]
-    engine_facts = engine.announce([m for m in held if m is not None], [optimizer] + (
-        [value_opt] if value_opt is not None else []))  # fmt: skip
+    engine_facts = engine.announce(
+        [m for m in [*held, *reward_models] if m is not None],
+        [optimizer] + ([value_opt] if value_opt is not None else []),
+    )
 
     def run_eval() -> dict[str, float]:
         if eval_prompts is None:
             return {}
         # every process evaluates all prompts (the same numbers), its models gathered
         rows: list[tuple] = []
-        with engine.gathered_all(*held[:2]) as (whole, _):
+        with engine.gathered_all(*held[:2], *reward_models) as (whole, *_):
             results = evaluate_policy(
                 whole, reference, tokenizer, eval_prompts, reward_fn,
                 max_new_tokens=ro.max_new_tokens, temperature=ro.temperature,
@@ -281,7 +291,7 @@ def train(cfg: PGConfig, run: RunArgs) -> int:
     with StopSignal() as stop:
         while step < t.max_steps:
             # each process generates its own prompts' rollouts, its models gathered
-            with engine.gathered_all(*held) as (whole, _, whole_value):
+            with engine.gathered_all(*held, *reward_models) as (whole, _, whole_value, *_):
                 collected = collect_experience(
                     step=step, policy=whole, reference=reference, tokenizer=tokenizer,
                     prompts=train_prompts, sampler=sampler, prompts_per_step=ro.prompts_per_step,
@@ -313,6 +323,9 @@ def train(cfg: PGConfig, run: RunArgs) -> int:
             step += 1
 
             if step % cfg.tracking.log_every == 0 or step == t.max_steps:
+                # each process holds its rows' share of the step's loss components: sum them
+                sums = {k: accelerator.reduce(torch.tensor(v, device=device), reduction="sum")
+                        .item() for k, v in sorted(sums.items())}  # fmt: skip
                 tracker.log(step, {
                     "train/loss": step_loss.item(), "train/grad_norm": grad_norm,
                     "train/lr": scheduler.get_last_lr()[0], "train/skipped_steps": skips.total,

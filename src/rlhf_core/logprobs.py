@@ -282,9 +282,10 @@ def _fused_selected_logprobs(
         use_cache=False,
     ).last_hidden_state
     select = target_mask.bool()
-    picked = linear_token_logprobs(
-        hidden[:, :-1][select], head, input_ids[:, 1:][select], temperature=temperature,
-        chunk_rows=chunk_rows, with_entropy=with_entropy,
+    # an untied head is an FSDP2 unit of its own: gathered just around its own use
+    picked = run_as_root_forward(
+        head, _head_logprobs, hidden[:, :-1][select], head, input_ids[:, 1:][select],
+        temperature, chunk_rows, with_entropy,
     )  # fmt: skip
     if not with_entropy:
         picked = (picked,)
@@ -381,9 +382,10 @@ def _shared_prompt_fused(
     # the state predicting completion token t: the prompt's last for t = 0, else completion t - 1
     states = torch.cat([out.last_hidden_state[:, -1:][inverse], hidden[:, :-1]], 1)
     select = completion_mask.bool()
-    picked = linear_token_logprobs(
-        states[select], head, completion_ids[select], temperature=temperature,
-        chunk_rows=chunk_rows, with_entropy=with_entropy,
+    # an untied head is an FSDP2 unit of its own: gathered just around its own use
+    picked = run_as_root_forward(
+        head, _head_logprobs, states[select], head, completion_ids[select], temperature,
+        chunk_rows, with_entropy,
     )  # fmt: skip
     if not with_entropy:
         picked = (picked,)
@@ -392,6 +394,13 @@ def _shared_prompt_fused(
         full = torch.zeros(select.shape, dtype=values.dtype, device=values.device)
         outs.append(full.masked_scatter(select, values))
     return tuple(outs) if with_entropy else outs[0]
+
+
+def _head_logprobs(hidden, head, labels, temperature, chunk_rows, with_entropy):
+    return linear_token_logprobs(
+        hidden, head, labels, temperature=temperature, chunk_rows=chunk_rows,
+        with_entropy=with_entropy,
+    )  # fmt: skip
 
 
 def masked_sum(values: torch.Tensor, mask: torch.Tensor, dim: int | None = None) -> torch.Tensor:
