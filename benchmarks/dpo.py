@@ -62,13 +62,12 @@ from benchmarks.measure import (
     PeakRSS,
     machine,
     median,
-    peak_rss_mb,
     rss_mb,
     run_worker,
     spread,
     write_result_file,
 )
-from benchmarks.workload import StepClock, Workload, model_dir, prepare
+from benchmarks.workload import StepClock, Workload, model_dir, prepare, trl_clock, worker_result
 
 # ----------------------------------------------------------------------------- the two workers
 
@@ -76,7 +75,6 @@ from benchmarks.workload import StepClock, Workload, model_dir, prepare
 def run_ours(w: Workload, workdir: Path) -> dict[str, Any]:
     """Our trainer as shipped."""
     memory = PeakRSS()
-    import torch
 
     import direct_alignment.train as da_train
     from direct_alignment.config import DAConfig, DATrainConfig, PreferenceDataConfig
@@ -131,14 +129,9 @@ def run_ours(w: Workload, workdir: Path) -> dict[str, Any]:
     metrics = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
     shutil.rmtree(run_dir, ignore_errors=True)
     return {
-        "impl": "ours",
-        **clock.summary(),
-        "rss_after_imports_mb": after_imports,
-        "peak_rss_mb": memory.overall(),
-        "peak_rss_timed_mb": peak_rss_mb(),
+        **worker_result("ours", clock, memory, after_imports),
         "peak_rss_setup_mb": memory.phases.get("setup_and_warmup"),
         "rss_reset_supported": memory.resettable,
-        "threads": torch.get_num_threads(),
         "final_logged_loss": metrics[-1].get("train/loss"),
     }
 
@@ -149,7 +142,7 @@ def run_trl(w: Workload, workdir: Path) -> dict[str, Any]:
 
     torch.set_num_threads(w.threads)
     from datasets import Dataset
-    from transformers import AutoTokenizer, TrainerCallback
+    from transformers import AutoTokenizer
     from trl import DPOConfig, DPOTrainer
 
     after_imports = rss_mb()
@@ -187,13 +180,9 @@ def run_trl(w: Workload, workdir: Path) -> dict[str, Any]:
         dataloader_num_workers=0,
     )
 
-    class Clock(TrainerCallback):
-        def on_step_end(self, args, state, control, **kwargs):
-            clock.step_done()
-
     trainer = DPOTrainer(
         path, ref_model=None, args=args, train_dataset=dataset, processing_class=tokenizer,
-        callbacks=[Clock()],
+        callbacks=[trl_clock(clock)],
     )  # fmt: skip
     identical = _same_tokens(trainer.train_dataset, workdir)
     original_training_step = trainer.training_step
@@ -206,14 +195,9 @@ def run_trl(w: Workload, workdir: Path) -> dict[str, Any]:
     result = trainer.train()
     shutil.rmtree(out_dir, ignore_errors=True)
     return {
-        "impl": "trl",
-        **clock.summary(),
-        "rss_after_imports_mb": after_imports,
-        "peak_rss_mb": memory.overall(),
-        "peak_rss_timed_mb": peak_rss_mb(),
+        **worker_result("trl", clock, memory, after_imports),
         "peak_rss_setup_mb": memory.phases.get("setup_and_warmup"),
         "rss_reset_supported": memory.resettable,
-        "threads": torch.get_num_threads(),
         "optimizer": str(args.optim),
         "tokens_identical_to_ours": identical,
         "mean_train_loss": result.training_loss,

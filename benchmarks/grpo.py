@@ -1,8 +1,11 @@
 """GRPO side by side: our `policy_gradients.train.train` against `trl.GRPOTrainer` (no vLLM).
 
 The workload (the same for both):
-  model       the preset `tiny-qwen3-gpt2` (a Qwen3 built from config, hidden 64, 2 layers, with
-              the real GPT-2 tokenizer), fp32, CPU, `threads` torch threads (default 1)
+  model       `--model real` (the headline: a Qwen3 with Qwen3-0.6B's proportions, hidden 512,
+              22 layers, 95.0M parameters, LM head ~27% of forward FLOPs), `small`, or `tiny`
+              (the preset `tiny-qwen3-gpt2`, hidden 64, 2 layers: head-dominated), all with the
+              real GPT-2 tokenizer (`benchmarks.workload.model_dir`), fp32, CPU, `threads` torch
+              threads (default 1)
   prompts     reasoning-gym spell_backward (size 512, seed 1) questions as one user message each,
               rendered with the chat template; TRL gets the same messages in a `prompt` column, in
               the order of our sampler's first epoch, with `shuffle_dataset=False`, so both arms
@@ -25,9 +28,11 @@ logging), the median over steps warmup_steps+1..steps, measured between the ends
 optimizer steps (ours: `rlhf_core.loop.optimizer_step` wrapped in `policy_gradients.train`; TRL: a
 `TrainerCallback.on_step_end`). Tokens: non-pad prompt + completion tokens fed to the training
 forward. Sampling differs between the arms (different RNG streams), so completion lengths differ;
-the mean completion length of the timed steps is reported for each arm.
+the mean completion length of the timed steps is reported for each arm. Our arm also reports
+where its timed steps went (generation, reward scoring, old/reference log-probs, the training
+forward/backward + optimizer), from its own `time/` metrics.
 
-    uv run --group bench python -m benchmarks.grpo [--rounds 2] [--steps 6]
+    uv run --group bench python -m benchmarks.grpo [--model real] [--rounds 2] [--steps 6]
 runs alternating fresh processes `ours` / `trl` and writes
 `benchmarks/results/<time>-grpo.{json,md}`.
 """
@@ -49,22 +54,29 @@ from benchmarks.measure import (
     PeakRSS,
     machine,
     median,
-    peak_rss_mb,
     rss_mb,
     run_worker,
     spread,
     timestamp,
     write_result_file,
 )
-from benchmarks.workload import JsonDataclass, StepClock, count_params
+from benchmarks.workload import (
+    MODEL_CHOICES,
+    JsonDataclass,
+    StepClock,
+    count_params,
+    model_dir,
+    trl_clock,
+    worker_result,
+)
 
 ARMS = ("ours", "trl")
 LABELS = {"ours": "ours (policy_gradients, GRPO)", "trl": "TRL GRPOTrainer"}
-PRESET = "tiny-qwen3-gpt2"
 
 
 @dataclass(frozen=True)
 class Workload(JsonDataclass):
+    model: str = "tiny"  # benchmarks.workload.MODEL_CHOICES: tiny, small, real
     prompts_per_step: int = 8
     group_size: int = 8
     max_new_tokens: int = 32
@@ -87,16 +99,15 @@ def _rg_source(w: Workload) -> dict[str, Any]:
 
 
 def prepare(w: Workload, workdir: Path) -> dict[str, Any]:
-    """Build (or find) the preset model; describe it and the prompt set."""
+    """Build (or find) the benchmark model; describe it."""
     from transformers import AutoConfig
 
-    from rlhf_core.tiny import preset_dir
-
-    path = preset_dir(PRESET)
+    path = model_dir(w.model)
     config = AutoConfig.from_pretrained(path)
+    name = "tiny-qwen3-gpt2" if w.model == "tiny" else f"qwen3-gpt2-{w.model}"
     return {
         "model_dir": str(path),
-        "model": {"name": PRESET, "parameters": count_params(config),
+        "model": {"name": name, "parameters": count_params(config),
                   "vocab_size": config.vocab_size, "hidden_size": config.hidden_size,
                   "layers": config.num_hidden_layers},
     }  # fmt: skip
@@ -104,18 +115,16 @@ def prepare(w: Workload, workdir: Path) -> dict[str, Any]:
 
 def run_ours(w: Workload, workdir: Path) -> dict[str, Any]:
     memory = PeakRSS()
-    import torch
 
     import policy_gradients.train as pg_train
     from policy_gradients.config import PGConfig
     from rlhf_core.config import RunArgs
-    from rlhf_core.tiny import preset_dir
 
     after_imports = rss_mb()
     clock = StepClock(w.warmup_steps, memory)
     cfg = PGConfig.model_validate({
         "name": "bench_grpo", "seed": w.seed,
-        "model": {"name_or_path": str(preset_dir(PRESET)), "dtype": "fp32"},
+        "model": {"name_or_path": str(model_dir(w.model)), "dtype": "fp32"},
         "data": {"train": {"reasoning_gym": _rg_source(w)}},
         "rewards": [{"name": "reasoning_gym", "extract": "full"}],
         "algorithm": {
@@ -155,13 +164,14 @@ def run_ours(w: Workload, workdir: Path) -> dict[str, Any]:
     shutil.rmtree(run_dir, ignore_errors=True)
     per_step = [m for m in metrics if "train/length/mean" in m]
     timed = per_step[w.warmup_steps :]
+    phases = {k: sum(m.get(k, 0.0) for m in timed) / len(timed)
+              for k in sorted({k for m in timed for k in m if "time/" in k})}  # fmt: skip
     return {
-        "impl": "ours", **clock.summary(), "rss_after_imports_mb": after_imports,
-        "peak_rss_mb": memory.overall(), "peak_rss_timed_mb": peak_rss_mb(),
-        "threads": torch.get_num_threads(),
+        **worker_result("ours", clock, memory, after_imports),
         "completion_length_per_step": [m["train/length/mean"] for m in per_step],
         "completion_length_mean": sum(m["train/length/mean"] for m in timed) / len(timed),
         "reward_per_step": [m.get("train/reward/total") for m in per_step],
+        "phase_s_mean": phases,
     }  # fmt: skip
 
 
@@ -171,16 +181,14 @@ def run_trl(w: Workload, workdir: Path) -> dict[str, Any]:
 
     torch.set_num_threads(w.threads)
     from datasets import Dataset
-    from transformers import TrainerCallback
     from trl import GRPOConfig, GRPOTrainer
 
     from rlhf_core.data import EpochSampler, ReasoningGymSource, reasoning_gym_dataset
     from rlhf_core.models import ModelConfig, load_tokenizer
-    from rlhf_core.tiny import preset_dir
 
     after_imports = rss_mb()
     clock = StepClock(w.warmup_steps, memory)
-    path = str(preset_dir(PRESET))
+    path = str(model_dir(w.model))
     # our loader: the same tokenizer and chat template as our arm (the preset has none of its own)
     tokenizer = load_tokenizer(ModelConfig(name_or_path=path), padding_side="left")
     scorer = reasoning_gym_dataset(ReasoningGymSource(**_rg_source(w)))
@@ -213,13 +221,10 @@ def run_trl(w: Workload, workdir: Path) -> dict[str, Any]:
         disable_tqdm=True, dataloader_num_workers=0,
     )  # fmt: skip
 
-    class Clock(TrainerCallback):
-        def on_step_end(self, args, state, control, **kwargs):
-            clock.step_done()
-
     trainer = GRPOTrainer(
         model=path, reward_funcs=spell_backward_reward, args=args,
-        train_dataset=Dataset.from_list(rows), processing_class=tokenizer, callbacks=[Clock()],
+        train_dataset=Dataset.from_list(rows), processing_class=tokenizer,
+        callbacks=[trl_clock(clock)],
     )  # fmt: skip
     original_compute_loss = trainer.compute_loss
 
@@ -233,9 +238,7 @@ def run_trl(w: Workload, workdir: Path) -> dict[str, Any]:
     logs = [h for h in trainer.state.log_history if "completions/mean_length" in h]
     timed = logs[w.warmup_steps :]
     return {
-        "impl": "trl", **clock.summary(), "rss_after_imports_mb": after_imports,
-        "peak_rss_mb": memory.overall(), "peak_rss_timed_mb": peak_rss_mb(),
-        "threads": torch.get_num_threads(), "optimizer": str(args.optim),
+        **worker_result("trl", clock, memory, after_imports), "optimizer": str(args.optim),
         "completion_length_per_step": [h["completions/mean_length"] for h in logs],
         "completion_length_mean": sum(h["completions/mean_length"] for h in timed) / len(timed),
         "reward_per_step": [h.get("reward") for h in logs],
@@ -268,6 +271,7 @@ def compare(w: Workload, rounds: int, timeout: float = 600) -> dict[str, Any]:
         by_round[r["round"]][r["impl"]] = r
     speedup = median([p["trl"]["step_s_median"] / p["ours"]["step_s_median"]
                       for p in by_round.values()])  # fmt: skip
+    ours = [r for r in runs if r["impl"] == "ours"]
     return {
         "machine": host, "workload": asdict(w), "prepare": prep, "runs": runs,
         "summary": {
@@ -279,7 +283,14 @@ def compare(w: Workload, rounds: int, timeout: float = 600) -> dict[str, Any]:
             "peak_rss_ratio_ours_over_trl": median(
                 [p["ours"]["peak_rss_mb"] / p["trl"]["peak_rss_mb"] for p in by_round.values()]
             ),
-            "target_step_rate_2x": speedup >= 2.0,
+            "target_step_rate_3x": speedup >= 3.0,
+            "target_peak_rss_half": median(
+                [p["ours"]["peak_rss_mb"] / p["trl"]["peak_rss_mb"] for p in by_round.values()]
+            ) <= 0.5,
+            "ours_phase_s_mean": {
+                k: median([r["phase_s_mean"].get(k, 0.0) for r in ours])
+                for k in ours[0]["phase_s_mean"]
+            },
             "load_average_range": spread([r["load_average_before"] for r in runs]),
         },
     }  # fmt: skip
@@ -317,7 +328,12 @@ def markdown(result: dict[str, Any]) -> str:
         f"{s['tokens_per_s_ratio_ours_over_trl']:.2f}x, peak RSS "
         f"{s['peak_rss_ratio_ours_over_trl']:.2f}x.",
         "",
-        f"Target >= 2x TRL step rate: {s['target_step_rate_2x']}.",
+        f"Targets (issue 15): >= 3x TRL step rate: {s['target_step_rate_3x']}; <= 50% of its "
+        f"peak RSS: {s['target_peak_rss_half']}.",
+        "",
+        "Where our timed steps go (mean s/step): "
+        + ", ".join(f"{k.split('time/')[-1]} {v:.2f}" for k, v in s["ours_phase_s_mean"].items())
+        + ".",
         "",
     ]
     return "\n".join(lines)
@@ -334,9 +350,15 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--workdir", type=Path, default=None, help="(worker) shared directory")
     parser.add_argument("--result", type=Path, default=None, help="(worker) where to write JSON")
     parser.add_argument("--rounds", type=int, default=2, help="alternating rounds")
-    fields = ("prompts_per_step", "group_size", "max_new_tokens", "steps", "threads")
+    parser.add_argument(
+        "--model",
+        choices=MODEL_CHOICES,
+        default="tiny",
+        help="benchmark model (real: Qwen3-0.6B proportions, the headline)",
+    )
+    fields = ("model", "prompts_per_step", "group_size", "max_new_tokens", "steps", "threads")
     defaults = Workload()
-    for field in fields:
+    for field in fields[1:]:
         value = getattr(defaults, field)
         parser.add_argument(f"--{field.replace('_', '-')}", type=type(value), default=value)
     args = parser.parse_args(argv)

@@ -44,14 +44,13 @@ from benchmarks.measure import (
     PeakRSS,
     machine,
     median,
-    peak_rss_mb,
     rss_mb,
     run_worker,
     spread,
     timestamp,
     write_result_file,
 )
-from benchmarks.workload import StepClock, Workload, model_dir, prepare
+from benchmarks.workload import StepClock, Workload, model_dir, prepare, trl_clock, worker_result
 
 ARMS = ("ours", "trl", "ours-unshared")
 # 32 steps of 4 pairs (128 HH pairs, 31 timed steps): at ~40 ms a step the DPO workload's 8 steps
@@ -67,7 +66,6 @@ LABELS = {
 def run_ours(w: Workload, workdir: Path, *, share_prompt: bool = True) -> dict[str, Any]:
     """Our trainer as shipped, or with the prompt encoded twice (`share_prompt=False`)."""
     memory = PeakRSS()
-    import torch
 
     import reward_models.train as rm_train
     from reward_models.config import RMConfig
@@ -108,10 +106,10 @@ def run_ours(w: Workload, workdir: Path, *, share_prompt: bool = True) -> dict[s
     metrics = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
     shutil.rmtree(run_dir, ignore_errors=True)
     return {
-        "impl": "ours" if share_prompt else "ours-unshared", **clock.summary(),
-        "rss_after_imports_mb": after_imports,
-        "peak_rss_mb": memory.overall(), "peak_rss_timed_mb": peak_rss_mb(),
-        "threads": torch.get_num_threads(), "final_logged_loss": metrics[-1].get("train/loss"),
+        **worker_result(
+            "ours" if share_prompt else "ours-unshared", clock, memory, after_imports
+        ),
+        "final_logged_loss": metrics[-1].get("train/loss"),
     }  # fmt: skip
 
 
@@ -121,7 +119,7 @@ def run_trl(w: Workload, workdir: Path) -> dict[str, Any]:
 
     torch.set_num_threads(w.threads)
     from datasets import Dataset
-    from transformers import AutoTokenizer, TrainerCallback
+    from transformers import AutoTokenizer
     from trl import RewardConfig, RewardTrainer
 
     after_imports = rss_mb()
@@ -141,13 +139,9 @@ def run_trl(w: Workload, workdir: Path) -> dict[str, Any]:
         disable_tqdm=True, dataloader_num_workers=0,
     )  # fmt: skip
 
-    class Clock(TrainerCallback):
-        def on_step_end(self, args, state, control, **kwargs):
-            clock.step_done()
-
     trainer = RewardTrainer(
         model=path, args=args, train_dataset=Dataset.from_list(rows),
-        processing_class=tokenizer, callbacks=[Clock()],
+        processing_class=tokenizer, callbacks=[trl_clock(clock)],
     )  # fmt: skip
     expected = json.loads((workdir / "expected.json").read_text())["pairs"]
     data = trainer.train_dataset
@@ -166,9 +160,7 @@ def run_trl(w: Workload, workdir: Path) -> dict[str, Any]:
     trainer.train()
     shutil.rmtree(out_dir, ignore_errors=True)
     return {
-        "impl": "trl", **clock.summary(), "rss_after_imports_mb": after_imports,
-        "peak_rss_mb": memory.overall(), "peak_rss_timed_mb": peak_rss_mb(),
-        "threads": torch.get_num_threads(), "optimizer": str(args.optim),
+        **worker_result("trl", clock, memory, after_imports), "optimizer": str(args.optim),
         "tokens_identical_to_ours": identical,
         "final_logged_loss": next(
             (h["loss"] for h in reversed(trainer.state.log_history) if "loss" in h), None

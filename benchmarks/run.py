@@ -4,11 +4,13 @@
     uv run --group bench python -m benchmarks.run --only dpo --rounds 3
     uv run --group bench python -m benchmarks.run --only techniques
     uv run --group bench python -m benchmarks.run --only reward_model --only grpo
+    uv run --group bench python -m benchmarks.run --only sft --model real --rounds 2
     uv run --group bench python -m benchmarks.run --only generation
     uv run --group bench python -m benchmarks.techniques --profile   # torch.profiler tables
 
 Sections: dpo (vs trl.DPOTrainer), techniques (what each DPO technique buys), reward_model (vs
-trl.RewardTrainer), grpo (vs trl.GRPOTrainer), generation (our decode loop vs `generate`).
+trl.RewardTrainer), sft (vs trl.SFTTrainer, padded and padding-free), grpo (vs trl.GRPOTrainer,
+on the same --model), generation (our decode loop vs `generate`).
 
 This process stays small (it never imports torch): every measurement runs in a fresh child
 process (`benchmarks.dpo`, `benchmarks.techniques`), so each child's peak RSS is its own. See
@@ -22,11 +24,11 @@ import dataclasses
 import sys
 import time
 
-from benchmarks import dpo, grpo, reward_model, techniques
+from benchmarks import dpo, grpo, reward_model, sft, techniques
 from benchmarks.measure import RESULTS_DIR, machine, timestamp, write_results
 from benchmarks.workload import MODEL_CHOICES, Workload
 
-SECTIONS = ("dpo", "techniques", "reward_model", "grpo", "generation")
+SECTIONS = ("dpo", "techniques", "reward_model", "sft", "grpo", "generation")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -72,8 +74,13 @@ def main(argv: list[str] | None = None) -> int:
         rm_workload = dataclasses.replace(workload, steps=max(workload.steps, reward_model.STEPS))
         payload["reward_model"] = reward_model.compare(rm_workload, args.rounds)
         tables.append(reward_model.markdown(payload["reward_model"]))
+    if "sft" in sections:
+        print(f"SFT vs TRL: {workload.model}, {args.rounds} rounds", flush=True)
+        sft_workload = dataclasses.replace(workload, steps=max(workload.steps, sft.STEPS))
+        payload["sft"] = sft.compare(sft_workload, args.rounds)
+        tables.append(sft.markdown(payload["sft"]))
     if "grpo" in sections:
-        g = dataclasses.replace(grpo.Workload(), threads=args.threads)
+        g = dataclasses.replace(grpo.Workload(), threads=args.threads, model=args.model)
         print(f"GRPO vs TRL: {g}, {min(args.rounds, 2)} rounds", flush=True)
         payload["grpo"] = grpo.compare(g, min(args.rounds, 2))
         tables.append(grpo.markdown(payload["grpo"]))

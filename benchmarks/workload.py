@@ -24,7 +24,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-from benchmarks.measure import REPO_ROOT, PeakRSS, median
+from benchmarks.measure import REPO_ROOT, PeakRSS, median, peak_rss_mb
 
 HH_PATH = REPO_ROOT / "data" / "hh-rlhf" / "harmless-base-test.jsonl.gz"
 
@@ -282,3 +282,29 @@ class StepClock:
             "step_tokens": self.tokens,
             "to_first_step_end_s": self.ends[0] - self.start,
         }
+
+
+def trl_clock(clock: StepClock) -> Any:
+    """A transformers `TrainerCallback` that ends a `clock` step at each optimizer step's end
+    (the TRL arms' step clock)."""
+    from transformers import TrainerCallback
+
+    class Clock(TrainerCallback):
+        def on_step_end(self, args, state, control, **kwargs):
+            clock.step_done()
+
+    return Clock()
+
+
+def worker_result(
+    impl: str, clock: StepClock, memory: PeakRSS, after_imports: float
+) -> dict[str, Any]:
+    """What every benchmark worker reports: its arm, the clock's figures, RSS after the imports,
+    overall and in the timed window, and the torch threads used."""
+    import torch
+
+    return {
+        "impl": impl, **clock.summary(), "rss_after_imports_mb": after_imports,
+        "peak_rss_mb": memory.overall(), "peak_rss_timed_mb": peak_rss_mb(),
+        "threads": torch.get_num_threads(),
+    }  # fmt: skip

@@ -210,3 +210,27 @@ def test_policy_gradient_fsdp2_equals_one_process(tmp_path, algo):
     summary = json.loads((tmp_path / "two" / "summary.json").read_text())
     assert summary["engine"] == "fsdp2"
     assert_half_per_rank(tmp_path / "two", tmp_path / "one")  # the reward model's shards too
+
+
+def test_t5_ppo_ddp_and_fsdp2_equal_one_process(tmp_path):
+    """An encoder-decoder policy (the tiny-t5-facts preset) with PPO's T5 value model and
+    reference: 2-process DDP and FSDP2 runs equal one process (the value model's forward goes
+    through its wrapper, so DDP syncs its gradients; the decode loop's first call, T5's encoder,
+    comes after the root's own forward set up FSDP2)."""
+    import yaml
+
+    data = yaml.safe_load((REPO / "configs/policy_gradients/holistic_ppo.yaml").read_text())
+    data["model"]["name_or_path"] = "tiny-t5-facts"
+    data["rewards"] = [{"name": "rouge", "weight": 1.0}]
+    data["data"]["eval"]["limit"] = 4
+    data["rollout"].update(prompts_per_step=4, max_new_tokens=12)
+    data["train"].update(max_steps=2, micro_batch_size=4, eval_every=2)
+    cfg = write_yaml(tmp_path / "t5_ppo.yaml", data)
+    launch("policy_gradients.train", cfg, tmp_path / "one", 1)
+    from test_multiprocess import rollouts
+
+    for engine in ("ddp", "fsdp2"):
+        launch("policy_gradients.train", cfg, tmp_path / engine, 2, "--set",
+               f"train.engine={engine}")  # fmt: skip
+        assert_same_run(tmp_path / "one", tmp_path / engine, "train/loss")
+        assert rollouts(tmp_path / engine) == rollouts(tmp_path / "one")

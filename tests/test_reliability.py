@@ -406,12 +406,14 @@ def test_kills_inside_checkpoint_saving_never_leave_a_torn_checkpoint(tiny_sft_d
 
 @pytest.mark.slow
 def test_grpo_survives_random_sigkills_exactly(sft_checkpoint, tmp_path):
-    """Ten SIGKILLs at random moments of a 16-step GRPO run (each while it trains, samples or
-    writes a checkpoint), each followed by `--resume`: the final weights equal the uninterrupted
-    run's and the rollout log holds exactly one set of rows per step."""
+    """Ten SIGKILLs at random moments of a 16-step GRPO run with two PPO epochs a step (each
+    while it trains, samples or writes a checkpoint), each followed by `--resume`: the final
+    weights equal the uninterrupted run's and the rollout log holds exactly one set of rows per
+    step."""
     data = tiny_pg_dict(sft_checkpoint, name="grpo", advantage={"name": "grpo"},
                         loss={"name": "clipped"})  # fmt: skip
     data["data"]["eval"] = None
+    data["algorithm"]["ppo_epochs"] = 2  # the replay buffer's shuffles resume too
     data["train"]["max_steps"] = steps = 16
     data["checkpoint"].update(save_every=1, keep_last=2)
     cfg_path = write_yaml(tmp_path / "grpo.yaml", data)
@@ -426,13 +428,26 @@ def test_grpo_survives_random_sigkills_exactly(sft_checkpoint, tmp_path):
     step_time = (time.time() - t0 - first) / (steps - 1)
     out, rng, kills = tmp_path / "soak", random.Random(0), 0
     args = ["--config", str(cfg_path), "--output-dir", str(out)]
-    for _ in range(10):  # each attempt lives to a random point up to ~1.5 steps past start-up
+
+    def newest() -> int:  # the newest whole checkpoint's step (0: none yet)
+        done = [int(p.parent.name.split("-")[1]) for p in
+                (out / "checkpoints").glob("checkpoint-*/trainer_state.pt")
+                if p.parent.name.split("-")[1].isdigit()]  # fmt: skip
+        return max(done, default=0)
+
+    for _ in range(10):
+        # each attempt gets past its start-up and one more step (so every attempt makes
+        # progress, whatever the machine's load), then dies at a random moment of the next
+        # step: while it samples, trains or writes its checkpoint
         proc = subprocess.Popen(
             [sys.executable, "-m", "policy_gradients.train", *args], cwd=tmp_path,
             env={**os.environ, "PYTHONPATH": str(REPO / "src")},
             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
         )  # fmt: skip
-        time.sleep(first * rng.uniform(0.8, 1.0) + step_time * rng.uniform(0.0, 1.5))
+        target, deadline = newest() + 1, time.time() + 600
+        while newest() < target and proc.poll() is None and time.time() < deadline:
+            time.sleep(0.005)
+        time.sleep(step_time * rng.uniform(0.0, 0.9))
         args = ["--resume", str(out)]
         if proc.poll() is not None:  # it finished (or failed) before its kill
             assert proc.returncode == 0

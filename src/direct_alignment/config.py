@@ -11,21 +11,17 @@ from typing import Literal
 
 from pydantic import Field, model_validator
 
-from rlhf_core.checkpoint import CheckpointConfig
-from rlhf_core.config import RunConfig, StrictModel
-from rlhf_core.data import DataSource, check_heldout_seeds
-from rlhf_core.encoding import MAX_PROMPT_LENGTH_HELP
+from rlhf_core.bookkeeping import TrainerConfig
+from rlhf_core.data import DataSource, TextDataConfig
 from rlhf_core.errors import UserError
 from rlhf_core.loop import LoopConfig
 from rlhf_core.models import ModelConfig, ReferenceConfig
-from rlhf_core.optim import OptimConfig
 from rlhf_core.registry import registered_spec
-from rlhf_core.tracking import TrackingConfig
 
 LossSpec = registered_spec("direct_alignment.losses:LOSSES", where="loss")
 
 
-class PreferenceDataConfig(StrictModel):
+class PreferenceDataConfig(TextDataConfig):
     train: DataSource = Field(description="training pairs (file, hub id, or reasoning-gym)")
     eval: DataSource | None = Field(None, description="held-out pairs")
     format: Literal["auto", "preference", "hh", "ultrafeedback", "unpaired"] = Field(
@@ -33,18 +29,6 @@ class PreferenceDataConfig(StrictModel):
         description="row format; auto = preference if a 'prompt' column exists, else hh; "
         "unpaired = {prompt, completion, label} rows for the kto_unpaired loss",
     )
-    max_length: int = Field(512, gt=2, description="max prompt + completion tokens")
-    max_prompt_length: int | None = Field(None, gt=0, description=MAX_PROMPT_LENGTH_HELP)
-    overlong: Literal["truncate", "drop"] = Field(
-        "truncate",
-        description="a row longer than the length limits: truncate it (counted as truncated) or "
-        "drop it (counted as dropped_overlong in the summary)",
-    )
-
-    @model_validator(mode="after")
-    def _heldout_is_heldout(self) -> PreferenceDataConfig:
-        check_heldout_seeds(self.train, self.eval)
-        return self
 
 
 class DATrainConfig(LoopConfig):
@@ -60,7 +44,7 @@ class DATrainConfig(LoopConfig):
     )
 
 
-class DAConfig(RunConfig):
+class DAConfig(TrainerConfig):
     name: str = Field(
         "dpo", description="run name (run dir outputs/direct_alignment/<name>-<time>)"
     )
@@ -77,9 +61,6 @@ class DAConfig(RunConfig):
     )
     reference: ReferenceConfig = Field(default_factory=ReferenceConfig, description="pi_ref")
     train: DATrainConfig = Field(default_factory=DATrainConfig, description="loop settings")
-    optim: OptimConfig = Field(default_factory=OptimConfig, description="optimizer and schedule")
-    checkpoint: CheckpointConfig = Field(default_factory=CheckpointConfig, description="saving")
-    tracking: TrackingConfig = Field(default_factory=TrackingConfig, description="logging")
 
     @model_validator(mode="after")
     def _unpaired_loss_reads_unpaired_data(self) -> DAConfig:

@@ -17,7 +17,7 @@ from direct_alignment.data import PreferencePair, collate_pairs
 from direct_alignment.losses import loss_inputs
 from direct_alignment.reference import pair_logps
 from rlhf_core.generation import generate_completions
-from rlhf_core.models import with_padding_side
+from rlhf_core.models import eval_mode, with_padding_side
 
 
 @torch.no_grad()
@@ -35,19 +35,17 @@ def evaluate_pairs(
     """Pair-weighted means of the loss and its metrics over `pairs`, keys prefixed 'eval/';
     `collate` makes the batches (`collate_pairs`, or the packed `pack_pairs`)."""
     device = next(model.parameters()).device
-    was_training = model.training
-    model.eval()
     totals: dict[str, float] = {}
-    for start in range(0, len(pairs), batch_size):
-        chunk = slice(start, min(start + batch_size, len(pairs)))
-        batch = {k: v.to(device) for k, v in collate(pairs[chunk], pad_id).items()}
-        chosen, rejected = pair_logps(model, batch)
-        refs = reference_logps(batch, chunk) if reference_logps is not None else (None, None)
-        loss, metrics = loss_fn(chosen, rejected, *refs, **loss_inputs(batch))
-        n = chunk.stop - chunk.start
-        for key, value in {"loss": loss, **metrics}.items():
-            totals[key] = totals.get(key, 0.0) + float(value) * n
-    model.train(was_training)
+    with eval_mode(model):
+        for start in range(0, len(pairs), batch_size):
+            chunk = slice(start, min(start + batch_size, len(pairs)))
+            batch = {k: v.to(device) for k, v in collate(pairs[chunk], pad_id).items()}
+            chosen, rejected = pair_logps(model, batch)
+            refs = reference_logps(batch, chunk) if reference_logps is not None else (None, None)
+            loss, metrics = loss_fn(chosen, rejected, *refs, **loss_inputs(batch))
+            n = chunk.stop - chunk.start
+            for key, value in {"loss": loss, **metrics}.items():
+                totals[key] = totals.get(key, 0.0) + float(value) * n
     return {f"eval/{k}": v / len(pairs) for k, v in totals.items()}
 
 

@@ -36,30 +36,23 @@ from direct_alignment.reference import (
     reference_pair_logps,
     save_reference_cache,
 )
+from rlhf_core.bookkeeping import start_bookkeeping
 from rlhf_core.checkpoint import StopSignal
 from rlhf_core.config import RunArgs, parse_run_args
-from rlhf_core.data import EpochSampler
 from rlhf_core.errors import UserError, run_main
 from rlhf_core.loop import (
-    SkippedSteps,
-    announce_stop,
     check_engine_accumulation,
     optimizer_step,
     plan_steps,
     print_dry_run,
-    restore_checkpoint,
-    save_final,
-    save_training_state,
     start_engine,
 )
-from rlhf_core.models import ReferencePolicy, load_policy, load_tokenizer, resolve_model_path
+from rlhf_core.models import load_policy, load_reference, load_tokenizer
 from rlhf_core.optim import build_optimizer, build_scheduler
 from rlhf_core.packing import supports_packing
 from rlhf_core.registry import build_from_spec
 from rlhf_core.rundir import managed_run, open_run_dir
 from rlhf_core.runtime import seed_everything
-from rlhf_core.selection import ModelSelector
-from rlhf_core.tracking import Tracker
 
 PACKAGE = "direct_alignment"
 
@@ -114,17 +107,13 @@ def train(cfg: DAConfig, run: RunArgs) -> int:
     ref_mode = cfg.reference.mode if loss_fn.needs_reference else "none (reference-free loss)"
 
     if run.dry_run:
-        print_dry_run(cfg, {
-            "model": f"{cfg.model.name_or_path} -> {resolve_model_path(cfg.model.name_or_path)}",
-            "tokenizer": f"{type(tokenizer).__name__}, vocab {len(tokenizer)}",
+        print_dry_run(cfg, tokenizer, {
             "loss": f"{type(loss_fn).__name__} {cfg.loss}", "reference": ref_mode,
             "train pairs": f"{len(train_data.pairs)} ({d.train.describe()}; dropped identical "
             f"{train_data.dropped_identical}, truncated {train_data.truncated})",
             "eval pairs": len(eval_data.pairs) if eval_data else 0,
-            "would run": f"{total_steps} steps x {t.batch_size} pairs on {device} ({world} procs, "
-            f"engine {engine.name})",
-            "run dir": f"{run_dir}" + (f" (resuming {ckpt})" if ckpt else ""),
-        })  # fmt: skip
+            "would run": f"{total_steps} steps x {t.batch_size} pairs",
+        }, engine=engine, run_dir=run_dir, ckpt=ckpt)  # fmt: skip
         return 0
 
     # --- policy and reference
@@ -135,11 +124,7 @@ def train(cfg: DAConfig, run: RunArgs) -> int:
     collate = pack_pairs if t.packing and supports_packing(policy) else collate_pairs
     reference, ref_cache = None, None
     if loss_fn.needs_reference:
-        if cfg.reference.mode == "adapter":
-            reference = ReferencePolicy(policy, "adapter")
-        else:  # the starting policy, loaded again (never the resumed weights)
-            start = load_policy(cfg.model.model_copy(update={"lora": None}), device)
-            reference = ReferencePolicy(engine.prepare(start, trainable=False), "frozen")
+        reference = load_reference(cfg.reference, cfg.model, policy, engine)
         if cfg.reference.mode == "precomputed":
             cache_path = run_dir / "reference_logps.pt"
             splits = {"train": train_data.pairs, "eval": eval_data.pairs if eval_data else []}
@@ -168,24 +153,14 @@ def train(cfg: DAConfig, run: RunArgs) -> int:
 
     optimizer = engine.prepare_optimizer(build_optimizer(policy, cfg.optim))
     scheduler = build_scheduler(optimizer, cfg.optim, total_steps)
-    sampler = EpochSampler(len(train_data.pairs), cfg.seed)
-    step, skips = 0, SkippedSteps(cfg.optim.max_consecutive_skips)
-    selector = ModelSelector(
-        cfg.checkpoint.best,
-        run_dir,
-        accelerator,
+    # data position, skipped steps, best model, tracker: fresh, or resumed from ckpt
+    book = start_bookkeeping(
+        cfg, run, package=PACKAGE, accelerator=accelerator, threads=threads, run_dir=run_dir,
+        ckpt=ckpt, num_rows=len(train_data.pairs), total_steps=total_steps,
         periodic_eval=bool(t.eval_every) and eval_data is not None,
-    )
-    if ckpt is not None:
-        step, state = restore_checkpoint(
-            ckpt, optimizer=optimizer, scheduler=scheduler, sampler=sampler, model=policy
-        )
-        skips.total = state["skipped_steps"]
-        selector.load_state_dict(state.get("best"))
-    tracker = Tracker(
-        run_dir, cfg, cfg.tracking, total_steps=total_steps, resume_step=step if ckpt else None,
-        enabled=is_main,
+        model=policy, tokenizer=tokenizer, optimizer=optimizer, scheduler=scheduler,
     )  # fmt: skip
+    step, sampler, skips = book.start_step, book.sampler, book.skips
 
     engine_facts = engine.announce(
         [policy, *([reference.own_model] if reference and reference.own_model else [])],
@@ -202,15 +177,6 @@ def train(cfg: DAConfig, run: RunArgs) -> int:
                 lambda batch, rows: ref_logps("eval", batch, rows) if loss_fn.needs_reference
                 else (None, None), pad_id=pad_id, batch_size=micro, collate=collate,
             )  # fmt: skip
-
-    def save() -> None:
-        save_training_state(
-            accelerator, run_dir, step, model=policy, tokenizer=tokenizer, optimizer=optimizer,
-            scheduler=scheduler,
-            state={"sampler": sampler.state_dict(), "skipped_steps": skips.total,
-                   "best": selector.state_dict()},
-            keep_last=cfg.checkpoint.keep_last,
-        )  # fmt: skip
 
     # --- the loop
     metrics: dict[str, torch.Tensor] = {}
@@ -240,21 +206,11 @@ def train(cfg: DAConfig, run: RunArgs) -> int:
             )  # fmt: skip
             step += 1
 
-            if step % cfg.tracking.log_every == 0 or step == total_steps:
-                reduced = {
-                    k: accelerator.reduce(v, reduction="sum").item() for k, v in metrics.items()
-                }
-                tracker.log(step, {
-                    "train/loss": step_loss.item(), "train/grad_norm": grad_norm,
-                    "train/lr": scheduler.get_last_lr()[0], "train/epoch": sampler.epoch_float,
-                    "train/skipped_steps": skips.total,
-                    **{f"train/{k}": v for k, v in reduced.items()},
-                })  # fmt: skip
-            if t.eval_every and step % t.eval_every == 0 and step < total_steps:
-                evaluation = run_eval()
-                tracker.log(step, evaluation)
-                if selector.observe(step, evaluation, policy, tokenizer):
-                    break  # early stop: the final evaluation and final/ follow
+            if book.log_due(step):  # the step's metrics, summed over processes
+                reduced = {k: accelerator.reduce(v, "sum").item() for k, v in metrics.items()}
+                book.log_step(step, step_loss, grad_norm, reduced)
+            if book.evaluate(step, run_eval):  # every train.eval_every steps
+                break  # early stop: the final evaluation and final/ follow
             if t.samples_every and step % t.samples_every == 0 and eval_data:
                 with engine.gathered(policy) as whole:  # every process samples; rank 0 writes
                     write_samples(
@@ -262,34 +218,17 @@ def train(cfg: DAConfig, run: RunArgs) -> int:
                         run_dir / "samples.jsonl" if is_main else None, step=step,
                         max_new_tokens=t.sample_max_new_tokens, seed=cfg.seed + step,
                     )  # fmt: skip
-            if cfg.checkpoint.save_every and step % cfg.checkpoint.save_every == 0:
-                save()
-            if stop.requested:
-                save()
-                if is_main:
-                    announce_stop(PACKAGE, run, run_dir, stop.signum, step)
-                tracker.plot()
-                return stop.exit_code
+            if (exit_code := book.checkpoint(step, stop)) is not None:
+                return exit_code  # stopped by a signal, checkpoint saved
 
-    # --- final evaluation and model
-    final_eval = run_eval()
-    if final_eval:
-        tracker.log(step, final_eval)
-    selector.observe(step, final_eval, policy, tokenizer)
-    if cfg.checkpoint.save_final:
-        save_final(accelerator, policy, tokenizer, run_dir / "final")
-    summary = tracker.finish({
-        "steps": step, "skipped_steps": skips.total, "threads": threads, "processes": world,
-        **selector.summary(),
+    # --- final evaluation, final/ and summary
+    book.finish(step, run_eval(), {
         "loss": cfg.loss, "reference": ref_mode, "train_pairs": len(train_data.pairs),
         "dropped_identical_pairs": train_data.dropped_identical,
         "truncated_pairs": train_data.truncated,
         "dropped_overlong": train_data.dropped_overlong, "final_train_loss": step_loss.item(),
-        **{f"final_train/{k}": float(v) for k, v in metrics.items()}, **final_eval,
-        **engine_facts,
-    })  # fmt: skip
-    if is_main:
-        print(f"run dir: {run_dir}\n" + "\n".join(f"  {k}: {v}" for k, v in summary.items()))
+        **{f"final_train/{k}": float(v) for k, v in metrics.items()},
+    }, engine_facts)  # fmt: skip
     return 0
 
 

@@ -4,22 +4,18 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import Field, model_validator
+from pydantic import Field
 
-from rlhf_core.checkpoint import CheckpointConfig
-from rlhf_core.config import RunConfig, StrictModel
-from rlhf_core.data import DataSource, check_heldout_seeds
-from rlhf_core.encoding import MAX_PROMPT_LENGTH_HELP
+from rlhf_core.bookkeeping import TrainerConfig
+from rlhf_core.data import DataSource, TextDataConfig
 from rlhf_core.loop import LoopConfig
 from rlhf_core.models import ModelConfig
-from rlhf_core.optim import OptimConfig
 from rlhf_core.registry import registered_spec
-from rlhf_core.tracking import TrackingConfig
 
 LossSpec = registered_spec("instruction_tuning.losses:LOSSES", where="loss")
 
 
-class SFTDataConfig(StrictModel):
+class SFTDataConfig(TextDataConfig):
     train: DataSource = Field(
         description="training rows: messages, prompt/completion, or reasoning-gym"
     )
@@ -28,17 +24,6 @@ class SFTDataConfig(StrictModel):
         "auto", description="row format; auto = 'messages' if that column exists"
     )
     max_length: int = Field(512, gt=1, description="max prompt + completion tokens")
-    max_prompt_length: int | None = Field(None, gt=0, description=MAX_PROMPT_LENGTH_HELP)
-    overlong: Literal["truncate", "drop"] = Field(
-        "truncate",
-        description="a row longer than the length limits: truncate it (counted as truncated) or "
-        "drop it (counted as dropped_overlong in the summary)",
-    )
-
-    @model_validator(mode="after")
-    def _heldout_is_heldout(self) -> SFTDataConfig:
-        check_heldout_seeds(self.train, self.eval)
-        return self
 
 
 class SFTTrainConfig(LoopConfig):
@@ -53,7 +38,7 @@ class SFTTrainConfig(LoopConfig):
     )
 
 
-class SFTConfig(RunConfig):
+class SFTConfig(TrainerConfig):
     name: str = Field(
         "sft", description="run name (the run dir is outputs/instruction_tuning/<name>-<time>)"
     )
@@ -65,6 +50,3 @@ class SFTConfig(RunConfig):
         description="loss name in instruction_tuning.losses.LOSSES and its keyword arguments",
     )
     train: SFTTrainConfig = Field(default_factory=SFTTrainConfig, description="loop settings")
-    optim: OptimConfig = Field(default_factory=OptimConfig, description="optimizer and schedule")
-    checkpoint: CheckpointConfig = Field(default_factory=CheckpointConfig, description="saving")
-    tracking: TrackingConfig = Field(default_factory=TrackingConfig, description="logging")

@@ -23,30 +23,23 @@ from instruction_tuning.config import SFTConfig
 from instruction_tuning.data import build_sft_data, collate, pack
 from instruction_tuning.evaluate import evaluate
 from instruction_tuning.losses import LOSSES
+from rlhf_core.bookkeeping import start_bookkeeping
 from rlhf_core.checkpoint import StopSignal
 from rlhf_core.config import RunArgs, parse_run_args
-from rlhf_core.data import EpochSampler
 from rlhf_core.errors import run_main
 from rlhf_core.loop import (
-    SkippedSteps,
-    announce_stop,
     check_engine_accumulation,
     optimizer_step,
     plan_steps,
     print_dry_run,
-    restore_checkpoint,
-    save_final,
-    save_training_state,
     start_engine,
 )
-from rlhf_core.models import load_policy, load_tokenizer, resolve_model_path
+from rlhf_core.models import load_policy, load_tokenizer
 from rlhf_core.optim import build_optimizer, build_scheduler
 from rlhf_core.packing import batch_logprobs, supports_packing
 from rlhf_core.registry import build_from_spec
 from rlhf_core.rundir import managed_run, open_run_dir
 from rlhf_core.runtime import seed_everything
-from rlhf_core.selection import ModelSelector
-from rlhf_core.tracking import Tracker
 
 PACKAGE = "instruction_tuning"
 
@@ -56,7 +49,6 @@ def train(cfg: SFTConfig, run: RunArgs) -> int:
     """Run SFT as configured; returns the process exit code (0, or 130/143 after a signal)."""
     accelerator, engine, threads = start_engine(cfg.train)
     device, rank, world = accelerator.device, accelerator.process_index, accelerator.num_processes
-    is_main = accelerator.is_main_process
 
     # --- tokenizer and data
     tokenizer = load_tokenizer(cfg.model, padding_side="right")
@@ -77,15 +69,11 @@ def train(cfg: SFTConfig, run: RunArgs) -> int:
     run_dir, ckpt = open_run_dir(accelerator, run, package=PACKAGE, name=cfg.name)
 
     if run.dry_run:
-        print_dry_run(cfg, {
-            "model": f"{cfg.model.name_or_path} -> {resolve_model_path(cfg.model.name_or_path)}",
-            "tokenizer": f"{type(tokenizer).__name__}, vocab {len(tokenizer)}",
+        print_dry_run(cfg, tokenizer, {
             "train rows": f"{len(train_data.examples)} ({d.train.describe()})",
             "eval rows": len(eval_data.examples) if eval_data else 0,
-            "would run": f"{total_steps} steps x {t.batch_size} rows on {device} ({world} procs, "
-            f"engine {engine.name})",
-            "run dir": f"{run_dir}" + (f" (resuming {ckpt})" if ckpt else ""),
-        })  # fmt: skip
+            "would run": f"{total_steps} steps x {t.batch_size} rows",
+        }, engine=engine, run_dir=run_dir, ckpt=ckpt)  # fmt: skip
         return 0
 
     # --- model, optimizer, schedule
@@ -95,24 +83,14 @@ def train(cfg: SFTConfig, run: RunArgs) -> int:
     model = engine.prepare(model)  # sharded (fsdp2) or DDP-wrapped; the optimizer comes after
     optimizer = engine.prepare_optimizer(build_optimizer(model, cfg.optim))
     scheduler = build_scheduler(optimizer, cfg.optim, total_steps)
-    sampler = EpochSampler(len(train_data.examples), cfg.seed)
-    step, skips = 0, SkippedSteps(cfg.optim.max_consecutive_skips)
-    selector = ModelSelector(
-        cfg.checkpoint.best,
-        run_dir,
-        accelerator,
+    # data position, skipped steps, best model, tracker: fresh, or resumed from ckpt
+    book = start_bookkeeping(
+        cfg, run, package=PACKAGE, accelerator=accelerator, threads=threads, run_dir=run_dir,
+        ckpt=ckpt, num_rows=len(train_data.examples), total_steps=total_steps,
         periodic_eval=bool(t.eval_every) and eval_data is not None,
-    )
-    if ckpt is not None:
-        step, state = restore_checkpoint(
-            ckpt, optimizer=optimizer, scheduler=scheduler, sampler=sampler, model=model
-        )
-        skips.total = state["skipped_steps"]
-        selector.load_state_dict(state.get("best"))
-    tracker = Tracker(
-        run_dir, cfg, cfg.tracking, total_steps=total_steps, resume_step=step if ckpt else None,
-        enabled=is_main,
+        model=model, tokenizer=tokenizer, optimizer=optimizer, scheduler=scheduler,
     )  # fmt: skip
+    step, sampler, skips = book.start_step, book.sampler, book.skips
     loss_fn = build_from_spec(LOSSES, cfg.loss)
     engine_facts = engine.announce([model], [optimizer])
 
@@ -125,15 +103,6 @@ def train(cfg: SFTConfig, run: RunArgs) -> int:
                 max_new_tokens=t.eval_max_new_tokens, sampled=t.eval_sampled, shard=(rank, world),
                 packing=t.packing,
             )  # fmt: skip
-
-    def save() -> None:
-        save_training_state(
-            accelerator, run_dir, step, model=model, tokenizer=tokenizer, optimizer=optimizer,
-            scheduler=scheduler,
-            state={"sampler": sampler.state_dict(), "skipped_steps": skips.total,
-                   "best": selector.state_dict()},
-            keep_last=cfg.checkpoint.keep_last,
-        )  # fmt: skip
 
     # --- the loop
     pad_id = tokenizer.pad_token_id
@@ -164,43 +133,19 @@ def train(cfg: SFTConfig, run: RunArgs) -> int:
             )  # fmt: skip
             step += 1
 
-            if step % cfg.tracking.log_every == 0 or step == total_steps:
-                tracker.log(step, {
-                    "train/loss": step_loss.item(), "train/grad_norm": grad_norm,
-                    "train/lr": scheduler.get_last_lr()[0], "train/epoch": sampler.epoch_float,
-                    "train/tokens": num_tokens.item(), "train/skipped_steps": skips.total,
-                })  # fmt: skip
-            if t.eval_every and step % t.eval_every == 0 and step < total_steps:
-                evaluation = run_eval()
-                tracker.log(step, evaluation)
-                if selector.observe(step, evaluation, model, tokenizer):
-                    break  # early stop: the final evaluation and final/ follow
-            if cfg.checkpoint.save_every and step % cfg.checkpoint.save_every == 0:
-                save()
-            if stop.requested:
-                save()
-                if is_main:
-                    announce_stop(PACKAGE, run, run_dir, stop.signum, step)
-                tracker.plot()
-                return stop.exit_code
+            if book.log_due(step):
+                book.log_step(step, step_loss, grad_norm, {"tokens": num_tokens.item()})
+            if book.evaluate(step, run_eval):  # every train.eval_every steps
+                break  # early stop: the final evaluation and final/ follow
+            if (exit_code := book.checkpoint(step, stop)) is not None:
+                return exit_code  # stopped by a signal, checkpoint saved
 
-    # --- final evaluation and model
-    final_eval = run_eval()
-    if final_eval:
-        tracker.log(step, final_eval)
-    selector.observe(step, final_eval, model, tokenizer)
-    if cfg.checkpoint.save_final:
-        save_final(accelerator, model, tokenizer, run_dir / "final")
-    summary = tracker.finish({
-        "steps": step, "skipped_steps": skips.total, "threads": threads, "processes": world,
-        **selector.summary(),
+    # --- final evaluation, final/ and summary
+    book.finish(step, run_eval(), {
         "train_rows": len(train_data.examples),
         "truncated_completions": train_data.truncated_completions,
-        "dropped_overlong": train_data.dropped_overlong,
-        "final_train_loss": step_loss.item(), **final_eval, **engine_facts,
-    })  # fmt: skip
-    if is_main:
-        print(f"run dir: {run_dir}\n" + "\n".join(f"  {k}: {v}" for k, v in summary.items()))
+        "dropped_overlong": train_data.dropped_overlong, "final_train_loss": step_loss.item(),
+    }, engine_facts)  # fmt: skip
     return 0
 
 

@@ -19,15 +19,13 @@ from typing import Any, Literal
 
 from pydantic import Field, field_validator, model_validator
 
-from rlhf_core.checkpoint import CheckpointConfig
-from rlhf_core.config import RunConfig, StrictModel
-from rlhf_core.data import DataSource, check_heldout_seeds
+from rlhf_core.bookkeeping import TrainerConfig
+from rlhf_core.config import StrictModel
+from rlhf_core.data import DataSource, SplitDataConfig
 from rlhf_core.errors import UserError
 from rlhf_core.loop import BaseLoopConfig
 from rlhf_core.models import ModelConfig, ReferenceConfig
-from rlhf_core.optim import OptimConfig
 from rlhf_core.registry import registered_spec, validate_spec
-from rlhf_core.tracking import TrackingConfig
 
 AdvantageSpec = registered_spec(
     "policy_gradients.advantages:ADVANTAGES", where="algorithm.advantage"
@@ -64,18 +62,13 @@ class AlgorithmConfig(StrictModel):
     max_sampling_rounds: int = Field(4, ge=1, description="cap on dynamic-sampling generations")
 
 
-class PromptDataConfig(StrictModel):
+class PromptDataConfig(SplitDataConfig):
     train: DataSource = Field(description="training prompts (reasoning-gym or a file)")
     eval: DataSource | None = Field(None, description="held-out prompts")
     prompt_column: str = Field("prompt", description="question column of file rows")
     answer_column: str = Field("answer", description="reference answer column of file rows")
     prompt_template: str = Field("{question}", description="user turn; {question} is replaced")
     system_prompt: str | None = Field(None, description="optional system turn")
-
-    @model_validator(mode="after")
-    def _heldout_is_heldout(self) -> PromptDataConfig:
-        check_heldout_seeds(self.train, self.eval)
-        return self
 
 
 class RolloutConfig(StrictModel):
@@ -93,7 +86,7 @@ class PGTrainConfig(BaseLoopConfig):
     micro_batch_size: int = Field(16, gt=0, description="completions per forward/backward")
 
 
-class PGConfig(RunConfig):
+class PGConfig(TrainerConfig):
     name: str = Field(
         "grpo", description="run name (run dir outputs/policy_gradients/<name>-<time>)"
     )
@@ -115,9 +108,6 @@ class PGConfig(RunConfig):
     )
     rollout: RolloutConfig = Field(default_factory=RolloutConfig, description="sampling")
     train: PGTrainConfig = Field(default_factory=PGTrainConfig, description="loop settings")
-    optim: OptimConfig = Field(default_factory=OptimConfig, description="optimizer and schedule")
-    checkpoint: CheckpointConfig = Field(default_factory=CheckpointConfig, description="saving")
-    tracking: TrackingConfig = Field(default_factory=TrackingConfig, description="logging")
 
     @field_validator("rewards")
     @classmethod

@@ -6,9 +6,10 @@ prompt, kept for the task's scorer) or file rows with a prompt and an answer col
 <answer> tags) and an optional system prompt is prepended.
 
 `generate_rollouts` samples `group_size` completions for each prompt with
-`rlhf_core.generation.decode` (KV cache, left padding) and returns token-level tensors: the
-completion is everything after the (left-padded) prompt; `action_mask` is 1 through the first eos
-and 0 after it; a completion without eos is `truncated`.
+`rlhf_core.generation.decode` (KV cache, left padding; each prompt encoded once and its KV cache
+shared by its group) and returns token-level tensors: the completion is everything after the
+(left-padded) prompt; `action_mask` is 1 through the first eos and 0 after it; a completion
+without eos is `truncated`.
 
 `RolloutLog` appends every training rollout and every evaluation completion to
 `rollouts.sqlite` from a background thread, so writing never blocks training.
@@ -29,8 +30,9 @@ from rlhf_core.chat import render_prompt
 from rlhf_core.data import DataSource, load_rows, reasoning_gym_dataset
 from rlhf_core.errors import UserError
 from rlhf_core.generation import decode, row_generators
+from rlhf_core.logprobs import shared_prompt_logprobs
 from rlhf_core.policy_model import completion_values as policy_completion_values
-from rlhf_core.policy_model import policy_logprobs
+from rlhf_core.policy_model import is_encoder_decoder, policy_logprobs
 
 
 @dataclass
@@ -119,8 +121,6 @@ def generate_rollouts(
         raise UserError("generate_rollouts needs a left-padding tokenizer")
     device = next(model.parameters()).device
     enc = tokenizer(prompts, return_tensors="pt", padding=True, add_special_tokens=False).to(device)
-    ids = enc["input_ids"].repeat_interleave(group_size, dim=0)
-    mask = enc["attention_mask"].repeat_interleave(group_size, dim=0)
     was_training = model.training
     model.eval()
     try:
@@ -128,14 +128,17 @@ def generate_rollouts(
         if seeds is not None:
             rows = [seed * 1_000_003 + j for seed in seeds for j in range(group_size)]
             generator = row_generators(rows, device)
-        out = decode(
-            model, ids, mask, max_new_tokens=max_new_tokens, eos_token_id=tokenizer.eos_token_id,
-            pad_token_id=tokenizer.pad_token_id, temperature=temperature, top_p=top_p,
-            top_k=top_k, min_p=min_p, generator=generator,
+        out = decode(  # each prompt encoded once, its KV cache shared by its group
+            model, enc["input_ids"], enc["attention_mask"], max_new_tokens=max_new_tokens,
+            eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id,
+            temperature=temperature, top_p=top_p, top_k=top_k, min_p=min_p, generator=generator,
+            group_size=group_size,
         )  # fmt: skip
     finally:
         model.train(was_training)
-    prompt_length = ids.shape[1]
+    prompt_length = enc["input_ids"].shape[1]
+    ids = out[:, :prompt_length]
+    mask = enc["attention_mask"].repeat_interleave(group_size, dim=0)
     completion = out[:, prompt_length:]
     is_eos = completion == tokenizer.eos_token_id
     # 1 through the first eos: positions whose count of earlier eos tokens is zero
@@ -162,9 +165,22 @@ def completion_logprobs(
     Only the completion positions (`action_mask` (B, T); by default every completion position)
     are scored (`rlhf_core.policy_model.policy_logprobs`: a causal LM's head runs on them alone,
     fused with the log-softmax; an encoder-decoder model encodes the prompt and scores the
-    completion with its decoder); positions outside the mask are 0."""
+    completion with its decoder); positions outside the mask are 0. With an `action_mask` and a
+    causal LM, the rows that share a prompt (a group) share one encoding of it
+    (`rlhf_core.logprobs.shared_prompt_logprobs`: equal log-probs, gradients summed over the
+    group as with separate rows)."""
 
     batch, total = rollouts_ids.shape
+    if action_mask is not None and not is_encoder_decoder(model):
+        p = prompt_length
+        out = shared_prompt_logprobs(
+            model, rollouts_ids[:, :p], attention_mask[:, :p], rollouts_ids[:, p:],
+            attention_mask[:, p:], temperature=temperature, with_entropy=with_entropy,
+        )  # fmt: skip
+        keep = action_mask.bool()
+        if with_entropy:
+            return tuple(torch.where(keep, x, torch.zeros_like(x)) for x in out)
+        return torch.where(keep, out, torch.zeros_like(out))
     target = torch.zeros(batch, total - 1, dtype=torch.bool, device=rollouts_ids.device)
     if action_mask is None:
         target[:, prompt_length - 1 :] = True

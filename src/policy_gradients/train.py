@@ -35,29 +35,17 @@ from policy_gradients.rollout import (
     completion_values,
     load_prompts,
 )
+from rlhf_core.bookkeeping import start_bookkeeping
 from rlhf_core.checkpoint import StopSignal
 from rlhf_core.config import RunArgs, parse_run_args
-from rlhf_core.data import EpochSampler
 from rlhf_core.errors import UserError, run_main
-from rlhf_core.loop import (
-    SkippedSteps,
-    announce_stop,
-    check_engine_accumulation,
-    optimizer_step,
-    print_dry_run,
-    restore_checkpoint,
-    save_final,
-    save_training_state,
-    start_engine,
-)
-from rlhf_core.models import ReferencePolicy, load_policy, load_tokenizer, resolve_model_path
+from rlhf_core.loop import check_engine_accumulation, optimizer_step, print_dry_run, start_engine
+from rlhf_core.models import load_policy, load_reference, load_tokenizer
 from rlhf_core.optim import build_optimizer, build_scheduler
 from rlhf_core.registry import build_from_spec
 from rlhf_core.rundir import managed_run, open_run_dir
 from rlhf_core.runtime import seed_everything
 from rlhf_core.scalar_head import ScalarHeadInfo, ScalarHeadModel
-from rlhf_core.selection import ModelSelector
-from rlhf_core.tracking import Tracker
 
 PACKAGE = "policy_gradients"
 
@@ -133,30 +121,23 @@ def train(cfg: PGConfig, run: RunArgs) -> int:
     run_dir, ckpt = open_run_dir(accelerator, run, package=PACKAGE, name=cfg.name)
 
     if run.dry_run:
-        print_dry_run(cfg, {
-            "model": f"{cfg.model.name_or_path} -> {resolve_model_path(cfg.model.name_or_path)}",
-            "tokenizer": f"{type(tokenizer).__name__}, vocab {len(tokenizer)}",
+        print_dry_run(cfg, tokenizer, {
             "algorithm": f"{alg.name}: {type(estimator).__name__} + {type(loss_fn).__name__}",
             "reference": cfg.reference.mode if needs_reference else "none (no KL term)",
             "rewards": ", ".join(f"{r['weight']} x {r['label']}" for r in cfg.rewards),
             "train prompts": f"{len(train_prompts.items)} ({d.train.describe()})",
             "eval prompts": len(eval_prompts.items) if eval_prompts else 0,
             "would run": f"{t.max_steps} steps x {ro.prompts_per_step} prompts x "
-            f"{ro.group_size} completions on {device} ({world} procs, engine {engine.name})",
-            "run dir": f"{run_dir}" + (f" (resuming {ckpt})" if ckpt else ""),
-        })  # fmt: skip
+            f"{ro.group_size} completions",
+        }, engine=engine, run_dir=run_dir, ckpt=ckpt)  # fmt: skip
         return 0
 
     # --- policy, reference, optimizer
     seed_everything(cfg.seed)
     policy = engine.prepare(load_policy(cfg.model, device, weights_from=ckpt).train())
     reference = None
-    if needs_reference:
-        if cfg.reference.mode == "adapter":
-            reference = ReferencePolicy(policy, "adapter")
-        else:  # the starting weights, never the resumed ones
-            start = load_policy(cfg.model.model_copy(update={"lora": None}), device)
-            reference = ReferencePolicy(engine.prepare(start, trainable=False), "frozen")
+    if needs_reference:  # the starting weights, never the resumed ones
+        reference = load_reference(cfg.reference, cfg.model, policy, engine)
     # learned rewards: sharded at rest like the reference, gathered while they score
     for component, model in reward_fn.models():
         component.model = engine.prepare(model.requires_grad_(False), trainable=False)
@@ -175,27 +156,17 @@ def train(cfg: PGConfig, run: RunArgs) -> int:
     if value_model is not None:
         value_opt = engine.prepare_optimizer(build_optimizer(value_model, cfg.optim))
         value_sched = build_scheduler(value_opt, cfg.optim, total_updates)
-    sampler = EpochSampler(len(train_prompts.items), cfg.seed)
-    step, skips = 0, SkippedSteps(cfg.optim.max_consecutive_skips)
-    selector = ModelSelector(
-        cfg.checkpoint.best,
-        run_dir,
-        accelerator,
+    # data position, skipped steps, best model, tracker: fresh, or resumed from ckpt
+    book = start_bookkeeping(
+        cfg, run, package=PACKAGE, accelerator=accelerator, threads=threads, run_dir=run_dir,
+        ckpt=ckpt, num_rows=len(train_prompts.items), total_steps=t.max_steps,
         periodic_eval=bool(t.eval_every) and cfg.data.eval is not None,
-    )
-    if ckpt is not None:
-        step, state = restore_checkpoint(
-            ckpt, optimizer=optimizer, scheduler=scheduler, sampler=sampler, model=policy,
-            extra={"value": (value_model, value_opt)} if value_model is not None else None,
-        )  # fmt: skip
-        skips.total = state["skipped_steps"]
-        selector.load_state_dict(state.get("best"))
-        if value_model is not None:
-            value_sched.load_state_dict(state["value_scheduler"])
-    tracker = Tracker(
-        run_dir, cfg, cfg.tracking, total_steps=t.max_steps, resume_step=step if ckpt else None,
-        enabled=is_main,
+        model=policy, tokenizer=tokenizer, optimizer=optimizer, scheduler=scheduler,
+        extra={"value": (value_model, value_opt)} if value_model is not None else None,
     )  # fmt: skip
+    step, sampler, skips, tracker = book.start_step, book.sampler, book.skips, book.tracker
+    if ckpt is not None and value_model is not None:
+        value_sched.load_state_dict(book.restored["value_scheduler"])
     rollout_log = RolloutLog(
         run_dir / "rollouts.sqlite", enabled=is_main, resume_step=step if ckpt else None
     )
@@ -222,20 +193,8 @@ def train(cfg: PGConfig, run: RunArgs) -> int:
 
     def save() -> None:
         rollout_log.flush()
-        state = {
-            "sampler": sampler.state_dict(),
-            "skipped_steps": skips.total,
-            "best": selector.state_dict(),
-        }
-        extra, extra_opt = {}, {}
-        if value_model is not None:
-            state["value_scheduler"] = value_sched.state_dict()
-            extra["value"], extra_opt["value"] = value_model, value_opt
-        save_training_state(
-            accelerator, run_dir, step, model=policy, tokenizer=tokenizer, optimizer=optimizer,
-            scheduler=scheduler, state=state, keep_last=cfg.checkpoint.keep_last,
-            extra_models=extra, extra_optimizers=extra_opt,
-        )  # fmt: skip
+        value = {"value_scheduler": value_sched.state_dict()} if value_sched is not None else None
+        book.save(step, extra_state=value)
 
     def update(
         group: list, sums: dict[str, float], weight: float = 1.0
@@ -333,39 +292,25 @@ def train(cfg: PGConfig, run: RunArgs) -> int:
                     **{f"train/loss/{k}": v for k, v in sums.items()},
                     "train/time/train_s": time.perf_counter() - t_train,
                 })  # fmt: skip
-            if t.eval_every and step % t.eval_every == 0 and step < t.max_steps:
-                evaluation = run_eval()
-                tracker.log(step, evaluation)
-                if selector.observe(step, evaluation, policy, tokenizer):
-                    break  # early stop: the final evaluation and final/ follow
-            if cfg.checkpoint.save_every and step % cfg.checkpoint.save_every == 0:
+            if book.evaluate(step, run_eval):  # every train.eval_every steps
+                break  # early stop: the final evaluation and final/ follow
+            if book.save_due(step):
                 save()
             if stop.requested:
                 save()
                 rollout_log.close()
-                if is_main:
-                    announce_stop(PACKAGE, run, run_dir, stop.signum, step)
-                tracker.plot()
-                return stop.exit_code
+                return book.stopped(step, stop)
 
+    # --- final evaluation, final/ and summary
     final_eval = run_eval()
     rollout_log.close()
-    if final_eval:
-        tracker.log(step, final_eval)
-    selector.observe(step, final_eval, policy, tokenizer)
-    if cfg.checkpoint.save_final:
-        save_final(accelerator, policy, tokenizer, run_dir / "final")
+    book.save_final_model(step, final_eval)
     first = [r for r in tracker.history if "train/reward/total" in r]
-    summary = tracker.finish({
-        "steps": step, "skipped_steps": skips.total, "threads": threads, "processes": world,
-        **selector.summary(),
+    book.summarize(step, {
         "algorithm": alg.name, "train_prompts": len(train_prompts.items),
         "first_train_reward": first[0]["train/reward/total"] if first else None,
-        "last_train_reward": first[-1]["train/reward/total"] if first else None, **final_eval,
-        **engine_facts,
-    })  # fmt: skip
-    if is_main:
-        print(f"run dir: {run_dir}\n" + "\n".join(f"  {k}: {v}" for k, v in summary.items()))
+        "last_train_reward": first[-1]["train/reward/total"] if first else None,
+    }, final_eval, engine_facts)  # fmt: skip
     return 0
 
 

@@ -12,16 +12,14 @@ from typing import Literal
 
 from pydantic import Field, model_validator
 
-from rlhf_core.checkpoint import CheckpointConfig
-from rlhf_core.config import RunConfig, StrictModel
-from rlhf_core.data import DataSource, check_heldout_seeds
+from rlhf_core.bookkeeping import TrainerConfig
+from rlhf_core.config import StrictModel
+from rlhf_core.data import DataSource, SplitDataConfig
 from rlhf_core.encoding import MAX_PROMPT_LENGTH_HELP
 from rlhf_core.errors import UserError
 from rlhf_core.loop import LoopConfig
 from rlhf_core.models import ModelConfig
-from rlhf_core.optim import OptimConfig
 from rlhf_core.registry import registered_spec
-from rlhf_core.tracking import TrackingConfig
 
 FORMAT_NAMES = Literal[
     "auto", "preference", "ultrafeedback", "hh", "orm", "prm", "prm800k", "gsm8k", "segments"
@@ -54,7 +52,7 @@ class BuilderConfig(StrictModel):
     seed: int = Field(0, description="seed of the builder's random choices")
 
 
-class RMDataConfig(StrictModel):
+class RMDataConfig(SplitDataConfig):
     train: DataSource = Field(description="training rows (file, hub id, or reasoning-gym)")
     eval: DataSource | None = Field(None, description="held-out rows")
     format: FORMAT_NAMES = Field(
@@ -85,8 +83,7 @@ class RMDataConfig(StrictModel):
     )
 
     @model_validator(mode="after")
-    def _heldout_is_heldout(self) -> RMDataConfig:
-        check_heldout_seeds(self.train, self.eval)
+    def _margin_columns(self) -> RMDataConfig:
         if isinstance(self.margin_column, list) and len(self.margin_column) != 2:
             raise UserError("data.margin_column: a list must name exactly two columns [a, b]")
         return self
@@ -113,7 +110,7 @@ class RMTrainConfig(LoopConfig):
     )
 
 
-class RMConfig(RunConfig):
+class RMConfig(TrainerConfig):
     name: str = Field(
         "reward_model", description="run name (run dir outputs/reward_models/<name>-<time>)"
     )
@@ -126,9 +123,6 @@ class RMConfig(RunConfig):
         description="loss name in reward_models.losses.LOSSES and its keyword arguments",
     )
     train: RMTrainConfig = Field(default_factory=RMTrainConfig, description="loop settings")
-    optim: OptimConfig = Field(default_factory=OptimConfig, description="optimizer and schedule")
-    checkpoint: CheckpointConfig = Field(default_factory=CheckpointConfig, description="saving")
-    tracking: TrackingConfig = Field(default_factory=TrackingConfig, description="logging")
 
     @property
     def kind(self) -> str:

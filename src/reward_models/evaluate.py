@@ -27,6 +27,7 @@ from reward_models.data import RewardData, collate_outcomes, collate_pairs, coll
 from reward_models.losses import IGNORE_INDEX, RewardLoss
 from reward_models.models import compute_loss
 from rlhf_core.encoding import last_token_index
+from rlhf_core.models import eval_mode
 
 COLLATE = {
     "preference": collate_pairs, "orm": collate_outcomes, "prm": collate_steps,
@@ -137,28 +138,27 @@ def evaluate(
 ) -> dict[str, float]:
     """Held-out loss, metrics and whole-set figures of `data`, keys prefixed 'eval/'."""
     device = next(model.parameters()).device
-    was_training = model.training
-    model.eval()
     kind, examples = loss_fn.kind, data.examples
     totals: dict[str, float] = {}
     orm_scores, predicted, truth = [], [], []
-    for start in range(0, len(examples), batch_size):
-        chunk = examples[start : start + batch_size]
-        batch = {k: v.to(device) for k, v in COLLATE[kind](chunk, pad_id).items()}
-        loss, metrics, out = compute_loss(model, loss_fn, batch)
-        for key, value in {"loss": loss, **metrics}.items():
-            totals[key] = totals.get(key, 0.0) + float(value) * len(chunk)
-        if kind == "orm":
-            last = last_token_index(batch["completion_mask"])
-            orm_scores.append(out["logits"][torch.arange(len(chunk), device=device), last].cpu())
-        elif kind in ("prm", "segment"):
-            classes = out["logits"].argmax(-1).cpu()
-            steps = batch["step_labels"].cpu()
-            for b in range(len(chunk)):
-                at = steps[b] != IGNORE_INDEX
-                predicted.append(classes[b][at].tolist())
-                truth.append(steps[b][at].tolist())
-    model.train(was_training)
+    with eval_mode(model):
+        for start in range(0, len(examples), batch_size):
+            chunk = examples[start : start + batch_size]
+            batch = {k: v.to(device) for k, v in COLLATE[kind](chunk, pad_id).items()}
+            loss, metrics, out = compute_loss(model, loss_fn, batch)
+            for key, value in {"loss": loss, **metrics}.items():
+                totals[key] = totals.get(key, 0.0) + float(value) * len(chunk)
+            if kind == "orm":
+                last = last_token_index(batch["completion_mask"])
+                rows = torch.arange(len(chunk), device=device)
+                orm_scores.append(out["logits"][rows, last].cpu())
+            elif kind in ("prm", "segment"):
+                classes = out["logits"].argmax(-1).cpu()
+                steps = batch["step_labels"].cpu()
+                for b in range(len(chunk)):
+                    at = steps[b] != IGNORE_INDEX
+                    predicted.append(classes[b][at].tolist())
+                    truth.append(steps[b][at].tolist())
     result = {k: v / len(examples) for k, v in totals.items()}
     if kind == "orm":
         labels = torch.tensor([e.label for e in examples])

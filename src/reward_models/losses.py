@@ -212,8 +212,38 @@ def first_error_step(negative: torch.Tensor, step_mask: torch.Tensor) -> torch.T
     return flagged.min(-1).values if flagged.shape[-1] else count
 
 
+class PositionCELoss(RewardLoss):
+    """The shared part of `prm_ce` and `segment_ce`: a class per labelled position (a step's or a
+    segment's last token), read from logits (B, T, C) where the labels (B, T) are not -100."""
+
+    num_classes: int
+
+    @property
+    def head_dim(self) -> int:
+        return self.num_classes
+
+    def position_ce(
+        self, logits: torch.Tensor, step_labels: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(loss, mask, targets): the cross-entropy averaged over each example's labelled
+        positions, then over the batch ("seq-mean-token-mean"); mask (B, T) = labelled."""
+        if (
+            logits.dim() != 3
+            or logits.shape[:2] != step_labels.shape
+            or logits.shape[-1] != self.num_classes
+        ):
+            raise _shape_error(
+                self.name, f"logits (B, T, {self.num_classes}) and step_labels (B, T)",
+                logits=logits, step_labels=step_labels,
+            )  # fmt: skip
+        mask = step_labels != IGNORE_INDEX
+        targets = step_labels.clamp(min=0)
+        per_token = F.cross_entropy(logits.transpose(1, 2), targets, reduction="none")
+        return aggregate(per_token, mask, "seq-mean-token-mean"), mask, targets
+
+
 @LOSSES.register("prm_ce")
-class ProcessCELoss(RewardLoss):
+class ProcessCELoss(PositionCELoss):
     """Process reward model: cross-entropy of each step's rating, read at step-separator tokens.
 
     Lightman et al. 2023, "Let's Verify Step by Step", arXiv:2305.20050, sec. 2.6: the PRM
@@ -241,29 +271,11 @@ class ProcessCELoss(RewardLoss):
         self._require(num_classes in (2, 3), "num_classes", num_classes, "2 or 3")
         self.num_classes = int(num_classes)
 
-    @property
-    def head_dim(self) -> int:
-        return self.num_classes
-
     def forward(
         self, logits: torch.Tensor, step_labels: torch.Tensor
     ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         """Step logits (B, T, C) and classes (B, T), -100 off step ends -> (mean loss, metrics)."""
-        if (
-            logits.dim() != 3
-            or logits.shape[:2] != step_labels.shape
-            or logits.shape[-1] != self.num_classes
-        ):
-            raise _shape_error(
-                self.name,
-                f"logits (B, T, {self.num_classes}) and step_labels (B, T)",
-                logits=logits,
-                step_labels=step_labels,
-            )
-        mask = step_labels != IGNORE_INDEX
-        targets = step_labels.clamp(min=0)
-        per_token = F.cross_entropy(logits.transpose(1, 2), targets, reduction="none")
-        loss = aggregate(per_token, mask, "seq-mean-token-mean")
+        loss, mask, targets = self.position_ce(logits, step_labels)
         predicted = logits.detach().argmax(-1)
         correct = (predicted == targets).to(logits.dtype)
         has_steps = mask.any(-1).to(logits.dtype)
@@ -278,7 +290,7 @@ class ProcessCELoss(RewardLoss):
 
 
 @LOSSES.register("segment_ce")
-class SegmentCELoss(RewardLoss):
+class SegmentCELoss(PositionCELoss):
     """Token-level (segment) reward model: cross-entropy of each segment's class, read at the token
     that ends the segment (a sentence or a sub-sentence).
 
@@ -304,26 +316,10 @@ class SegmentCELoss(RewardLoss):
         self._require(num_classes >= 2, "num_classes", num_classes, ">= 2")
         self.num_classes = int(num_classes)
 
-    @property
-    def head_dim(self) -> int:
-        return self.num_classes
-
     def forward(
         self, logits: torch.Tensor, step_labels: torch.Tensor
     ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         """Segment logits (B, T, C), classes (B, T), -100 off segment ends -> (loss, metrics)."""
-        if (
-            logits.dim() != 3
-            or logits.shape[:2] != step_labels.shape
-            or logits.shape[-1] != self.num_classes
-        ):
-            raise _shape_error(
-                self.name, f"logits (B, T, {self.num_classes}) and step_labels (B, T)",
-                logits=logits, step_labels=step_labels,
-            )  # fmt: skip
-        mask = step_labels != IGNORE_INDEX
-        targets = step_labels.clamp(min=0)
-        per_token = F.cross_entropy(logits.transpose(1, 2), targets, reduction="none")
-        loss = aggregate(per_token, mask, "seq-mean-token-mean")
+        loss, mask, targets = self.position_ce(logits, step_labels)
         correct = (logits.detach().argmax(-1) == targets).to(logits.dtype)
         return loss, {"segment_accuracy": masked_mean(correct, mask)}

@@ -27,30 +27,23 @@ from reward_models.data import build_reward_data, collate_pairs, pack_pairs
 from reward_models.evaluate import COLLATE, evaluate
 from reward_models.losses import LOSSES
 from reward_models.models import BaseRewardModel, compute_loss
+from rlhf_core.bookkeeping import start_bookkeeping
 from rlhf_core.checkpoint import StopSignal
 from rlhf_core.config import RunArgs, parse_run_args
-from rlhf_core.data import EpochSampler
 from rlhf_core.errors import UserError, run_main
 from rlhf_core.loop import (
-    SkippedSteps,
-    announce_stop,
     check_engine_accumulation,
     optimizer_step,
     plan_steps,
     print_dry_run,
-    restore_checkpoint,
-    save_final,
-    save_training_state,
     start_engine,
 )
-from rlhf_core.models import load_tokenizer, resolve_model_path
+from rlhf_core.models import load_tokenizer
 from rlhf_core.optim import build_optimizer, build_scheduler, maybe_embedding_grad_buffer
 from rlhf_core.registry import build_from_spec
 from rlhf_core.rundir import managed_run, open_run_dir
 from rlhf_core.runtime import seed_everything
 from rlhf_core.scalar_head import check_sequence_classification_export
-from rlhf_core.selection import ModelSelector
-from rlhf_core.tracking import Tracker
 
 PACKAGE = "reward_models"
 
@@ -105,18 +98,14 @@ def train(cfg: RMConfig, run: RunArgs) -> int:
     run_dir, ckpt = open_run_dir(accelerator, run, package=PACKAGE, name=cfg.name)
 
     if run.dry_run:
-        print_dry_run(cfg, {
-            "model": f"{cfg.model.name_or_path} -> {resolve_model_path(cfg.model.name_or_path)}",
-            "tokenizer": f"{type(tokenizer).__name__}, vocab {len(tokenizer)}",
+        print_dry_run(cfg, tokenizer, {
             "loss": f"{type(loss_fn).__name__} {cfg.loss}",
             "kind": f"{kind} (head {classes}; backbone "
             f"{'frozen' if cfg.freeze_backbone else 'LoRA' if cfg.model.lora else 'trained'})",
             "train examples": f"{train_data.describe()} from {d.train.describe()}",
             "eval examples": eval_data.describe() if eval_data else 0,
-            "would run": f"{total_steps} steps x {t.batch_size} examples on {device} "
-            f"({world} procs, engine {engine.name})",
-            "run dir": f"{run_dir}" + (f" (resuming {ckpt})" if ckpt else ""),
-        })  # fmt: skip
+            "would run": f"{total_steps} steps x {t.batch_size} examples",
+        }, engine=engine, run_dir=run_dir, ckpt=ckpt)  # fmt: skip
         return 0
 
     # --- model, optimizer, schedule
@@ -131,24 +120,14 @@ def train(cfg: RMConfig, run: RunArgs) -> int:
     model = engine.prepare(model)  # sharded (fsdp2) or DDP-wrapped; the optimizer comes after
     optimizer = engine.prepare_optimizer(build_optimizer(model, cfg.optim))
     scheduler = build_scheduler(optimizer, cfg.optim, total_steps)
-    sampler = EpochSampler(len(train_data.examples), cfg.seed)
-    step, skips = 0, SkippedSteps(cfg.optim.max_consecutive_skips)
-    selector = ModelSelector(
-        cfg.checkpoint.best,
-        run_dir,
-        accelerator,
+    # data position, skipped steps, best model, tracker: fresh, or resumed from ckpt
+    book = start_bookkeeping(
+        cfg, run, package=PACKAGE, accelerator=accelerator, threads=threads, run_dir=run_dir,
+        ckpt=ckpt, num_rows=len(train_data.examples), total_steps=total_steps,
         periodic_eval=bool(t.eval_every) and eval_data is not None,
-    )
-    if ckpt is not None:
-        step, state = restore_checkpoint(
-            ckpt, optimizer=optimizer, scheduler=scheduler, sampler=sampler, model=model
-        )
-        skips.total = state["skipped_steps"]
-        selector.load_state_dict(state.get("best"))
-    tracker = Tracker(
-        run_dir, cfg, cfg.tracking, total_steps=total_steps, resume_step=step if ckpt else None,
-        enabled=is_main,
+        model=model, tokenizer=tokenizer, optimizer=optimizer, scheduler=scheduler,
     )  # fmt: skip
+    step, sampler, skips = book.start_step, book.sampler, book.skips
     pad_id = tokenizer.pad_token_id
     engine_facts = engine.announce([model], [optimizer])
 
@@ -157,15 +136,6 @@ def train(cfg: RMConfig, run: RunArgs) -> int:
             return {}
         with engine.gathered(model) as whole:  # every process evaluates (the same numbers)
             return evaluate(whole, loss_fn, eval_data, pad_id=pad_id, batch_size=micro)
-
-    def save() -> None:
-        save_training_state(
-            accelerator, run_dir, step, model=model, tokenizer=tokenizer, optimizer=optimizer,
-            scheduler=scheduler,
-            state={"sampler": sampler.state_dict(), "skipped_steps": skips.total,
-                   "best": selector.state_dict()},
-            keep_last=cfg.checkpoint.keep_last,
-        )  # fmt: skip
 
     # --- the loop
     metrics: dict[str, torch.Tensor] = {}
@@ -195,53 +165,28 @@ def train(cfg: RMConfig, run: RunArgs) -> int:
             )  # fmt: skip
             step += 1
 
-            if step % cfg.tracking.log_every == 0 or step == total_steps:
-                reduced = {
-                    k: accelerator.reduce(v, reduction="sum").item() for k, v in metrics.items()
-                }
-                tracker.log(step, {
-                    "train/loss": step_loss.item(), "train/grad_norm": grad_norm,
-                    "train/lr": scheduler.get_last_lr()[0], "train/epoch": sampler.epoch_float,
-                    "train/skipped_steps": skips.total,
-                    **{f"train/{k}": v for k, v in reduced.items()},
-                })  # fmt: skip
-            if t.eval_every and step % t.eval_every == 0 and step < total_steps:
-                evaluation = run_eval()
-                tracker.log(step, evaluation)
-                if selector.observe(step, evaluation, model, tokenizer):
-                    break  # early stop: the final evaluation and final/ follow
-            if cfg.checkpoint.save_every and step % cfg.checkpoint.save_every == 0:
-                save()
-            if stop.requested:
-                save()
-                if is_main:
-                    announce_stop(PACKAGE, run, run_dir, stop.signum, step)
-                tracker.plot()
-                return stop.exit_code
+            if book.log_due(step):  # the step's metrics, summed over processes
+                reduced = {k: accelerator.reduce(v, "sum").item() for k, v in metrics.items()}
+                book.log_step(step, step_loss, grad_norm, reduced)
+            if book.evaluate(step, run_eval):  # every train.eval_every steps
+                break  # early stop: the final evaluation and final/ follow
+            if (exit_code := book.checkpoint(step, stop)) is not None:
+                return exit_code  # stopped by a signal, checkpoint saved
 
-    # --- final evaluation and model
+    # --- final evaluation, final/ (and final-seqcls/), summary
     final_eval = run_eval()
-    if final_eval:
-        tracker.log(step, final_eval)
-    selector.observe(step, final_eval, model, tokenizer)
-    if cfg.checkpoint.save_final:
-        save_final(accelerator, model, tokenizer, run_dir / "final")
+    book.save_final_model(step, final_eval)
     if t.export_sequence_classification and is_main:  # from final/ when saved (whole weights)
         whole = engine.unwrap(model)
         if cfg.checkpoint.save_final:
             whole = BaseRewardModel.from_pretrained(run_dir / "final", device=device)
         whole.export_sequence_classification(run_dir / "final-seqcls", tokenizer=tokenizer)
-    summary = tracker.finish({
-        "steps": step, "skipped_steps": skips.total, "threads": threads, "processes": world,
-        **selector.summary(),
+    book.summarize(step, {
         "kind": kind, "loss": cfg.loss, "train_examples": len(train_data.examples),
         **{f"train_data/{k}": v for k, v in train_data.counts.items()},
         "final_train_loss": step_loss.item(),
-        **{f"final_train/{k}": float(v) for k, v in metrics.items()}, **final_eval,
-        **engine_facts,
-    })  # fmt: skip
-    if is_main:
-        print(f"run dir: {run_dir}\n" + "\n".join(f"  {k}: {v}" for k, v in summary.items()))
+        **{f"final_train/{k}": float(v) for k, v in metrics.items()},
+    }, final_eval, engine_facts)  # fmt: skip
     return 0
 
 

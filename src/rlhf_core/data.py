@@ -14,12 +14,13 @@ A `DataSource` is exactly one of
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import torch
 from pydantic import Field, model_validator
 
 from rlhf_core.config import StrictModel
+from rlhf_core.encoding import MAX_PROMPT_LENGTH_HELP
 from rlhf_core.errors import UserError, UserFileNotFound
 
 LOCAL_SUFFIXES = {".jsonl": "json", ".json": "json", ".gz": "json", ".parquet": "parquet"}
@@ -73,6 +74,33 @@ def check_heldout_seeds(train: DataSource, heldout: DataSource | None) -> None:
             "the sets would share examples. Use a held-out seed far from the training one "
             "(e.g. 10000000)."
         )
+
+
+class SplitDataConfig(StrictModel):
+    """A `data:` block's training and held-out sources (the trainers' data configs extend it,
+    re-declaring the two fields' descriptions); the held-out one is checked to be held out."""
+
+    train: DataSource = Field(description="training rows (file, hub id, or reasoning-gym)")
+    eval: DataSource | None = Field(None, description="held-out rows")
+
+    @model_validator(mode="after")
+    def _heldout_is_heldout(self) -> SplitDataConfig:
+        check_heldout_seeds(self.train, self.eval)
+        return self
+
+
+class TextDataConfig(SplitDataConfig):
+    """Prompt + completion rows: their format (each trainer names its own), the length limits
+    of `rlhf_core.encoding`'s one truncation rule, and what to do with a longer row."""
+
+    format: str = Field("auto", description="row format")
+    max_length: int = Field(512, gt=2, description="max prompt + completion tokens")
+    max_prompt_length: int | None = Field(None, gt=0, description=MAX_PROMPT_LENGTH_HELP)
+    overlong: Literal["truncate", "drop"] = Field(
+        "truncate",
+        description="a row longer than the length limits: truncate it (counted as truncated) or "
+        "drop it (counted as dropped_overlong in the summary)",
+    )
 
 
 def is_local_path(path: str) -> bool:

@@ -165,6 +165,10 @@ def _root_forward(self: torch.nn.Module, fn: Any, *args: Any) -> Any:
     return fn(*args)
 
 
+def _nothing() -> None:
+    return None
+
+
 def own_unit_modules(model: torch.nn.Module) -> list[torch.nn.Module]:
     """The input embedding and the output head of a decoder-only model, each sharded as a unit
     of its own, when they do not share their weight. Left in the root they would stay gathered,
@@ -377,6 +381,10 @@ class Engine:
         if not self.sharded:
             yield self.unwrap(model)
             return
+        # a forward of the root first: it sets up every unit's FSDP state (lazily, at the first
+        # root forward); a decode loop whose first call is a submodule (T5's encoder) would
+        # otherwise make that submodule a root of its own and the model's own forward fail
+        run_as_root_forward(model, _nothing)
         units = fsdp_units(model)
         for unit in units:
             unit.set_reshard_after_forward(False, recurse=False)

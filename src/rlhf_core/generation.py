@@ -14,6 +14,13 @@ completion]: the encoder runs once on the left-padded prompts, the decoder start
 token and steps one token at a time through its KV cache, with the same warpers and sampler
 (`_decode_encoder_decoder`; greedy tokens equal `generate`'s, tested).
 
+Group sampling (`group_size` G > 1, GRPO's G completions of each prompt): `decode` takes the N
+distinct prompts, runs the prefill (or T5's encoder) on those N rows once, then repeats each
+row's KV cache (encoder output) and next-token logits G times and decodes N x G rows. The G rows
+of a group never re-encode their prompt; the draws (one uniform per row per token, in row order)
+are the ones the N x G repeated prompts would make, and so are the tokens (tested against
+`decode` of the repeated prompts, greedy and sampled).
+
 `generate_completions` takes rendered prompt texts and returns, per prompt, the completion token
 ids (up to and including the first eos), the decoded text (special tokens removed) and whether it
 was truncated at `max_new_tokens` without an eos. temperature 0 means greedy.
@@ -115,14 +122,20 @@ def _decode_encoder_decoder(
     eos_token_id: int,
     pad_token_id: int,
     generator: Generators,
+    group_size: int,
     **sampling: float,
 ) -> torch.Tensor:
-    """`decode` for an encoder-decoder model: the encoder once, then the decoder token by token
-    through its KV cache from the decoder start token; returns [input_ids | completion]."""
+    """`decode` for an encoder-decoder model: the encoder once per distinct prompt (its output
+    repeated `group_size` times), then the decoder token by token through its KV cache from the
+    decoder start token; returns [input_ids | completion], input_ids repeated per group."""
     base = base_model(model)  # peft's adapters live in the base model's layers
-    batch = input_ids.shape[0]
     mask = attention_mask.long()
     encoded = base.get_encoder()(input_ids=input_ids, attention_mask=mask)
+    if group_size > 1:
+        encoded.last_hidden_state = encoded.last_hidden_state.repeat_interleave(group_size, 0)
+        input_ids = input_ids.repeat_interleave(group_size, 0)
+        mask = mask.repeat_interleave(group_size, 0)
+    batch = input_ids.shape[0]
     token = torch.full((batch,), decoder_start_id(base), dtype=input_ids.dtype,
                        device=input_ids.device)  # fmt: skip
     done = torch.zeros(batch, dtype=torch.bool, device=input_ids.device)
@@ -162,20 +175,25 @@ def decode(
     top_k: int = 0,
     min_p: float = 0.0,
     generator: Generators = None,
+    group_size: int = 1,
 ) -> torch.Tensor:
-    """Complete left-padded prompts `input_ids` (B, P): returns (B, P + T) with T <=
-    `max_new_tokens`; after a row's eos it holds `pad_token_id`. Stops early once every row has
-    produced an eos. The model is used as is (call `model.eval()` first). `generator`: see
-    `sample_from_logits` (None: the global torch RNG)."""
+    """Complete left-padded prompts `input_ids` (B, P): returns (B x G, P + T) with T <=
+    `max_new_tokens`, G = `group_size` completions of each prompt in consecutive rows (the
+    prompt encoded once, see the module docstring); after a row's eos it holds `pad_token_id`.
+    Stops early once every row has produced an eos. The model is used as is (call
+    `model.eval()` first). `generator`: see `sample_from_logits` (None: the global torch RNG),
+    one per output row when a sequence."""
     if max_new_tokens < 1:
         raise ValueError(f"decode: max_new_tokens must be >= 1, got {max_new_tokens}")
+    if group_size < 1:
+        raise ValueError(f"decode: group_size must be >= 1, got {group_size}")
     sampling = {"temperature": temperature, "top_p": top_p, "top_k": top_k, "min_p": min_p}
     if is_encoder_decoder(model):
         return _decode_encoder_decoder(
             model, input_ids, attention_mask, max_new_tokens=max_new_tokens,
-            eos_token_id=eos_token_id, pad_token_id=pad_token_id, generator=generator, **sampling,
+            eos_token_id=eos_token_id, pad_token_id=pad_token_id, generator=generator,
+            group_size=group_size, **sampling,
         )  # fmt: skip
-    batch = input_ids.shape[0]
     mask = attention_mask.long()
     position_ids = (mask.cumsum(-1) - 1).clamp(min=0)
     keep = {"logits_to_keep": 1} if _accepts_logits_to_keep(model) else {}
@@ -183,13 +201,21 @@ def decode(
         input_ids=input_ids, attention_mask=mask, position_ids=position_ids, use_cache=True,
         **keep,
     )  # fmt: skip
+    logits, cache = out.logits[:, -1], out.past_key_values
     next_position = position_ids[:, -1:] + 1
+    if group_size > 1:  # the prompt's keys and values, computed once, shared by its group
+        cache.batch_repeat_interleave(group_size)
+        logits = logits.repeat_interleave(group_size, 0)
+        input_ids, mask, next_position = (
+            x.repeat_interleave(group_size, 0) for x in (input_ids, mask, next_position)
+        )
+    batch = input_ids.shape[0]
     done = torch.zeros(batch, dtype=torch.bool, device=input_ids.device)
     pad = torch.full_like(done, pad_token_id, dtype=input_ids.dtype)
     ones = torch.ones(batch, 1, dtype=mask.dtype, device=mask.device)
     new_tokens = []
     for step in range(max_new_tokens):
-        token = next_token(out.logits[:, -1], generator=generator, **sampling)
+        token = next_token(logits, generator=generator, **sampling)
         token = torch.where(done, pad, token.to(input_ids.dtype))
         new_tokens.append(token)
         done = done | (token == eos_token_id)
@@ -198,8 +224,9 @@ def decode(
         mask = torch.cat([mask, ones], dim=1)
         out = model(
             input_ids=token[:, None], attention_mask=mask, position_ids=next_position,
-            past_key_values=out.past_key_values, use_cache=True, **keep,
+            past_key_values=cache, use_cache=True, **keep,
         )  # fmt: skip
+        logits, cache = out.logits[:, -1], out.past_key_values
         next_position = next_position + 1
     return torch.cat([input_ids, torch.stack(new_tokens, dim=1)], dim=1)
 

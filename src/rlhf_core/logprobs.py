@@ -296,6 +296,106 @@ def _fused_selected_logprobs(
     return tuple(outs) if with_entropy else outs[0]
 
 
+def _checkpointing(model: torch.nn.Module) -> bool:
+    """True when a module of `model` recomputes activations in training (transformers then drops
+    the KV cache, so a shared-prompt forward through the cache is impossible)."""
+    return model.training and any(
+        getattr(m, "gradient_checkpointing", False) is True for m in model.modules()
+    )
+
+
+def shared_prompt_logprobs(
+    model: torch.nn.Module,
+    prompt_ids: torch.Tensor,
+    prompt_mask: torch.Tensor,
+    completion_ids: torch.Tensor,
+    completion_mask: torch.Tensor,
+    *,
+    temperature: float = 1.0,
+    chunk_rows: int | None = None,
+    with_entropy: bool = False,
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    """Log-probs (B, T) of completions (B, T, right-padded, `completion_mask`) continuing
+    left-padded prompts (B, P), 0 off the mask; with `with_entropy` also the entropies. Rows whose
+    prompts are equal (GRPO's G samples of a group, wherever they sit in the batch) share one
+    encoding of the prompt: the U distinct prompts run once, their keys and values are gathered
+    for the B rows, and the completions attend to them through the KV cache; gradients flow
+    through the cache into the prompt's single forward, so they are the sum over the group, as
+    with B separate rows (tested against `causal_lm_selected_logprobs` on [prompt | completion]
+    rows in float64). The state that predicts a completion's first token is the prompt's last
+    one. Falls back to the flat rows where the decoder and head cannot run apart (see
+    `causal_lm_selected_logprobs`) or where activation checkpointing drops the cache."""
+    if prompt_ids.shape != prompt_mask.shape or completion_ids.shape != completion_mask.shape:
+        raise ValueError(
+            f"shared_prompt_logprobs: ids and masks must match, got prompt "
+            f"{tuple(prompt_ids.shape)} / {tuple(prompt_mask.shape)}, completion "
+            f"{tuple(completion_ids.shape)} / {tuple(completion_mask.shape)}"
+        )
+    if not bool(prompt_mask[:, -1].all()):
+        raise ValueError("shared_prompt_logprobs: prompts must be left-padded (last column real)")
+    parts = _decoder_and_head(model)
+    if parts is None or _checkpointing(model):
+        ids = torch.cat([prompt_ids, completion_ids], 1)
+        mask = torch.cat([prompt_mask, completion_mask], 1)
+        target = torch.zeros(ids.shape[0], ids.shape[1] - 1, dtype=torch.bool, device=ids.device)
+        target[:, prompt_ids.shape[1] - 1 :] = completion_mask.bool()
+        out = causal_lm_selected_logprobs(
+            model, ids, mask, target, temperature=temperature, chunk_rows=chunk_rows,
+            with_entropy=with_entropy,
+        )  # fmt: skip
+        p = prompt_ids.shape[1] - 1
+        return tuple(x[:, p:] for x in out) if with_entropy else out[:, p:]
+    return run_as_root_forward(
+        model, _shared_prompt_fused, *parts, prompt_ids, prompt_mask, completion_ids,
+        completion_mask, temperature, chunk_rows, with_entropy,
+    )  # fmt: skip
+
+
+def _shared_prompt_fused(
+    decoder, head, prompt_ids, prompt_mask, completion_ids, completion_mask, temperature,
+    chunk_rows, with_entropy,
+):  # fmt: skip
+    """The distinct prompts once, the completions through their gathered KV cache, then the fused
+    head on the completion positions (see `shared_prompt_logprobs`)."""
+    prompt_mask, completion_mask = prompt_mask.long(), completion_mask.long()
+    width = prompt_ids.shape[1]
+    rows = torch.cat([prompt_ids.masked_fill(prompt_mask == 0, 0), prompt_mask], 1)
+    distinct, inverse = torch.unique(rows, dim=0, return_inverse=True)
+    ids, mask = distinct[:, :width], distinct[:, width:]
+    # one embedding lookup for both passes: a second would add a second dense embedding gradient
+    embed = decoder.get_input_embeddings()
+    both = embed(torch.cat([ids.reshape(-1), completion_ids.reshape(-1)]))
+    n = ids.numel()
+    out = decoder(
+        inputs_embeds=both[:n].view(*ids.shape, -1), attention_mask=mask,
+        position_ids=(mask.cumsum(-1) - 1).clamp(min=0), use_cache=True,
+    )  # fmt: skip
+    cache = out.past_key_values
+    cache.batch_select_indices(inverse)
+    starts = mask.sum(-1, keepdim=True)[inverse]
+    hidden = decoder(
+        inputs_embeds=both[n:].view(*completion_ids.shape, -1),
+        attention_mask=torch.cat([mask[inverse], completion_mask], 1),
+        position_ids=starts + torch.arange(completion_ids.shape[1], device=starts.device),
+        past_key_values=cache, use_cache=True,
+    ).last_hidden_state  # fmt: skip
+    # the state predicting completion token t: the prompt's last for t = 0, else completion t - 1
+    states = torch.cat([out.last_hidden_state[:, -1:][inverse], hidden[:, :-1]], 1)
+    select = completion_mask.bool()
+    # an untied head is an FSDP2 unit of its own: gathered just around its own use
+    picked = run_as_root_forward(
+        head, _head_logprobs, states[select], head, completion_ids[select], temperature,
+        chunk_rows, with_entropy,
+    )  # fmt: skip
+    if not with_entropy:
+        picked = (picked,)
+    outs = []
+    for values in picked:
+        full = torch.zeros(select.shape, dtype=values.dtype, device=values.device)
+        outs.append(full.masked_scatter(select, values))
+    return tuple(outs) if with_entropy else outs[0]
+
+
 def _head_logprobs(hidden, head, labels, temperature, chunk_rows, with_entropy):
     return linear_token_logprobs(
         hidden, head, labels, temperature=temperature, chunk_rows=chunk_rows,

@@ -34,6 +34,7 @@ from rlhf_core.config import RunArgs, dump_config
 from rlhf_core.data import EpochSampler
 from rlhf_core.distributed import Engine, EngineSettings, is_sharded, local_tensor
 from rlhf_core.errors import UserError
+from rlhf_core.models import resolve_model_path
 from rlhf_core.optim import EmbeddingGradBuffer
 from rlhf_core.runtime import configure_threads, quiet_libraries
 
@@ -133,8 +134,27 @@ def plan_steps(loop: LoopConfig, num_rows: int, world: int) -> tuple[int, int]:
     return micro, loop.max_steps or math.ceil(loop.epochs * steps_per_epoch)
 
 
-def print_dry_run(cfg: BaseModel, facts: dict[str, Any]) -> None:
-    """What --dry-run prints: the resolved config, then what would run."""
+def print_dry_run(
+    cfg: BaseModel,
+    tokenizer: Any,
+    facts: dict[str, Any],
+    *,
+    engine: Engine,
+    run_dir: Path,
+    ckpt: Path | None,
+) -> None:
+    """What --dry-run prints: the resolved config, then what would run: the model (`cfg.model`)
+    and tokenizer, the trainer's `facts`, where it would run (engine, device, processes), the
+    run dir."""
+    name = cfg.model.name_or_path  # type: ignore[attr-defined]
+    accelerator = engine.accelerator
+    facts = {
+        "model": f"{name} -> {resolve_model_path(name)}",
+        "tokenizer": f"{type(tokenizer).__name__}, vocab {len(tokenizer)}",
+        **facts,
+        "engine": f"{engine.name} on {accelerator.device}, {accelerator.num_processes} procs",
+        "run dir": f"{run_dir}" + (f" (resuming {ckpt})" if ckpt else ""),
+    }
     print(dump_config(cfg))
     width = max(len(k) for k in facts) + 1
     for key, value in facts.items():

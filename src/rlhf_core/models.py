@@ -23,7 +23,7 @@ import warnings
 from collections.abc import Iterator
 from contextlib import contextmanager, nullcontext
 from pathlib import Path
-from typing import Literal
+from typing import TYPE_CHECKING, Literal
 
 import torch
 from pydantic import Field, model_validator
@@ -39,6 +39,9 @@ from rlhf_core.quantization import (
     quantized_load_kwargs,
 )
 from rlhf_core.tiny import is_preset, preset_dir
+
+if TYPE_CHECKING:
+    from rlhf_core.distributed import Engine
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
@@ -151,6 +154,18 @@ def load_tokenizer(cfg: ModelConfig, *, padding_side: Literal["left", "right"]):
     return tokenizer
 
 
+@contextmanager
+def eval_mode(model: torch.nn.Module) -> Iterator[torch.nn.Module]:
+    """`model` in eval mode inside this context; its train/eval mode is restored after (also
+    after an error)."""
+    was_training = model.training
+    model.eval()
+    try:
+        yield model
+    finally:
+        model.train(was_training)
+
+
 def with_padding_side(tokenizer, side: Literal["left", "right"]):
     """A shallow copy of `tokenizer` with another padding side (the original is not changed)."""
     other = copy.copy(tokenizer)
@@ -186,10 +201,28 @@ def load_policy(
     )  # fmt: skip
     seq2seq = bool(getattr(config, "is_encoder_decoder", False))
     auto = AutoModelForSeq2SeqLM if seq2seq else AutoModelForCausalLM
+    model = load_pretrained(auto, cfg, full_path, device)
+    if cfg.lora is not None:
+        if weights_from is not None:
+            from peft import PeftModel
+
+            model = PeftModel.from_pretrained(model, str(weights_from), is_trainable=True)
+        else:
+            task_type = "SEQ_2_SEQ_LM" if seq2seq else "CAUSAL_LM"
+            model = apply_lora(model, cfg.lora, task_type=task_type)
+    return model
+
+
+def load_pretrained(auto, cfg: ModelConfig, path: str, device: torch.device) -> torch.nn.Module:
+    """`auto.from_pretrained(path)` (a transformers Auto class: causal LM, seq2seq LM, bare
+    backbone) with `cfg`'s revision (for `cfg.name_or_path` itself, not another directory),
+    dtype, attention and quantization, on `device`; QLoRA's backward hook and gradient
+    checkpointing as configured. No adapter: the caller adds or loads one."""
+    base_path = resolve_model_path(cfg.name_or_path)
     dtype = resolve_dtype(cfg, device)
     model = auto.from_pretrained(
-        full_path,
-        revision=cfg.revision if full_path == base_path else None,
+        path,
+        revision=cfg.revision if path == base_path else None,
         dtype=dtype,
         attn_implementation=resolve_attention(cfg, device),
         trust_remote_code=cfg.trust_remote_code,
@@ -202,14 +235,6 @@ def load_policy(
     if cfg.gradient_checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         model.config.use_cache = False
-    if cfg.lora is not None:
-        if weights_from is not None:
-            from peft import PeftModel
-
-            model = PeftModel.from_pretrained(model, str(weights_from), is_trainable=True)
-        else:
-            task_type = "SEQ_2_SEQ_LM" if seq2seq else "CAUSAL_LM"
-            model = apply_lora(model, cfg.lora, task_type=task_type)
     return model
 
 
@@ -318,13 +343,8 @@ class ReferencePolicy:
     def model(self) -> Iterator[torch.nn.Module]:
         """The module to run as pi_ref, in eval mode, inside this context."""
         ctx = self._model.disable_adapter() if self.mode == "adapter" else nullcontext()
-        was_training = self._model.training
-        self._model.eval()
-        try:
-            with ctx:
-                yield self._model
-        finally:
-            self._model.train(was_training)
+        with eval_mode(self._model), ctx:
+            yield self._model
 
     @torch.no_grad()
     def token_logprobs(
@@ -333,3 +353,15 @@ class ReferencePolicy:
         """Next-token log-probs under pi_ref, (B, S - 1); see `causal_lm_token_logprobs`."""
         with self.model() as ref:
             return causal_lm_token_logprobs(ref, input_ids, attention_mask, temperature=temperature)
+
+
+def load_reference(
+    reference: ReferenceConfig, model: ModelConfig, policy: torch.nn.Module, engine: Engine
+) -> ReferencePolicy:
+    """pi_ref for `reference.mode`: the LoRA `policy` with its adapter disabled ("adapter"), or
+    the starting policy `model` loaded again, frozen and placed by `engine` ("model" and
+    "precomputed"; never the resumed weights, and without LoRA)."""
+    if reference.mode == "adapter":
+        return ReferencePolicy(policy, "adapter")
+    start = load_policy(model.model_copy(update={"lora": None}), engine.accelerator.device)
+    return ReferencePolicy(engine.prepare(start, trainable=False), "frozen")

@@ -112,15 +112,7 @@ def split_rows(
     return enc, enc_mask, lab, lab_mask
 
 
-def seq2seq_selected_logprobs(
-    model: torch.nn.Module,
-    input_ids: torch.Tensor,
-    attention_mask: torch.Tensor,
-    target_mask: torch.Tensor,
-    *,
-    temperature: float = 1.0,
-    with_entropy: bool = False,
-) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+def _seq2seq_selected_logprobs(model, input_ids, attention_mask, target_mask, temperature, entropy):
     """`policy_logprobs` for an encoder-decoder model: log p(y_t | x, y_<t) of each target."""
     pad_id = base_model(model).config.pad_token_id
     enc, enc_mask, labels, label_mask = split_rows(input_ids, attention_mask, target_mask, pad_id)
@@ -129,14 +121,14 @@ def seq2seq_selected_logprobs(
         decoder_input_ids=shift_right(labels, decoder_start_id(model)),
         decoder_attention_mask=label_mask, use_cache=False,
     ).logits  # fmt: skip
-    picked = token_logprobs(logits, labels, temperature=temperature, with_entropy=with_entropy)
-    picked = picked if with_entropy else (picked,)
+    picked = token_logprobs(logits, labels, temperature=temperature, with_entropy=entropy)
+    picked = picked if entropy else (picked,)
     select, keep = target_mask.bool(), label_mask.bool()
     outs = []
     for values in picked:
         out = torch.zeros(select.shape, dtype=values.dtype, device=values.device)
         outs.append(out.masked_scatter(select, values[keep]))
-    return tuple(outs) if with_entropy else outs[0]
+    return tuple(outs) if entropy else outs[0]
 
 
 def policy_logprobs(
@@ -151,10 +143,9 @@ def policy_logprobs(
     """Log-probs (B, S - 1) of the target tokens of flat rows (0 off targets), and with
     `with_entropy` the entropies; causal or encoder-decoder (see the module docstring)."""
     if is_encoder_decoder(model):
-        return seq2seq_selected_logprobs(
-            model, input_ids, attention_mask, target_mask, temperature=temperature,
-            with_entropy=with_entropy,
-        )  # fmt: skip
+        return _seq2seq_selected_logprobs(
+            model, input_ids, attention_mask, target_mask, temperature, with_entropy
+        )
     return causal_lm_selected_logprobs(
         model, input_ids, attention_mask, target_mask, temperature=temperature,
         with_entropy=with_entropy,
@@ -170,10 +161,9 @@ def completion_values(
     model = value_model.module if hasattr(value_model, "module") else value_model
     if not is_encoder_decoder(model.backbone):
         return value_model(ids, attention_mask)[..., 0][:, prompt_length - 1 : -1]
-    backbone = model.backbone
-    completion = ids[:, prompt_length:]
-    hidden = backbone(
-        input_ids=ids[:, :prompt_length], attention_mask=attention_mask[:, :prompt_length],
-        decoder_input_ids=shift_right(completion, decoder_start_id(backbone)), use_cache=False,
-    ).last_hidden_state  # fmt: skip
-    return model.head(hidden.to(model.head.weight.dtype))[..., 0]
+    # through the value model's own forward, so a DDP or FSDP2 wrapper's hooks run
+    start = decoder_start_id(model.backbone)
+    return value_model(
+        ids[:, :prompt_length], attention_mask[:, :prompt_length],
+        decoder_input_ids=shift_right(ids[:, prompt_length:], start),
+    )[..., 0]  # fmt: skip

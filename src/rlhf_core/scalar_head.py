@@ -73,6 +73,7 @@ from rlhf_core.models import (
     ModelConfig,
     apply_lora,
     is_peft_model,
+    load_pretrained,
     load_tokenizer,
     resolve_attention,
     resolve_dtype,
@@ -80,7 +81,6 @@ from rlhf_core.models import (
 )
 from rlhf_core.quantization import (
     QuantizationConfig,
-    keep_backward_through_4bit,
     quantized_load_kwargs,
 )
 
@@ -147,22 +147,7 @@ def load_backbone(
     adapter = weights_from is not None and (Path(weights_from) / "adapter_config.json").is_file()
     base_path = resolve_model_path(cfg.name_or_path)
     path = str(weights_from) if (weights_from is not None and not adapter) else base_path
-    dtype = resolve_dtype(cfg, device)
-    model = AutoModel.from_pretrained(
-        path,
-        revision=cfg.revision if path == base_path else None,
-        dtype=dtype,
-        attn_implementation=resolve_attention(cfg, device),
-        trust_remote_code=cfg.trust_remote_code,
-        **quantized_load_kwargs(cfg.quantization, dtype, device),
-    )
-    if not getattr(model, "is_quantized", False):  # a k-bit model is placed while loading
-        model = model.to(device)
-    if cfg.quantization is not None and cfg.lora is not None:  # QLoRA training
-        keep_backward_through_4bit(model)
-    if cfg.gradient_checkpointing:
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-        model.config.use_cache = False
+    model = load_pretrained(AutoModel, cfg, path, device)
     if adapter:
         from peft import PeftModel
 
@@ -339,20 +324,34 @@ class ScalarHeadModel(nn.Module):
     def backbone_frozen(self) -> bool:
         return not any(p.requires_grad for p in self.backbone.parameters())
 
-    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        attention_mask: torch.Tensor,
+        decoder_input_ids: torch.Tensor | None = None,
+    ) -> torch.Tensor:
         """Scores of every position, (B, T, head_dim), float32. Padding positions hold garbage.
 
         Position ids come from the attention mask, so left or right padding scores the same.
-        (`reward_models.models.BaseRewardModel` adds the packed and shared-prefix forwards that
-        reward-model training uses.)"""
-        position_ids = (attention_mask.long().cumsum(-1) - 1).clamp(min=0)
+        An encoder-decoder backbone reads `input_ids` with its encoder and scores the positions
+        of `decoder_input_ids` (B, T). (`reward_models.models.BaseRewardModel` adds the packed
+        and shared-prefix forwards that reward-model training uses.)"""
         with self._grad_context():
-            hidden = self.backbone(
-                input_ids=input_ids,
-                attention_mask=attention_mask,
-                position_ids=position_ids,
-                use_cache=False,
-            ).last_hidden_state
+            if decoder_input_ids is not None:
+                hidden = self.backbone(
+                    input_ids=input_ids,
+                    attention_mask=attention_mask,
+                    decoder_input_ids=decoder_input_ids,
+                    use_cache=False,
+                ).last_hidden_state
+            else:
+                position_ids = (attention_mask.long().cumsum(-1) - 1).clamp(min=0)
+                hidden = self.backbone(
+                    input_ids=input_ids,
+                    attention_mask=attention_mask,
+                    position_ids=position_ids,
+                    use_cache=False,
+                ).last_hidden_state
         return self.head(hidden.to(self.head.weight.dtype))
 
     def _grad_context(self) -> Any:

@@ -34,6 +34,7 @@ import os
 import shutil
 import string
 import tempfile
+from collections.abc import Iterable
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -138,17 +139,18 @@ def _arith_corpus() -> list[str]:
     return texts
 
 
-def build_arith_tokenizer(vocab_size: int = 300):
-    """Byte-level BPE (digits always split) trained on a fixed reasoning-gym arithmetic corpus."""
+def _byte_level_bpe(texts: Iterable[str], vocab_size: int, *, split_digits: bool):
+    """A byte-level BPE tokenizer with the tiny chat template, trained on `texts`; with
+    `split_digits` every digit is its own pre-token."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
     tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.Sequence(
-        [
-            pre_tokenizers.Digits(individual_digits=True),
-            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True),
-        ]
-    )
+    byte_level = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
+    if split_digits:
+        digits = pre_tokenizers.Digits(individual_digits=True)
+        tok.pre_tokenizer = pre_tokenizers.Sequence([digits, byte_level])
+    else:
+        tok.pre_tokenizer = byte_level
     tok.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(
         vocab_size=vocab_size,
@@ -156,27 +158,20 @@ def build_arith_tokenizer(vocab_size: int = 300):
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
         show_progress=False,
     )
-    tok.train_from_iterator(_arith_corpus(), trainer=trainer)
+    tok.train_from_iterator(texts, trainer=trainer)
     return _wrap(tok, chat_template=TINY_CHAT_TEMPLATE, eos=END, pad=PAD, unk=None)
+
+
+def build_arith_tokenizer(vocab_size: int = 300):
+    """Byte-level BPE (digits always split) trained on a fixed reasoning-gym arithmetic corpus."""
+    return _byte_level_bpe(_arith_corpus(), vocab_size, split_digits=True)
 
 
 def build_facts_tokenizer(vocab_size: int = 400):
     """Byte-level BPE trained on the synthetic long-form QA corpus (`rlhf_core.longform`)."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-
     from rlhf_core.longform import corpus
 
-    tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
-    tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(
-        vocab_size=vocab_size,
-        special_tokens=SPECIAL_TOKENS,
-        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-        show_progress=False,
-    )
-    tok.train_from_iterator(corpus(), trainer=trainer)
-    return _wrap(tok, chat_template=TINY_CHAT_TEMPLATE, eos=END, pad=PAD, unk=None)
+    return _byte_level_bpe(corpus(), vocab_size, split_digits=False)
 
 
 def build_gpt2_tokenizer():

@@ -136,11 +136,6 @@ class Tracker:
         if not self.enabled or not self.history:
             return
         self._lines_since_plot = 0
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-
         series: dict[str, dict[str, tuple[list[int], list[float]]]] = defaultdict(dict)
         for row in self.history:
             for key, value in row.items():
@@ -149,26 +144,8 @@ class Tracker:
                 xs, ys = series[metric_family(key)].setdefault(key, ([], []))
                 xs.append(row["step"])
                 ys.append(value)
-        if not series:
-            return
-        families = sorted(series)
-        cols = min(3, len(families))
-        rows = math.ceil(len(families) / cols)
-        fig, axes = plt.subplots(rows, cols, figsize=(4.5 * cols, 3.2 * rows), squeeze=False)
-        for ax, family in zip(axes.flat, families, strict=False):
-            for key, (xs, ys) in sorted(series[family].items()):
-                ax.plot(xs, ys, marker="." if len(xs) < 30 else None, label=key)
-            ax.set_title(family)
-            ax.set_xlabel("step")
-            ax.legend(fontsize=7)
-            ax.grid(alpha=0.3)
-        for ax in list(axes.flat)[len(families) :]:
-            ax.axis("off")
-        fig.tight_layout()
-        tmp = self.run_dir / ".curves.png.tmp"
-        fig.savefig(tmp, dpi=90, format="png")
-        plt.close(fig)
-        os.replace(tmp, self.run_dir / "curves.png")
+        panels = {family: dict(sorted(series[family].items())) for family in sorted(series)}
+        plot_panels(panels, self.run_dir / "curves.png")
 
     def finish(self, summary: dict[str, Any]) -> dict[str, Any]:
         """Write summary.json (adds wall time), redraw the curves, close the trackers."""
@@ -185,6 +162,43 @@ class Tracker:
 
 
 # ----------------------------------------------------------------------------- trackers
+
+
+def plot_panels(
+    panels: dict[str, dict[str, tuple[list[int], list[float]]]],
+    png: Path,
+    *,
+    panel_size: tuple[float, float] = (4.5, 3.2),
+    legend_fontsize: int = 7,
+) -> None:
+    """Curves against the step into the PNG `png` (written atomically): one panel per title of
+    `panels`, one line per label in it ({title: {label: (steps, values)}}); three panels a row."""
+    if not panels:
+        return
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    cols = min(3, len(panels))
+    rows = math.ceil(len(panels) / cols)
+    width, height = panel_size
+    fig, axes = plt.subplots(rows, cols, figsize=(width * cols, height * rows), squeeze=False)
+    for ax, (title, lines) in zip(axes.flat, panels.items(), strict=False):
+        for label, (xs, ys) in lines.items():
+            ax.plot(xs, ys, marker="." if len(xs) < 30 else None, label=label)
+        ax.set_title(title)
+        ax.set_xlabel("step")
+        ax.legend(fontsize=legend_fontsize)
+        ax.grid(alpha=0.3)
+    for ax in list(axes.flat)[len(panels) :]:
+        ax.axis("off")
+    fig.tight_layout()
+    png.parent.mkdir(parents=True, exist_ok=True)
+    tmp = png.with_name(f".{png.name}.tmp")
+    fig.savefig(tmp, dpi=90, format="png")
+    plt.close(fig)
+    os.replace(tmp, png)
 
 
 def _import(backend: str, module: str) -> Any:

@@ -42,6 +42,7 @@ import yaml
 from rlhf_core.checkpoint import CHECKPOINT_RE, list_checkpoints
 from rlhf_core.errors import UserError, run_main
 from rlhf_core.rundir import run_status as rundir_status
+from rlhf_core.tracking import plot_panels
 
 PACKAGES = ("instruction_tuning", "reward_models", "policy_gradients", "direct_alignment")
 # directories inside a run that are never runs themselves
@@ -280,32 +281,15 @@ def cmd_compare(run_dirs: list[Path], root: Path, metrics: list[str], png: Path)
 
 def plot_overlaid(histories: dict[str, list[dict[str, Any]]], keys: list[str], png: Path) -> None:
     """One panel per metric key, one line per run."""
-    import math
-
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    cols = min(3, len(keys))
-    nrows = math.ceil(len(keys) / cols)
-    fig, axes = plt.subplots(nrows, cols, figsize=(4.8 * cols, 3.3 * nrows), squeeze=False)
-    for ax, key in zip(axes.flat, keys, strict=False):
+    panels: dict[str, dict[str, tuple[list[int], list[float]]]] = {}
+    for key in keys:
+        panels[key] = {}
         for name, rows in histories.items():
             pts = [(r["step"], r[key]) for r in rows if isinstance(r.get(key), int | float)]
             if pts:
                 xs, ys = zip(*pts, strict=True)
-                ax.plot(xs, ys, marker="." if len(xs) < 30 else None, label=name)
-        ax.set_title(key)
-        ax.set_xlabel("step")
-        ax.grid(alpha=0.3)
-        ax.legend(fontsize=6)
-    for ax in list(axes.flat)[len(keys) :]:
-        ax.axis("off")
-    fig.tight_layout()
-    png.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(png, dpi=90)
-    plt.close(fig)
+                panels[key][name] = (list(xs), list(ys))
+    plot_panels(panels, png, panel_size=(4.8, 3.3), legend_fontsize=6)
 
 
 def confirm(question: str, yes: bool) -> bool:

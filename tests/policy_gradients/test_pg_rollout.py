@@ -63,6 +63,12 @@ def test_completion_logprobs_are_those_of_the_tempered_distribution_per_row():
     ro = generate_rollouts(model, tok, prompts, group_size=2, max_new_tokens=8, temperature=0.7)
     batched = completion_logprobs(model, ro.sequence_ids, ro.attention_mask, ro.prompt_length,
                                   temperature=0.7)  # fmt: skip
+    # with the action mask (training): each group's prompt encoded once, the same log-probs
+    shared = completion_logprobs(model, ro.sequence_ids, ro.attention_mask, ro.prompt_length,
+                                 temperature=0.7, action_mask=ro.action_mask)  # fmt: skip
+    keep = ro.action_mask.bool()
+    torch.testing.assert_close(shared[keep], batched[keep], rtol=1e-5, atol=1e-5)
+    assert (shared[~keep] == 0).all()
     for b in range(4):  # each row alone, without padding
         keep = ro.attention_mask[b].bool()
         ids = ro.sequence_ids[b][keep][None]

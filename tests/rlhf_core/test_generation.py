@@ -85,3 +85,47 @@ def test_warp_logits_follows_transformers_warpers():
         assert torch.equal(torch.isinf(got), torch.isinf(want)), kwargs
         keep = ~torch.isinf(want)
         torch.testing.assert_close(got[keep], want[keep])
+
+
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+@pytest.mark.parametrize("seeded", [True, False])
+def test_group_sampling_encodes_each_prompt_once_and_draws_what_repeated_prompts_draw(
+    model_and_tokenizer, temperature, seeded
+):
+    """decode(prompts, group_size=G) == decode(each prompt repeated G times): same tokens, same
+    RNG consumption (per-row generators or the global RNG), with the prefill run on the N
+    distinct prompts only."""
+    from rlhf_core.generation import row_generators
+
+    model, tok = model_and_tokenizer
+    prompts = ["<|user|>ab<|end|><|assistant|>", "<|user|>a much longer prompt<|end|><|assistant|>",
+               "<|user|>x<|end|><|assistant|>"]  # fmt: skip
+    group = 4
+    enc = tok(prompts, return_tensors="pt", padding=True, add_special_tokens=False)
+    args = {"max_new_tokens": 16, "eos_token_id": tok.eos_token_id,
+            "pad_token_id": tok.pad_token_id, "temperature": temperature}  # fmt: skip
+    prefill_rows = []
+    hook = model.register_forward_pre_hook(
+        lambda _m, _a, kw: prefill_rows.append(kw["input_ids"].shape) if kw["input_ids"].shape[1]
+        > 1 else None, with_kwargs=True)  # fmt: skip
+    try:
+        seeds = [11 * i + 3 for i in range(len(prompts) * group)]
+        gen = row_generators(seeds, "cpu") if seeded else None
+        torch.manual_seed(5)
+        shared = decode(model, enc["input_ids"], enc["attention_mask"], group_size=group,
+                        generator=gen, **args)  # fmt: skip
+        after_shared = torch.rand(1)
+        gen = row_generators(seeds, "cpu") if seeded else None
+        torch.manual_seed(5)
+        repeated = decode(model, enc["input_ids"].repeat_interleave(group, 0),
+                          enc["attention_mask"].repeat_interleave(group, 0), generator=gen,
+                          **args)  # fmt: skip
+        after_repeated = torch.rand(1)
+    finally:
+        hook.remove()
+    assert prefill_rows == [(3, enc["input_ids"].shape[1]), (12, enc["input_ids"].shape[1])]
+    assert torch.equal(shared, repeated)
+    assert torch.equal(after_shared, after_repeated)  # the global RNG advanced alike
+    new = shared[:, enc["input_ids"].shape[1] :]
+    if temperature > 0:  # the samples of a group really differ
+        assert len({tuple(r) for r in new[:group].tolist()}) > 1

@@ -480,3 +480,75 @@ def test_selected_logprobs_with_entropy_match_the_full_head():
     torch.testing.assert_close(lp[target], full_lp[target], rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(h[target], full_h[target], rtol=1e-5, atol=1e-5)
     assert (lp[~target] == 0).all() and (h[~target] == 0).all()
+
+
+def test_shared_prompt_logprobs_equal_flat_rows_in_float64():
+    """GRPO's G samples of a prompt, shuffled in the batch, with left-padded prompts of several
+    lengths and right-padded completions: encoding each distinct prompt once (its KV cache
+    gathered for its rows) gives the flat [prompt | completion] rows' log-probs, entropies and
+    gradients (float64; gradients to 1e-5 relative, see below)."""
+    from rlhf_core.logprobs import causal_lm_selected_logprobs, shared_prompt_logprobs
+
+    torch.manual_seed(0)
+    model = load_policy(ModelConfig(name_or_path="tiny-qwen3", attention="sdpa")).double()
+    model.train()  # dropout is 0: train mode only to check the training path
+    g = torch.Generator().manual_seed(7)
+    width, t_len, group = 7, 6, 3
+    prompts, pmask = (
+        torch.zeros(3, width, dtype=torch.long),
+        torch.zeros(3, width, dtype=torch.long),
+    )
+    for i, n in enumerate((7, 4, 2)):  # left-padded prompts
+        prompts[i, width - n :] = torch.randint(6, 100, (n,), generator=g)
+        pmask[i, width - n :] = 1
+    order = torch.randperm(3 * group, generator=g)  # a group's rows scattered over the batch
+    p_ids, p_mask = (
+        prompts.repeat_interleave(group, 0)[order],
+        pmask.repeat_interleave(group, 0)[order],
+    )
+    c_ids = torch.randint(6, 100, (3 * group, t_len), generator=g)
+    c_mask = torch.ones_like(c_ids)
+    for row, n in enumerate(torch.randint(1, t_len + 1, (3 * group,), generator=g).tolist()):
+        c_mask[row, n:] = 0  # right padding after the completion's end
+    c_ids = c_ids.masked_fill(c_mask == 0, 0)
+
+    def flat():
+        ids, mask = torch.cat([p_ids, c_ids], 1), torch.cat([p_mask, c_mask], 1)
+        target = torch.zeros(ids.shape[0], ids.shape[1] - 1, dtype=torch.bool)
+        target[:, width - 1 :] = c_mask.bool()
+        lp, h = causal_lm_selected_logprobs(model, ids, mask, target, temperature=0.7,
+                                            with_entropy=True)  # fmt: skip
+        return lp[:, width - 1 :], h[:, width - 1 :]
+
+    def shared():
+        return shared_prompt_logprobs(model, p_ids, p_mask, c_ids, c_mask, temperature=0.7,
+                                      with_entropy=True)  # fmt: skip
+
+    results = []
+    for fn in (flat, shared):
+        model.zero_grad()
+        lp, h = fn()
+        weights = torch.linspace(0.5, 1.5, lp.numel(), dtype=lp.dtype).view_as(lp)
+        ((lp * weights).sum() + 0.3 * h.sum()).backward()
+        results.append((lp.detach(), h.detach(),
+                        {n: p.grad.clone() for n, p in model.named_parameters()}))  # fmt: skip
+    (lp_a, h_a, grad_a), (lp_b, h_b, grad_b) = results
+    assert lp_a.dtype == torch.float64 and (lp_b[c_mask == 0] == 0).all()
+    torch.testing.assert_close(lp_b, lp_a, rtol=0, atol=1e-10)
+    torch.testing.assert_close(h_b, h_a, rtol=0, atol=1e-10)
+    for name, grad in grad_a.items():
+        # Qwen3's RMSNorm computes in float32 even in a float64 model, so gradients summed over a
+        # group before that cast (the shared prompt) and after it (flat rows) differ by ~1e-7
+        scale = float(grad.abs().max())
+        torch.testing.assert_close(grad_b[name], grad, rtol=1e-5, atol=1e-5 * scale, msg=name)
+    assert any(g.abs().sum() > 0 for n, g in grad_b.items() if "layers.0." in n)
+
+
+def test_shared_prompt_logprobs_rejects_right_padded_prompts():
+    from rlhf_core.logprobs import shared_prompt_logprobs
+
+    model = load_policy(ModelConfig(name_or_path="tiny-qwen3"))
+    ids = torch.ones(2, 4, dtype=torch.long)
+    mask = torch.tensor([[1, 1, 1, 1], [1, 1, 0, 0]])
+    with pytest.raises(ValueError, match="left-padded"):
+        shared_prompt_logprobs(model, ids, mask, ids, torch.ones_like(ids))

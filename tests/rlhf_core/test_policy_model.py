@@ -151,3 +151,21 @@ def test_t5_lora_targets_and_adapter_reference(t5):
     plain = load_policy(T5).eval()
     torch.testing.assert_close(ref_logps, policy_logprobs(plain, ids, mask, target))
     assert not torch.allclose(policy_logprobs(policy.eval(), ids, mask, target), ref_logps)
+
+
+def test_seq2seq_group_sampling_encodes_each_prompt_once(t5):
+    from rlhf_core.generation import row_generators
+
+    model, _ = t5
+    tok = load_tokenizer(T5, padding_side="left")
+    enc = tok(PROMPTS, return_tensors="pt", padding=True, add_special_tokens=False)
+    args = {"max_new_tokens": 12, "eos_token_id": tok.eos_token_id,
+            "pad_token_id": tok.pad_token_id, "temperature": 1.0}  # fmt: skip
+    seeds = list(range(3 * len(PROMPTS)))
+    shared = decode(model, **enc, generator=row_generators(seeds, "cpu"), group_size=3, **args)
+    repeated = decode(
+        model, enc["input_ids"].repeat_interleave(3, 0),
+        enc["attention_mask"].repeat_interleave(3, 0), generator=row_generators(seeds, "cpu"),
+        **args,
+    )  # fmt: skip
+    assert torch.equal(shared, repeated)

@@ -1,0 +1,185 @@
+"""Where a GRPO step's time goes, and what each of its techniques buys, one part at a time.
+
+`benchmarks.grpo` times whole steps against TRL; this times the two big parts of our step on the
+same workload (the benchmark model, reasoning-gym spell_backward prompts rendered with the chat
+template, `prompts_per_step` prompts x `group_size` samples, `max_new_tokens` tokens), each with
+and without its technique, alternating the variants in one process:
+
+    generate  repeated   `decode` of the N x G repeated prompts (every row prefills its prompt)
+              shared     `decode(group_size=G)`: each prompt prefilled once, its KV cache shared
+                         (the same tokens: tested in tests/rlhf_core/test_generation.py)
+    train     flat       the loss forward + backward on [prompt | completion] rows (the LM head
+                         on completion positions only, `causal_lm_selected_logprobs`)
+              shared     the same through `shared_prompt_logprobs`: each prompt encoded once
+                         for its group (the same log-probs and gradients: tests/rlhf_core/
+                         test_logprobs.py)
+
+Reported: median seconds per call and the peak RSS during the calls of each variant (the
+high-water mark restarted before each call; it includes the resident model).
+
+    uv run --group bench python -m benchmarks.grpo_parts --model real --threads 2 --repeats 2
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from typing import Any
+
+from benchmarks.measure import (
+    RESULTS_DIR,
+    median,
+    peak_rss_mb,
+    reset_peak_rss,
+    timestamp,
+)
+from benchmarks.workload import MODEL_CHOICES, model_dir
+
+
+def measure(model_name: str, prompts_per_step: int, group_size: int, max_new_tokens: int,
+            threads: int, repeats: int) -> dict[str, Any]:  # fmt: skip
+    import os
+
+    import torch
+
+    from rlhf_core.chat import render_prompt
+    from rlhf_core.data import ReasoningGymSource, reasoning_gym_dataset
+    from rlhf_core.generation import decode, row_generators
+    from rlhf_core.logprobs import causal_lm_selected_logprobs, shared_prompt_logprobs
+    from rlhf_core.models import ModelConfig, load_policy, load_tokenizer
+
+    torch.set_num_threads(threads)
+    cfg = ModelConfig(name_or_path=str(model_dir(model_name)), dtype="fp32")
+    tok = load_tokenizer(cfg, padding_side="left")
+    torch.manual_seed(0)
+    model = load_policy(cfg)
+    entries = list(reasoning_gym_dataset(ReasoningGymSource(task="spell_backward", size=512,
+                                                            seed=1)))  # fmt: skip
+    prompts = [
+        render_prompt(tok, [{"role": "user", "content": e["question"]}], where="bench")
+        for e in entries[:prompts_per_step]
+    ]
+    enc = tok(prompts, return_tensors="pt", padding=True, add_special_tokens=False)
+    g = group_size
+    seeds = list(range(prompts_per_step * g))
+    args = {"max_new_tokens": max_new_tokens, "eos_token_id": tok.eos_token_id,
+            "pad_token_id": tok.pad_token_id, "temperature": 1.0}  # fmt: skip
+    model.eval()
+
+    def gen_repeated():
+        ids, mask = (x.repeat_interleave(g, 0) for x in (enc["input_ids"], enc["attention_mask"]))
+        return decode(model, ids, mask, generator=row_generators(seeds, "cpu"), **args)
+
+    def gen_shared():
+        return decode(model, enc["input_ids"], enc["attention_mask"], group_size=g,
+                      generator=row_generators(seeds, "cpu"), **args)  # fmt: skip
+
+    with torch.no_grad():
+        out = gen_shared()
+    p = enc["input_ids"].shape[1]
+    completion = out[:, p:]
+    is_eos = completion == tok.eos_token_id
+    c_mask = ((is_eos.long().cumsum(-1) - is_eos.long()) == 0).long()
+    c_ids = completion.masked_fill(c_mask == 0, tok.pad_token_id)
+    p_ids, p_mask = (x.repeat_interleave(g, 0) for x in (enc["input_ids"], enc["attention_mask"]))
+    ids, mask = torch.cat([p_ids, c_ids], 1), torch.cat([p_mask, c_mask], 1)
+    target = torch.zeros(ids.shape[0], ids.shape[1] - 1, dtype=torch.bool)
+    target[:, p - 1 :] = c_mask.bool()
+
+    def train_flat():
+        model.zero_grad(set_to_none=True)
+        lp, h = causal_lm_selected_logprobs(model, ids, mask, target, with_entropy=True)
+        (lp.sum() + 0.01 * h.sum()).backward()
+
+    def train_shared():
+        model.zero_grad(set_to_none=True)
+        lp, h = shared_prompt_logprobs(model, p_ids, p_mask, c_ids, c_mask, with_entropy=True)
+        (lp.sum() + 0.01 * h.sum()).backward()
+
+    variants = {
+        ("generate", "repeated"): gen_repeated, ("generate", "shared"): gen_shared,
+        ("train", "flat"): train_flat, ("train", "shared"): train_shared,
+    }  # fmt: skip
+    times: dict[tuple[str, str], list[float]] = {k: [] for k in variants}
+    peaks: dict[tuple[str, str], float] = dict.fromkeys(variants, 0.0)
+    for r in range(repeats):
+        for part in ("generate", "train"):
+            names = ("repeated", "shared") if part == "generate" else ("flat", "shared")
+            for name in names if r % 2 == 0 else names[::-1]:
+                fn = variants[(part, name)]
+                model.train(part == "train")
+                reset_peak_rss()
+                start = time.perf_counter()
+                if part == "generate":
+                    with torch.no_grad():
+                        fn()
+                else:
+                    fn()
+                times[(part, name)].append(time.perf_counter() - start)
+                peaks[(part, name)] = max(peaks[(part, name)], peak_rss_mb())
+                print(f"  {part:8s} {name:8s} {times[(part, name)][-1]:.2f} s", flush=True)
+    return {
+        "model": model_name, "prompts_per_step": prompts_per_step, "group_size": g,
+        "max_new_tokens": max_new_tokens, "threads": threads, "repeats": repeats,
+        "prompt_tokens_nonpad": int(enc["attention_mask"].sum()), "prompt_width": p,
+        "completion_tokens": int(c_mask.sum()), "load_average": os.getloadavg(),
+        "parts": [
+            {"part": k[0], "variant": k[1], "s_median": median(v), "s": v,
+             "peak_rss_mb": peaks[k]}
+            for k, v in times.items()
+        ],
+    }  # fmt: skip
+
+
+def markdown(result: dict[str, Any]) -> str:
+    r = result
+    lines = [
+        f"### GRPO step parts: model `{r['model']}`, {r['prompts_per_step']} prompts x "
+        f"{r['group_size']} samples x {r['max_new_tokens']} tokens, {r['threads']} threads",
+        "",
+        f"Prompts: {r['prompt_tokens_nonpad']} non-pad tokens for {r['prompts_per_step']} "
+        f"prompts (width {r['prompt_width']}); {r['completion_tokens']} completion tokens; "
+        f"load average {', '.join(f'{x:.1f}' for x in r['load_average'])}.",
+        "",
+        "| part | variant | s (median) | peak RSS MiB |",
+        "| --- | --- | ---: | ---: |",
+    ]
+    by = {(p["part"], p["variant"]): p for p in r["parts"]}
+    for p in r["parts"]:
+        lines.append(f"| {p['part']} | {p['variant']} | {p['s_median']:.2f} | "
+                     f"{p['peak_rss_mb']:.0f} |")  # fmt: skip
+    gen = by[("generate", "repeated")]["s_median"] / by[("generate", "shared")]["s_median"]
+    train = by[("train", "flat")]["s_median"] / by[("train", "shared")]["s_median"]
+    lines += ["", f"Shared prompt KV in generation: {gen:.2f}x; shared prompt in the training "
+              f"forward/backward: {train:.2f}x.", ""]  # fmt: skip
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        prog="python -m benchmarks.grpo_parts",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    parser.add_argument("--model", choices=MODEL_CHOICES, default="real")
+    parser.add_argument("--prompts-per-step", type=int, default=8)
+    parser.add_argument("--group-size", type=int, default=8)
+    parser.add_argument("--max-new-tokens", type=int, default=32)
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--repeats", type=int, default=2)
+    a = parser.parse_args(argv)
+    result = measure(a.model, a.prompts_per_step, a.group_size, a.max_new_tokens, a.threads,
+                     a.repeats)  # fmt: skip
+    text = markdown(result)
+    RESULTS_DIR.mkdir(parents=True, exist_ok=True)
+    stem = RESULTS_DIR / f"{timestamp()}-grpo-parts"
+    stem.with_suffix(".json").write_text(json.dumps(result, indent=1) + "\n")
+    stem.with_suffix(".md").write_text(text)
+    print("\n" + text + f"\nwrote {stem}.json and {stem}.md")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

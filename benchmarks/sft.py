@@ -1,0 +1,343 @@
+"""SFT side by side: our `instruction_tuning.train.train` against `trl.SFTTrainer`.
+
+The workload is the DPO benchmark's (`benchmarks.workload`: `Workload` and `prepare`): the same
+model (`--model real` is the headline: Qwen3-0.6B's proportions; `tiny` / `small` are
+head-dominated), the same HH rows that neither trainer truncates, as prompt -> chosen reply
+(the prompt rendered with our chat template, the completion followed by eos, the loss on the
+completion tokens only), read in the same order, `batch_size` rows per step, no accumulation,
+AdamW (cosine, no warmup, no weight decay, clip 1.0), fp32, SDPA, CPU, `threads` torch threads.
+
+  ours              `instruction_tuning.train` as shipped on this branch (right-padded rows, the
+                    LM head only on completion positions, fused with the log-softmax)
+  TRL               `SFTTrainer` on the same directory (`AutoModelForCausalLM`), prompt-completion
+                    rows (string prompt = our rendered prompt, so both see the same tokens; the
+                    worker checks that its tokenized rows equal ours), `completion_only_loss`
+                    (its default for such rows), no packing, padded batches
+  TRL padding-free  the same with `padding_free=True`: each batch flattened into one row with
+                    restarting `position_ids` (transformers builds a block-diagonal mask from them
+                    under SDPA, so sequences do not see each other); the same rows per step
+
+TRL's `packing=True` (BFD) is not an arm: it regroups the whole dataset into `max_length` rows,
+so its steps would not hold the same rows as ours; padding-free is the part of it that keeps
+the batches.
+
+What is timed is `benchmarks.workload.StepClock`'s window: optimizer steps warmup_steps+1..steps;
+tokens are the non-pad tokens of the rows (prompt + completion) each trainer feeds its model in
+those steps. Peak RSS is the whole process's high-water mark and, separately, that of the timed
+steps.
+
+    uv run --group bench python -m benchmarks.sft --model real [--rounds 2] [--steps 8]
+runs `prepare` once and then alternating fresh processes per arm, and writes
+`benchmarks/results/<time>-sft.{json,md}`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import shutil
+import sys
+import tempfile
+import time
+from functools import partial
+from pathlib import Path
+from typing import Any
+
+from benchmarks.measure import (
+    RESULTS_DIR,
+    PeakRSS,
+    machine,
+    median,
+    peak_rss_mb,
+    rss_mb,
+    run_worker,
+    spread,
+    timestamp,
+    write_result_file,
+)
+from benchmarks.workload import MODEL_CHOICES, StepClock, Workload, model_dir
+from benchmarks.workload import prepare as prepare_pairs
+
+ARMS = ("ours", "trl", "trl-padding-free")
+LABELS = {
+    "ours": "ours (instruction_tuning, as shipped)",
+    "trl": "TRL SFTTrainer (padded)",
+    "trl-padding-free": "TRL SFTTrainer (padding_free=True)",
+}
+STEPS = 8
+
+
+def prepare(w: Workload, workdir: Path) -> dict[str, Any]:
+    """The DPO benchmark's HH selection, written as SFT rows (prompt -> chosen) for both."""
+    from rlhf_core.preference import preference_row
+
+    info = prepare_pairs(w, workdir)
+    ours = []
+    for index, line in enumerate((workdir / "hh_subset.jsonl").read_text().splitlines()):
+        prompt, chosen, _ = preference_row(json.loads(line), index, "hh", "hh_subset.jsonl")
+        ours.append({"prompt": prompt, "completion": chosen})
+    (workdir / "sft_ours.jsonl").write_text("".join(json.dumps(r) + "\n" for r in ours))
+    trl = [json.loads(x) for x in (workdir / "trl_rows.jsonl").read_text().splitlines()]
+    (workdir / "sft_trl.jsonl").write_text(
+        "".join(json.dumps({"prompt": r["prompt"], "completion": r["chosen"]}) + "\n" for r in trl)
+    )
+    expected = json.loads((workdir / "expected.json").read_text())["pairs"]
+    rows = [e["prompt_ids"] + e["chosen_ids"] for e in expected]
+    step_tokens = [
+        sum(len(r) for r in rows[s * w.batch_size : (s + 1) * w.batch_size]) for s in range(w.steps)
+    ]
+    (workdir / "sft_expected.json").write_text(json.dumps({"rows": rows}))
+    widths = [
+        max(len(r) for r in rows[s * w.batch_size : (s + 1) * w.batch_size]) * w.batch_size
+        for s in range(w.steps)
+    ]
+    return {
+        "model_dir": info["model_dir"], "model": info["model"], "rows": len(rows),
+        "step_tokens": step_tokens, "padding_share": 1 - sum(step_tokens) / sum(widths),
+        "sequence_tokens_mean": sum(len(r) for r in rows) / len(rows),
+    }  # fmt: skip
+
+
+def run_ours(w: Workload, workdir: Path) -> dict[str, Any]:
+    memory = PeakRSS()
+    import torch
+
+    import instruction_tuning.train as sft_train
+    from instruction_tuning.config import SFTConfig
+    from rlhf_core.config import RunArgs
+
+    after_imports = rss_mb()
+    clock = StepClock(w.warmup_steps, memory)
+    cfg = SFTConfig.model_validate({
+        "name": "bench_sft", "seed": w.seed,
+        "model": {"name_or_path": str(model_dir(w.model)), "dtype": "fp32", "attention": "sdpa"},
+        "data": {"train": {"path": str(workdir / "sft_ours.jsonl")},
+                 "format": "prompt_completion", "max_length": w.max_length,
+                 "max_prompt_length": w.max_prompt_length},
+        "train": {"batch_size": w.batch_size, "max_steps": w.steps, "threads": w.threads,
+                  "device": "cpu", "eval_every": 0, "evaluate": False},
+        "optim": {"lr": w.lr, "schedule": "cosine", "warmup_steps": 0, "weight_decay": 0.0,
+                  "max_grad_norm": 1.0},
+        "checkpoint": {"save_every": 0, "save_final": False},
+        "tracking": {"log_every": w.log_every},
+    })  # fmt: skip
+    original_step, original_logprobs = sft_train.optimizer_step, sft_train.policy_logprobs
+
+    def timed_step(*args, **kwargs):
+        out = original_step(*args, **kwargs)
+        clock.step_done()
+        return out
+
+    def counted_logprobs(model, input_ids, attention_mask, *args, **kwargs):
+        clock.count(attention_mask)
+        return original_logprobs(model, input_ids, attention_mask, *args, **kwargs)
+
+    sft_train.optimizer_step, sft_train.policy_logprobs = timed_step, counted_logprobs
+    run_dir = workdir / f"ours-run-{time.time_ns()}"
+    code = sft_train.train(cfg, RunArgs(Path("benchmarks/sft.py"), output_dir=run_dir))
+    if code != 0:
+        raise RuntimeError(f"our trainer exited with {code}")
+    metrics = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    shutil.rmtree(run_dir, ignore_errors=True)
+    return {
+        "impl": "ours", **clock.summary(), "rss_after_imports_mb": after_imports,
+        "peak_rss_mb": memory.overall(), "peak_rss_timed_mb": peak_rss_mb(),
+        "threads": torch.get_num_threads(),
+        "final_logged_loss": next((m["train/loss"] for m in reversed(metrics)
+                                   if "train/loss" in m), None),
+    }  # fmt: skip
+
+
+def run_trl(w: Workload, workdir: Path, *, padding_free: bool = False) -> dict[str, Any]:
+    memory = PeakRSS()
+    import torch
+
+    torch.set_num_threads(w.threads)
+    from datasets import Dataset
+    from transformers import AutoTokenizer, TrainerCallback
+    from trl import SFTConfig, SFTTrainer
+
+    after_imports = rss_mb()
+    clock = StepClock(w.warmup_steps, memory)
+    path = str(model_dir(w.model))
+    tokenizer = AutoTokenizer.from_pretrained(path)
+    rows = [json.loads(x) for x in (workdir / "sft_trl.jsonl").read_text().splitlines()]
+    out_dir = workdir / f"trl-run-{time.time_ns()}"
+    args = SFTConfig(
+        output_dir=str(out_dir), per_device_train_batch_size=w.batch_size,
+        gradient_accumulation_steps=1, max_steps=w.steps, learning_rate=w.lr,
+        lr_scheduler_type="cosine", warmup_steps=0, weight_decay=0.0, max_grad_norm=1.0,
+        # padding-free without packing refuses a max_length; the rows already fit it (prepare)
+        max_length=None if padding_free else w.max_length, packing=False,
+        padding_free=padding_free, bf16=False,
+        fp16=False, gradient_checkpointing=False, use_cpu=True, seed=w.seed,
+        train_sampling_strategy="sequential",
+        model_init_kwargs={"dtype": "float32", "attn_implementation": "sdpa"},
+        logging_steps=w.log_every, report_to="none", save_strategy="no", eval_strategy="no",
+        disable_tqdm=True, dataloader_num_workers=0,
+    )  # fmt: skip
+
+    class Clock(TrainerCallback):
+        def on_step_end(self, args, state, control, **kwargs):
+            clock.step_done()
+
+    trainer = SFTTrainer(
+        model=path, args=args, train_dataset=Dataset.from_list(rows),
+        processing_class=tokenizer, callbacks=[Clock()],
+    )  # fmt: skip
+    expected = json.loads((workdir / "sft_expected.json").read_text())["rows"]
+    data = trainer.train_dataset
+    identical = len(data) == len(expected) and all(
+        data[i]["input_ids"] == e for i, e in enumerate(expected)
+    )
+    original_training_step = trainer.training_step
+
+    def counted_training_step(model, inputs, *rest, **kwargs):
+        if "attention_mask" in inputs:
+            clock.count(inputs["attention_mask"])
+        else:  # padding-free: one flat row, every position a real token
+            clock.tokens.append(int(inputs["input_ids"].numel()))
+        return original_training_step(model, inputs, *rest, **kwargs)
+
+    trainer.training_step = counted_training_step
+    trainer.train()
+    shutil.rmtree(out_dir, ignore_errors=True)
+    return {
+        "impl": "trl-padding-free" if padding_free else "trl", **clock.summary(),
+        "rss_after_imports_mb": after_imports,
+        "peak_rss_mb": memory.overall(), "peak_rss_timed_mb": peak_rss_mb(),
+        "threads": torch.get_num_threads(), "optimizer": str(args.optim),
+        "tokens_identical_to_ours": identical,
+        "final_logged_loss": next(
+            (h["loss"] for h in reversed(trainer.state.log_history) if "loss" in h), None
+        ),
+    }  # fmt: skip
+
+
+def compare(w: Workload, rounds: int, timeout: float = 900) -> dict[str, Any]:
+    """Prepare once, then `rounds` rounds of one fresh process per arm, rotating the order."""
+    host = machine()
+    with tempfile.TemporaryDirectory(prefix="rlhf-bench-sft-") as tmp:
+        common = ["--workload", w.to_json(), "--workdir", tmp]
+        module = "benchmarks.sft"
+        prep = run_worker(module, ["prepare", *common], threads=w.threads, timeout=timeout)
+        runs = []
+        for r in range(rounds):
+            order = ARMS[r % len(ARMS) :] + ARMS[: r % len(ARMS)]
+            for impl in order if r % 2 == 0 else order[::-1]:
+                out = run_worker(module, [impl, *common], threads=w.threads, timeout=timeout)
+                out["round"] = r
+                runs.append(out)
+                print(f"  round {r + 1}/{rounds} {impl:16s}: {out['tokens_per_s']:8.1f} tok/s, "
+                      f"peak RSS {out['peak_rss_mb']:6.0f} MiB", flush=True)  # fmt: skip
+    keys = ("tokens_per_s", "tokens_per_cpu_s", "peak_rss_mb", "peak_rss_timed_mb",
+            "step_s_median", "process_wall_s")  # fmt: skip
+    arms = {a: {k: median([r[k] for r in runs if r["impl"] == a]) for k in keys} for a in ARMS}
+    for a in ARMS:
+        arms[a]["tokens_per_s_range"] = spread([r["tokens_per_s"] for r in runs if r["impl"] == a])
+    by_round: dict[int, dict[str, Any]] = {r["round"]: {} for r in runs}
+    for r in runs:
+        by_round[r["round"]][r["impl"]] = r
+    ratios = {
+        peer: {
+            k: median([p["ours"][k] / p[peer][k] for p in by_round.values()])
+            for k in ("tokens_per_s", "tokens_per_cpu_s", "peak_rss_mb")
+        }
+        for peer in ARMS[1:]
+    }
+    expected = sum(prep["step_tokens"][w.warmup_steps :])
+    fastest_trl = min(ratios[p]["tokens_per_s"] for p in ARMS[1:])
+    return {
+        "machine": host, "workload": dataclasses.asdict(w), "prepare": prep, "runs": runs,
+        "summary": {
+            "arms": arms, "ratios_ours_over": ratios,
+            "target_tokens_per_s_1_5x_over_fastest_trl": fastest_trl >= 1.5,
+            "timed_tokens_match": all(r["timed_tokens"] == expected for r in runs),
+            "tokens_identical": all(r.get("tokens_identical_to_ours", True) for r in runs),
+            "load_average_range": spread([r["load_average_before"] for r in runs]),
+        },
+    }  # fmt: skip
+
+
+def markdown(result: dict[str, Any]) -> str:
+    w, s, m = result["workload"], result["summary"], result["prepare"]["model"]
+    rounds = len({r["round"] for r in result["runs"]})
+    same = s["tokens_identical"] and s["timed_tokens_match"]
+    lines = [
+        f"### SFT: ours vs `trl.SFTTrainer` {result['machine']['versions']['trl']}",
+        "",
+        f"Model `{w['model']}` ({m['parameters'] / 1e6:.1f}M parameters, hidden "
+        f"{m['hidden_size']}, {m['layers']} layers), HH prompt -> chosen, {w['batch_size']} rows "
+        f"per step ({result['prepare']['padding_share']:.0%} padding when padded), {w['steps']} "
+        f"steps ({w['steps'] - w['warmup_steps']} timed), {w['threads']} thread(s), {rounds} "
+        f"rounds; same tokens in every arm: {same}; load average {s['load_average_range']}.",
+        "",
+        "| arm | non-pad tokens/s (median, range) | tokens/CPU-s | peak RSS MiB (timed steps) "
+        "| step s |",
+        "| --- | --- | --- | --- | --- |",
+    ]
+    for arm, label in LABELS.items():
+        a = s["arms"][arm]
+        lines.append(
+            f"| {label} | {a['tokens_per_s']:.0f} ({a['tokens_per_s_range']}) | "
+            f"{a['tokens_per_cpu_s']:.0f} | {a['peak_rss_mb']:.0f} ({a['peak_rss_timed_mb']:.0f}) "
+            f"| {a['step_s_median']:.3f} |"
+        )
+    lines.append("")
+    for peer in ARMS[1:]:
+        r = s["ratios_ours_over"][peer]
+        lines.append(
+            f"ours / {LABELS[peer]} (median of per-round ratios): tokens/s "
+            f"{r['tokens_per_s']:.2f}x, tokens/CPU-s {r['tokens_per_cpu_s']:.2f}x, peak RSS "
+            f"{r['peak_rss_mb']:.2f}x."
+        )
+    lines += [
+        "",
+        f"Target >= 1.5x TRL tokens/s (over its faster arm): "
+        f"{s['target_tokens_per_s_1_5x_over_fastest_trl']}.",
+        "",
+    ]
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        prog="python -m benchmarks.sft",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    parser.add_argument("command", nargs="?", choices=["prepare", *ARMS], help="(worker mode)")
+    parser.add_argument("--workload", default=None, help="(worker) Workload as JSON")
+    parser.add_argument("--workdir", type=Path, default=None, help="(worker) shared directory")
+    parser.add_argument("--result", type=Path, default=None, help="(worker) where to write JSON")
+    parser.add_argument("--rounds", type=int, default=2, help="alternating rounds")
+    parser.add_argument("--model", choices=MODEL_CHOICES, default="tiny")
+    defaults = Workload(steps=STEPS)
+    fields = ("batch_size", "steps", "max_length", "max_prompt_length", "threads")
+    for field in fields:
+        value = getattr(defaults, field)
+        parser.add_argument(f"--{field.replace('_', '-')}", type=type(value), default=value)
+    args = parser.parse_args(argv)
+    if args.command is not None:  # a measured worker process
+        w = Workload.from_json(args.workload)
+        workers = {"prepare": prepare, "ours": run_ours, "trl": run_trl,
+                   "trl-padding-free": partial(run_trl, padding_free=True)}  # fmt: skip
+        worker = workers[args.command]
+        write_result_file(args.result, worker(w, args.workdir))
+        return 0
+    w = dataclasses.replace(defaults, model=args.model, **{f: getattr(args, f) for f in fields})
+    print(f"SFT vs TRL: {w}, {args.rounds} rounds", flush=True)
+    result = compare(w, args.rounds)
+    text = markdown(result)
+    RESULTS_DIR.mkdir(parents=True, exist_ok=True)
+    stem = RESULTS_DIR / f"{timestamp()}-sft"
+    payload = {"sft": result, "command": sys.argv}
+    stem.with_suffix(".json").write_text(json.dumps(payload, indent=1) + "\n")
+    stem.with_suffix(".md").write_text(text)
+    print("\n" + text + f"\nwrote {stem}.json and {stem}.md")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,219 @@
+"""The bookkeeping around every train loop, in one place (there is still no Trainer class).
+
+A package's `train()` keeps its own loop, read top to bottom: batches, forward, loss, backward,
+`rlhf_core.loop.optimizer_step`, what it logs. What is the same in all four trainers lives here:
+
+  - `TrainerConfig`: the top-level settings every trainer's config shares (run name, seed,
+    `optim:`, `checkpoint:`, `tracking:`);
+  - `start_bookkeeping`: the data position (`EpochSampler`), the skipped-step count, best-model
+    selection (`ModelSelector`) and the `Tracker`, resumed together from a checkpoint;
+  - after each step: `log_due` / `log_step` (what every trainer logs), `evaluate` (every
+    `train.eval_every` steps; True = stop early), `checkpoint` (the checkpoint schedule and
+    the stop after SIGINT/SIGTERM; or its parts `save_due`, `save`, `stopped`);
+  - at the end: `finish` (the final evaluation logged, best/ and `final/`, `summary.json`),
+    or its two halves `save_final_model` and `summarize`.
+
+Not here: anything a trainer does differently (its models, batches, losses and metrics).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+from accelerate import Accelerator
+from pydantic import Field
+
+from rlhf_core.checkpoint import CheckpointConfig, StopSignal
+from rlhf_core.config import RunArgs, RunConfig
+from rlhf_core.data import EpochSampler
+from rlhf_core.loop import (
+    SkippedSteps,
+    announce_stop,
+    restore_checkpoint,
+    save_final,
+    save_training_state,
+)
+from rlhf_core.optim import OptimConfig
+from rlhf_core.selection import ModelSelector
+from rlhf_core.tracking import Tracker, TrackingConfig
+
+Facts = dict[str, Any]  # named figures: metrics, summary entries
+
+
+class TrainerConfig(RunConfig):
+    """The top-level fields every trainer's config has; a package's config extends it (and
+    re-declares `name` with its own default)."""
+
+    name: str = Field(description="run name (the run dir is outputs/<package>/<name>-<time>)")
+    seed: int = Field(0, description="seed for init, data order and sampling")
+    optim: OptimConfig = Field(default_factory=OptimConfig, description="optimizer and schedule")
+    checkpoint: CheckpointConfig = Field(default_factory=CheckpointConfig, description="saving")
+    tracking: TrackingConfig = Field(default_factory=TrackingConfig, description="logging")
+
+
+@dataclass
+class Bookkeeping:
+    """What a run keeps besides its models: the data position, skipped steps, best-model
+    selection, the tracker, and what a checkpoint saves (`model`, `optimizer`, `scheduler`,
+    `extra`: name -> (model, optimizer or None), e.g. PPO's value model)."""
+
+    cfg: Any  # a TrainerConfig whose `train:` block extends rlhf_core.loop.BaseLoopConfig
+    run: RunArgs
+    package: str
+    run_dir: Path
+    accelerator: Accelerator
+    total_steps: int
+    model: torch.nn.Module
+    tokenizer: Any
+    optimizer: torch.optim.Optimizer
+    scheduler: Any
+    sampler: EpochSampler
+    skips: SkippedSteps
+    selector: ModelSelector
+    tracker: Tracker
+    threads: int = 1  # CPU threads in use (reported in the summary)
+    start_step: int = 0
+    restored: dict[str, Any] = field(default_factory=dict)  # the loop state a resume read
+    extra: dict[str, tuple[torch.nn.Module, torch.optim.Optimizer | None]] = field(
+        default_factory=dict
+    )
+
+    def state_dict(self) -> dict[str, Any]:
+        """The loop's state a checkpoint holds besides models, optimizers and schedules."""
+        return {
+            "sampler": self.sampler.state_dict(),
+            "skipped_steps": self.skips.total,
+            "best": self.selector.state_dict(),
+        }
+
+    def save(self, step: int, extra_state: dict[str, Any] | None = None) -> None:
+        """Write checkpoint-<step> (every process calls it; see `save_training_state`)."""
+        save_training_state(
+            self.accelerator, self.run_dir, step, model=self.model, tokenizer=self.tokenizer,
+            optimizer=self.optimizer, scheduler=self.scheduler,
+            state={**self.state_dict(), **(extra_state or {})},
+            keep_last=self.cfg.checkpoint.keep_last,
+            extra_models={k: m for k, (m, _) in self.extra.items()},
+            extra_optimizers={k: o for k, (_, o) in self.extra.items() if o is not None},
+        )  # fmt: skip
+
+    def log_due(self, step: int) -> bool:
+        """True every `tracking.log_every` steps and at the last step."""
+        return step % self.cfg.tracking.log_every == 0 or step == self.total_steps
+
+    def log_step(
+        self, step: int, loss: torch.Tensor, grad_norm: float, metrics: dict[str, Any]
+    ) -> None:
+        """Log what every supervised trainer logs after an optimizer step (loss, gradient norm,
+        learning rate, epoch, skipped steps), then `metrics` (numbers), each as `train/<key>`."""
+        self.tracker.log(step, {
+            "train/loss": loss.item(), "train/grad_norm": grad_norm,
+            "train/lr": self.scheduler.get_last_lr()[0],
+            "train/epoch": self.sampler.epoch_float, "train/skipped_steps": self.skips.total,
+            **{f"train/{k}": v for k, v in metrics.items()},
+        })  # fmt: skip
+
+    def save_due(self, step: int) -> bool:
+        """True every `checkpoint.save_every` steps."""
+        every = self.cfg.checkpoint.save_every
+        return bool(every) and step % every == 0
+
+    def evaluate(self, step: int, run_eval: Any) -> bool:
+        """Every `train.eval_every` steps but the last (the final evaluation follows): call
+        `run_eval()`, log its metrics and let the selector save best/. True = stop early."""
+        every = self.cfg.train.eval_every
+        if not every or step % every or step >= self.total_steps:
+            return False
+        evaluation = run_eval()
+        self.tracker.log(step, evaluation)
+        return self.selector.observe(step, evaluation, self.model, self.tokenizer)
+
+    def checkpoint(self, step: int, stop: StopSignal) -> int | None:
+        """Save checkpoint-<step> when due (`checkpoint.save_every`) or after a stop signal;
+        after a signal also `stopped`, and return its exit code (None: the loop goes on)."""
+        if self.save_due(step) or stop.requested:
+            self.save(step)
+        return self.stopped(step, stop) if stop.requested else None
+
+    def stopped(self, step: int, stop: StopSignal) -> int:
+        """After a stop signal (the checkpoint already saved): the resume command, the curves,
+        and the exit code (130 or 143)."""
+        if self.accelerator.is_main_process:
+            announce_stop(self.package, self.run, self.run_dir, stop.signum, step)
+        self.tracker.plot()
+        return stop.exit_code
+
+    def save_final_model(self, step: int, final_eval: dict[str, float]) -> None:
+        """Log the final evaluation, let the selector see it, write `final/` (when configured)."""
+        if final_eval:
+            self.tracker.log(step, final_eval)
+        self.selector.observe(step, final_eval, self.model, self.tokenizer)
+        if self.cfg.checkpoint.save_final:
+            save_final(self.accelerator, self.model, self.tokenizer, self.run_dir / "final")
+
+    def summarize(self, step: int, facts: Facts, final_eval: Facts, engine_facts: Facts) -> Facts:
+        """Write summary.json (the shared counts, the trainer's `facts`, the final evaluation,
+        the engine's facts) and print it on the main process."""
+        summary = self.tracker.finish({
+            "steps": step, "skipped_steps": self.skips.total, "threads": self.threads,
+            "processes": self.accelerator.num_processes, **self.selector.summary(), **facts,
+            **final_eval, **engine_facts,
+        })  # fmt: skip
+        if self.accelerator.is_main_process:
+            lines = "\n".join(f"  {k}: {v}" for k, v in summary.items())
+            print(f"run dir: {self.run_dir}\n{lines}")
+        return summary
+
+    def finish(self, step: int, final_eval: Facts, facts: Facts, engine_facts: Facts) -> Facts:
+        """`save_final_model`, then `summarize`."""
+        self.save_final_model(step, final_eval)
+        return self.summarize(step, facts, final_eval, engine_facts)
+
+
+def start_bookkeeping(
+    cfg: Any,
+    run: RunArgs,
+    *,
+    package: str,
+    run_dir: Path,
+    ckpt: Path | None,
+    accelerator: Accelerator,
+    threads: int,
+    num_rows: int,
+    total_steps: int,
+    periodic_eval: bool,
+    model: torch.nn.Module,
+    tokenizer: Any,
+    optimizer: torch.optim.Optimizer,
+    scheduler: Any,
+    extra: dict[str, tuple[torch.nn.Module, torch.optim.Optimizer | None]] | None = None,
+) -> Bookkeeping:
+    """A fresh `Bookkeeping` for `num_rows` training rows (seeded sampler), or, with `ckpt`,
+    one resumed from it: optimizer, scheduler, RNGs, data position, skipped steps and the
+    selector restored (`start_step` and `restored`, the loop state read, say where).
+    `periodic_eval`: whether held-out evaluation runs every `train.eval_every` steps (best-model
+    selection needs it)."""
+    sampler = EpochSampler(num_rows, cfg.seed)
+    skips = SkippedSteps(cfg.optim.max_consecutive_skips)
+    selector = ModelSelector(cfg.checkpoint.best, run_dir, accelerator, periodic_eval=periodic_eval)
+    step, restored = 0, {}
+    if ckpt is not None:
+        step, restored = restore_checkpoint(
+            ckpt, optimizer=optimizer, scheduler=scheduler, sampler=sampler, model=model,
+            extra=extra,
+        )  # fmt: skip
+        skips.total = restored["skipped_steps"]
+        selector.load_state_dict(restored.get("best"))
+    tracker = Tracker(
+        run_dir, cfg, cfg.tracking, total_steps=total_steps,
+        resume_step=step if ckpt is not None else None, enabled=accelerator.is_main_process,
+    )  # fmt: skip
+    return Bookkeeping(
+        cfg=cfg, run=run, package=package, run_dir=run_dir, accelerator=accelerator,
+        total_steps=total_steps, model=model, tokenizer=tokenizer, optimizer=optimizer,
+        scheduler=scheduler, sampler=sampler, skips=skips, selector=selector, tracker=tracker,
+        threads=threads, start_step=step, restored=restored, extra=dict(extra or {}),
+    )  # fmt: skip
