@@ -336,22 +336,14 @@ class ScalarHeadModel(nn.Module):
         An encoder-decoder backbone reads `input_ids` with its encoder and scores the positions
         of `decoder_input_ids` (B, T). (`reward_models.models.BaseRewardModel` adds the packed
         and shared-prefix forwards that reward-model training uses.)"""
+        if decoder_input_ids is not None:
+            extra = {"decoder_input_ids": decoder_input_ids}
+        else:
+            extra = {"position_ids": (attention_mask.long().cumsum(-1) - 1).clamp(min=0)}
         with self._grad_context():
-            if decoder_input_ids is not None:
-                hidden = self.backbone(
-                    input_ids=input_ids,
-                    attention_mask=attention_mask,
-                    decoder_input_ids=decoder_input_ids,
-                    use_cache=False,
-                ).last_hidden_state
-            else:
-                position_ids = (attention_mask.long().cumsum(-1) - 1).clamp(min=0)
-                hidden = self.backbone(
-                    input_ids=input_ids,
-                    attention_mask=attention_mask,
-                    position_ids=position_ids,
-                    use_cache=False,
-                ).last_hidden_state
+            hidden = self.backbone(
+                input_ids=input_ids, attention_mask=attention_mask, use_cache=False, **extra
+            ).last_hidden_state
         return self.head(hidden.to(self.head.weight.dtype))
 
     def _grad_context(self) -> Any:
