@@ -122,18 +122,23 @@ def run_ours(w: Workload, workdir: Path) -> dict[str, Any]:
         "checkpoint": {"save_every": 0, "save_final": False},
         "tracking": {"log_every": w.log_every},
     })  # fmt: skip
-    original_step, original_logprobs = sft_train.optimizer_step, sft_train.policy_logprobs
+    from rlhf_core.packing import is_packed, unpacked_tokens
+
+    original_step, original_logprobs = sft_train.optimizer_step, sft_train.batch_logprobs
 
     def timed_step(*args, **kwargs):
         out = original_step(*args, **kwargs)
         clock.step_done()
         return out
 
-    def counted_logprobs(model, input_ids, attention_mask, *args, **kwargs):
-        clock.count(attention_mask)
-        return original_logprobs(model, input_ids, attention_mask, *args, **kwargs)
+    def counted_logprobs(model, batch):  # a packed batch counts the rows it stands for
+        if is_packed(batch):
+            clock.tokens.append(unpacked_tokens(batch))
+        else:
+            clock.count(batch["attention_mask"])
+        return original_logprobs(model, batch)
 
-    sft_train.optimizer_step, sft_train.policy_logprobs = timed_step, counted_logprobs
+    sft_train.optimizer_step, sft_train.batch_logprobs = timed_step, counted_logprobs
     run_dir = workdir / f"ours-run-{time.time_ns()}"
     code = sft_train.train(cfg, RunArgs(Path("benchmarks/sft.py"), output_dir=run_dir))
     if code != 0:
