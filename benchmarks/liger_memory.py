@@ -30,15 +30,11 @@ from __future__ import annotations
 
 import argparse
 import gc
-import json
-import tempfile
 import time
-from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
 from benchmarks.measure import (
-    REPO_ROOT,
     machine,
     median,
     peak_rss_mb,
@@ -50,41 +46,10 @@ from benchmarks.measure import (
     write_result_file,
     write_results,
 )
-from benchmarks.workload import BENCH_MODELS, HH_PATH
+from benchmarks.workload import HH_PATH, QWEN2_TOKENIZER_DIR, model_dir
 
-TOKENIZER_DIR = REPO_ROOT / "benchmarks" / "assets" / "qwen2"
+TOKENIZER_DIR = QWEN2_TOKENIZER_DIR
 ARMS = ("ours", "ours_flat", "liger")
-
-
-def model_dir_152k() -> Path:
-    """The `real` body with the Qwen2 vocabulary, built once into the rlhf-lab cache."""
-    import hashlib
-    import shutil
-
-    import transformers
-    from transformers import AutoTokenizer
-
-    from rlhf_core.tiny import TinyPreset, build_tiny_model, cache_root
-
-    preset = TinyPreset(tokenizer="qwen2", **BENCH_MODELS["real"])
-    spec = json.dumps({"preset": asdict(preset), "tf": transformers.__version__})
-    target = (
-        cache_root()
-        / "bench"
-        / f"qwen3-qwen2-real-{hashlib.sha256(spec.encode()).hexdigest()[:10]}"
-    )
-    if (target / "config.json").is_file():
-        return target
-    target.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=".qwen2-real-", dir=target.parent))
-    try:
-        tokenizer = AutoTokenizer.from_pretrained(str(TOKENIZER_DIR))
-        build_tiny_model(preset, tokenizer).save_pretrained(tmp)
-        tokenizer.save_pretrained(tmp)
-        tmp.rename(target)
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
-    return target
 
 
 def _malloc_trim() -> None:
@@ -108,7 +73,9 @@ def worker(arm: str, args: argparse.Namespace) -> dict[str, Any]:
 
     torch.set_num_threads(args.threads)
     torch.manual_seed(0)
-    cfg = ModelConfig(name_or_path=str(model_dir_152k()), dtype="fp32", attention="sdpa")
+    cfg = ModelConfig(
+        name_or_path=str(model_dir("real", vocab="qwen2")), dtype="fp32", attention="sdpa"
+    )
     tokenizer = load_tokenizer(cfg, padding_side="right")
     data = build_preference_data(
         DataSource(path=str(HH_PATH)), tokenizer, fmt="hh", max_length=args.max_length,
@@ -191,7 +158,7 @@ def _vmhwm_mb() -> float:
 
 
 def compare(args: argparse.Namespace) -> dict[str, Any]:
-    model_dir_152k()  # built once, outside the measured processes
+    model_dir("real", vocab="qwen2")  # built once, outside the measured processes
     passed = ("batch_size", "steps", "max_length", "max_prompt_length", "beta", "threads")
     common = [f"--{k.replace('_', '-')}={getattr(args, k)}" for k in passed]
     runs = []

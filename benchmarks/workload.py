@@ -88,8 +88,13 @@ class Workload(JsonDataclass):
         return self.batch_size * self.steps
 
 
-def model_dir(name: str) -> Path:
-    """The model directory of workload model `name`, built once into the rlhf-lab cache."""
+#: The vendored Qwen2 tokenizer (151,669 tokens), for measurements at a Qwen-sized vocabulary.
+QWEN2_TOKENIZER_DIR = REPO_ROOT / "benchmarks" / "assets" / "qwen2"
+
+
+def model_dir(name: str, vocab: str = "gpt2") -> Path:
+    """The model directory of workload model `name`, built once into the rlhf-lab cache, with
+    the GPT-2 vocabulary or (`vocab="qwen2"`) the vendored Qwen2 one."""
     from rlhf_core.tiny import (
         TinyPreset,
         build_gpt2_tokenizer,
@@ -98,25 +103,30 @@ def model_dir(name: str) -> Path:
         preset_dir,
     )
 
-    if name == "tiny":
+    if name == "tiny" and vocab == "gpt2":
         return preset_dir("tiny-qwen3-gpt2")
-    if name not in BENCH_MODELS:
-        raise ValueError(f"unknown benchmark model {name!r}; expected one of {MODEL_CHOICES}")
+    if name not in BENCH_MODELS or vocab not in ("gpt2", "qwen2"):
+        raise ValueError(f"unknown benchmark model {name!r} / vocabulary {vocab!r}; expected one "
+                         f"of {tuple(BENCH_MODELS)} / gpt2, qwen2")  # fmt: skip
     import transformers
+    from transformers import AutoTokenizer
 
-    preset = TinyPreset(tokenizer="gpt2", **BENCH_MODELS[name])
+    preset = TinyPreset(tokenizer=vocab, **BENCH_MODELS[name])
     spec = json.dumps({"preset": asdict(preset), "tf": transformers.__version__})
     target = (
         cache_root()
         / "bench"
-        / f"qwen3-gpt2-{name}-{hashlib.sha256(spec.encode()).hexdigest()[:10]}"
+        / f"qwen3-{vocab}-{name}-{hashlib.sha256(spec.encode()).hexdigest()[:10]}"
     )
     if (target / "config.json").is_file():
         return target
     target.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{name}-", dir=target.parent))
+    tmp = Path(tempfile.mkdtemp(prefix=f".{vocab}-{name}-", dir=target.parent))
     try:
-        tokenizer = build_gpt2_tokenizer()
+        if vocab == "gpt2":
+            tokenizer = build_gpt2_tokenizer()
+        else:
+            tokenizer = AutoTokenizer.from_pretrained(str(QWEN2_TOKENIZER_DIR))
         build_tiny_model(preset, tokenizer).save_pretrained(tmp)
         tokenizer.save_pretrained(tmp)
         tmp.rename(target)
