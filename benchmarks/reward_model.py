@@ -33,7 +33,6 @@ import dataclasses
 import json
 import shutil
 import sys
-import tempfile
 import time
 from functools import partial
 from pathlib import Path
@@ -45,12 +44,19 @@ from benchmarks.measure import (
     machine,
     median,
     rss_mb,
-    run_worker,
     spread,
     timestamp,
     write_result_file,
 )
-from benchmarks.workload import StepClock, Workload, model_dir, prepare, trl_clock, worker_result
+from benchmarks.workload import (
+    StepClock,
+    Workload,
+    model_dir,
+    prepare,
+    run_rounds,
+    trl_clock,
+    worker_result,
+)
 
 ARMS = ("ours", "trl", "ours-unshared")
 # 32 steps of 4 pairs (128 HH pairs, 31 timed steps): at ~40 ms a step the DPO workload's 8 steps
@@ -171,27 +177,9 @@ def run_trl(w: Workload, workdir: Path) -> dict[str, Any]:
 def compare(w: Workload, rounds: int, timeout: float = 900) -> dict[str, Any]:
     """Prepare once, then `rounds` rounds of one fresh process per arm, alternating the order."""
     host = machine()
-    with tempfile.TemporaryDirectory(prefix="rlhf-bench-rm-") as tmp:
-        common = ["--workload", w.to_json(), "--workdir", tmp]
-        module = "benchmarks.reward_model"
-        prep = run_worker(module, ["prepare", *common], threads=w.threads, timeout=timeout)
-        runs = []
-        for r in range(rounds):
-            order = ARMS[r % len(ARMS) :] + ARMS[: r % len(ARMS)]
-            for impl in order if r % 2 == 0 else order[::-1]:
-                out = run_worker(module, [impl, *common], threads=w.threads, timeout=timeout)
-                out["round"] = r
-                runs.append(out)
-                print(f"  round {r + 1}/{rounds} {impl:10s}: {out['tokens_per_s']:8.1f} tok/s, "
-                      f"peak RSS {out['peak_rss_mb']:6.0f} MiB", flush=True)  # fmt: skip
-    keys = ("tokens_per_s", "tokens_per_cpu_s", "peak_rss_mb", "peak_rss_timed_mb",
-            "step_s_median", "process_wall_s")  # fmt: skip
-    arms = {a: {k: median([r[k] for r in runs if r["impl"] == a]) for k in keys} for a in ARMS}
-    for a in ARMS:
-        arms[a]["tokens_per_s_range"] = spread([r["tokens_per_s"] for r in runs if r["impl"] == a])
-    by_round = {r["round"]: {} for r in runs}
-    for r in runs:
-        by_round[r["round"]][r["impl"]] = r
+    prep, runs, arms, by_round = run_rounds(
+        "benchmarks.reward_model", ARMS, w, rounds, timeout, "rlhf-bench-rm-"
+    )
     for a in ARMS:
         if a != "trl":
             arms[a]["ratio_over_trl"] = {

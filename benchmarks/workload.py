@@ -24,7 +24,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-from benchmarks.measure import REPO_ROOT, PeakRSS, median, peak_rss_mb
+from benchmarks.measure import REPO_ROOT, PeakRSS, median, peak_rss_mb, run_worker, spread
 
 HH_PATH = REPO_ROOT / "data" / "hh-rlhf" / "harmless-base-test.jsonl.gz"
 
@@ -318,3 +318,34 @@ def worker_result(
         "peak_rss_mb": memory.overall(), "peak_rss_timed_mb": peak_rss_mb(),
         "threads": torch.get_num_threads(),
     }  # fmt: skip
+
+
+def run_rounds(
+    module: str, arms: tuple[str, ...], w: Workload, rounds: int, timeout: float, prefix: str
+) -> tuple[dict[str, Any], list[dict[str, Any]], dict[str, Any], dict[int, dict[str, Any]]]:
+    """Prepare once, then `rounds` rounds of one fresh worker process per arm (`module`'s
+    worker mode), the order rotating each round and reversed every other round. Returns the
+    preparation, every run, each arm's medians (and tokens/s range), and the runs by round."""
+    with tempfile.TemporaryDirectory(prefix=prefix) as tmp:
+        common = ["--workload", w.to_json(), "--workdir", tmp]
+        prep = run_worker(module, ["prepare", *common], threads=w.threads, timeout=timeout)
+        runs = []
+        for r in range(rounds):
+            order = arms[r % len(arms) :] + arms[: r % len(arms)]
+            for impl in order if r % 2 == 0 else order[::-1]:
+                out = run_worker(module, [impl, *common], threads=w.threads, timeout=timeout)
+                out["round"] = r
+                runs.append(out)
+                print(f"  round {r + 1}/{rounds} {impl:16s}: {out['tokens_per_s']:8.1f} tok/s, "
+                      f"peak RSS {out['peak_rss_mb']:6.0f} MiB", flush=True)  # fmt: skip
+    keys = ("tokens_per_s", "tokens_per_cpu_s", "peak_rss_mb", "peak_rss_timed_mb",
+            "step_s_median", "process_wall_s")  # fmt: skip
+    medians = {a: {k: median([r[k] for r in runs if r["impl"] == a]) for k in keys} for a in arms}
+    for a in arms:
+        medians[a]["tokens_per_s_range"] = spread(
+            [r["tokens_per_s"] for r in runs if r["impl"] == a]
+        )
+    by_round: dict[int, dict[str, Any]] = {r["round"]: {} for r in runs}
+    for r in runs:
+        by_round[r["round"]][r["impl"]] = r
+    return prep, runs, medians, by_round
