@@ -49,7 +49,11 @@ from rlhf_core.loop import (
 )
 from rlhf_core.models import load_policy, load_reference, load_tokenizer
 from rlhf_core.optim import build_optimizer, build_scheduler
-from rlhf_core.packing import supports_packing
+from rlhf_core.packing import (
+    SEGMENTED_ROW_TOKENS,
+    supports_packing,
+    supports_segmented_attention,
+)
 from rlhf_core.registry import build_from_spec
 from rlhf_core.rundir import managed_run, open_run_dir
 from rlhf_core.runtime import seed_everything
@@ -120,8 +124,11 @@ def train(cfg: DAConfig, run: RunArgs) -> int:
     seed_everything(cfg.seed)
     policy = engine.prepare(load_policy(cfg.model, device, weights_from=ckpt).train())
     pad_id = tokenizer.pad_token_id
-    # pairs as packed rows, each prompt encoded once, where the attention takes a 4D mask
+    # pairs as packed rows, each prompt encoded once, where the attention takes a 4D mask; on
+    # CPU SDPA, rows with no padding and attention computed group by group
     collate = pack_pairs if t.packing and supports_packing(policy) else collate_pairs
+    if collate is pack_pairs and supports_segmented_attention(policy):
+        collate = partial(pack_pairs, row_tokens=SEGMENTED_ROW_TOKENS)
     reference, ref_cache = None, None
     if loss_fn.needs_reference:
         reference = load_reference(cfg.reference, cfg.model, policy, engine)

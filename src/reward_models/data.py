@@ -423,7 +423,9 @@ def collate_pairs(
     return batch
 
 
-def pack_pairs(pairs: list[PreferencePair], pad_id: int) -> dict[str, torch.Tensor]:
+def pack_pairs(
+    pairs: list[PreferencePair], pad_id: int, *, row_tokens: int | None = None
+) -> dict[str, torch.Tensor]:
     """Pairs packed as [prompt | chosen | rejected] segments into rows, right-padded, for a
     shared-prompt forward in one call (`rlhf_core.packing.pack_groups`, the layout DPO uses
     too): each prompt is encoded once, both its completions attend to it, the rejected tokens
@@ -434,15 +436,20 @@ def pack_pairs(pairs: list[PreferencePair], pad_id: int) -> dict[str, torch.Tens
     Returns input_ids (R, L), attention_mask (R, 1, L, L) boolean (True = may attend),
     position_ids (R, L), ends (B, 2) the last chosen and last rejected token of each pair as
     flat indices into the (R * L) positions, lengths (B, 3) the prompt, chosen and rejected
-    lengths, and margins when the pairs have them.
+    lengths, segments (K, 3) for `rlhf_core.packing.segmented_attention`, and margins when the
+    pairs have them. `row_tokens`: rows of up to that many tokens (no padding; for segmented
+    attention).
     """
-    packed = pack_groups([(p.prompt_ids, (p.chosen_ids, p.rejected_ids)) for p in pairs], pad_id)
+    packed = pack_groups(
+        [(p.prompt_ids, (p.chosen_ids, p.rejected_ids)) for p in pairs], pad_id,
+        row_tokens=row_tokens,
+    )  # fmt: skip
     lengths = torch.cat(
         [packed["prefix_lengths"][:, None], packed["branch_lengths"].view(-1, 2)], 1
     )
     batch = {"input_ids": packed["input_ids"], "attention_mask": packed["attention_mask"],
              "position_ids": packed["position_ids"], "ends": packed["ends"].view(-1, 2),
-             "lengths": lengths}  # fmt: skip
+             "lengths": lengths, "segments": packed["segments"]}  # fmt: skip
     if all(p.margin is not None for p in pairs):
         batch["margins"] = torch.tensor([p.margin for p in pairs], dtype=torch.float32)
     return batch

@@ -25,7 +25,7 @@ import torch
 
 from reward_models.config import RMConfig
 from reward_models.losses import RewardLoss
-from rlhf_core.packing import additive_mask
+from rlhf_core.packing import additive_mask, segmented_attention
 from rlhf_core.scalar_head import (
     ScalarHeadInfo,
     ScalarHeadModel,
@@ -46,6 +46,7 @@ class BaseRewardModel(ScalarHeadModel):
         position_ids: torch.Tensor | None = None,
         prefix_ids: torch.Tensor | None = None,
         prefix_mask: torch.Tensor | None = None,
+        segments: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """Scores of every position, (B, T, head_dim), float32. Padding positions hold garbage.
 
@@ -54,7 +55,9 @@ class BaseRewardModel(ScalarHeadModel):
         one row (SDPA and eager attention; flash-attention 2 takes 2D masks only). A preference
         pair packs as [prompt | chosen | rejected] with the rejected tokens blind to the chosen
         ones and positions restarting after the prompt (`reward_models.data.pack_pairs`, laid out
-        by `rlhf_core.packing.pack_groups`, the layout shared-prompt DPO uses too).
+        by `rlhf_core.packing.pack_groups`, the layout shared-prompt DPO uses too). With its
+        `segments`, attention runs one pair at a time where that applies
+        (`rlhf_core.packing.segmented_attention`).
 
         Shared prefix: with `prefix_ids` / `prefix_mask` (Bp, P), left-padded, the rows of
         `input_ids` (B = Bp x r, right-padded) are continuations of those prefixes, r per prefix
@@ -69,19 +72,23 @@ class BaseRewardModel(ScalarHeadModel):
         Otherwise it is `ScalarHeadModel.forward`.
         """
         if attention_mask.dim() == 4:
-            return self._packed_forward(input_ids, attention_mask, position_ids)
+            return self._packed_forward(input_ids, attention_mask, position_ids, segments)
         if prefix_ids is not None:
             return self._shared_prefix_forward(input_ids, attention_mask, prefix_ids, prefix_mask)
         return super().forward(input_ids, attention_mask)
 
     def _packed_forward(
-        self, input_ids: torch.Tensor, allowed: torch.Tensor, position_ids: torch.Tensor | None
+        self,
+        input_ids: torch.Tensor,
+        allowed: torch.Tensor,
+        position_ids: torch.Tensor | None,
+        segments: torch.Tensor | None,
     ) -> torch.Tensor:
         if position_ids is None:
             raise ValueError("a 4D attention mask (packed rows) needs explicit position_ids")
         # the boolean mask as the additive one transformers passes on untouched
         dtype = self.backbone.get_input_embeddings().weight.dtype
-        with self._grad_context():
+        with self._grad_context(), segmented_attention(self.backbone, segments):
             hidden = self.backbone(
                 input_ids=input_ids, attention_mask=additive_mask(allowed, dtype),
                 position_ids=position_ids, use_cache=False,
@@ -164,7 +171,8 @@ def preference_rewards(
     (or, with a shared prompt, one forward of the B prompts and one of the 2B completions)."""
     if "ends" in batch:  # pairs packed as [prompt | chosen | rejected] segments (`pack_pairs`)
         scores = model(batch["input_ids"], batch["attention_mask"],
-                       position_ids=batch["position_ids"])[..., 0]  # fmt: skip
+                       position_ids=batch["position_ids"],
+                       segments=batch.get("segments"))[..., 0]  # fmt: skip
         picked = scores.reshape(-1)[batch["ends"]]  # ends: flat indices, (B, 2)
         return picked[:, 0], picked[:, 1]
     if "prompt_ids" in batch:  # completions interleaved chosen_0, rejected_0, chosen_1, ...

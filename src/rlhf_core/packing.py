@@ -31,13 +31,22 @@ whether a model takes it. Flash-attention 2 takes no 4D mask; there transformers
 position ids alone (its varlen path, `DataCollatorWithFlattening`), which expresses a block-
 diagonal mask (SFT rows) but not a prefix shared by two branches, so a flash-attention model is
 run unpacked here (a reward model shares its prompt through the KV cache instead). That varlen
-path is not used or tested by this library. On CPU SDPA computes the whole masked (L, L) score
-matrix, so rows are kept no longer than the batch's longest group.
+path is not used or tested by this library. SDPA computes the whole masked (L, L) score matrix of
+a row, so by default rows are kept no longer than the batch's longest group; that leaves padding
+(~25% of the positions on HH batches of 4 pairs). `row_tokens` lets rows grow to hold several
+groups with no padding, and `segmented_attention` then computes attention one segment (a group,
+or a row's padding tail) at a time, so no score between two groups is ever computed: the cost
+of attention is the sum of the groups' squared lengths, whatever the rows hold. The 4D mask stays
+the definition (each segment's block of it is passed to SDPA, and every entry outside the blocks
+is masked), so a forward outside the context (eager attention, activation recomputation) gives
+the same result, only with the whole (L, L) matrix computed.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from contextvars import ContextVar
 
 import torch
 
@@ -47,15 +56,18 @@ from rlhf_core.policy_model import policy_logprobs
 Group = tuple[Sequence[int], Sequence[Sequence[int]]]  # (prefix ids, [branch ids, ...])
 
 
-def pack_rows(lengths: list[int], *, pack: bool = True) -> list[list[int]]:
-    """Indices of sequences grouped into rows no longer than the longest sequence, by first-fit
-    decreasing: the longest first, each into the first row with room. Rows never get longer
-    than padding every sequence to the longest would make them, and short sequences share a
-    row instead of each padding one (on HH batches of 4 pairs: ~14% fewer positions, ~15% less
-    attention than one row per pair). With `pack=False`, one sequence per row, in order."""
+def pack_rows(
+    lengths: list[int], *, pack: bool = True, row_tokens: int | None = None
+) -> list[list[int]]:
+    """Indices of sequences grouped into rows no longer than the longest sequence (or
+    `row_tokens`, if larger), by first-fit decreasing: the longest first, each into the first row
+    with room. Rows never get longer than padding every sequence to the longest would make them,
+    and short sequences share a row instead of each padding one (on HH batches of 4 pairs: ~14%
+    fewer positions, ~15% less attention than one row per pair). With `pack=False`, one
+    sequence per row, in order."""
     if not pack:
         return [[i] for i in range(len(lengths))]
-    capacity = max(lengths)
+    capacity = max(max(lengths), row_tokens or 0)
     rows: list[list[int]] = []
     room: list[int] = []
     for i in sorted(range(len(lengths)), key=lambda i: -lengths[i]):
@@ -70,10 +82,12 @@ def pack_rows(lengths: list[int], *, pack: bool = True) -> list[list[int]]:
 
 
 def pack_groups(
-    groups: Sequence[Group], pad_id: int, *, pack: bool = True
+    groups: Sequence[Group], pad_id: int, *, pack: bool = True, row_tokens: int | None = None
 ) -> dict[str, torch.Tensor]:
     """Groups (prefix, [branches]) as packed rows (see the module docstring); `pack=False` puts
-    each group in a row of its own (the prompt is still shared by its branches).
+    each group in a row of its own (the prompt is still shared by its branches); `row_tokens`
+    lets a row hold that many tokens when the longest group is shorter (for
+    `segmented_attention`: fewer rows, no padding).
 
     Streams are the branches in group-major order (group 0's branches, then group 1's ...).
     Returns, right-padded:
@@ -83,14 +97,16 @@ def pack_groups(
       predicted from the hidden state at flat position sources[n] of the (R * L) positions
       (a branch's first token from the prefix's last position; not a target if the prefix is
       empty); ends (S,): flat position of each stream's last token (its prefix's last token
-      for an empty branch); branch_lengths (S,); prefix_lengths (G,).
+      for an empty branch); branch_lengths (S,); prefix_lengths (G,); segments (K, 3): (row,
+      start, end) of every group and every row's padding tail, covering all positions, each row's
+      in order (no query attends outside its segment: `segmented_attention`).
     """
     if not groups:
         raise ValueError("pack_groups: no groups")
     sizes = [len(prefix) + sum(len(b) for b in branches) for prefix, branches in groups]
     if min(sizes) == 0:
         raise ValueError(f"pack_groups: group {sizes.index(0)} has no tokens")
-    rows = pack_rows(sizes, pack=pack)
+    rows = pack_rows(sizes, pack=pack, row_tokens=row_tokens)
     longest = max(sum(sizes[i] for i in members) for members in rows)
     ids = torch.full((len(rows), longest), pad_id, dtype=torch.long)
     positions = torch.zeros((len(rows), longest), dtype=torch.long)
@@ -100,7 +116,7 @@ def pack_groups(
     for _, branches in groups:
         first_stream.append(first_stream[-1] + len(branches))
     ends = torch.zeros(first_stream[-1], dtype=torch.long)
-    sources, targets, owners = [], [], []
+    sources, targets, owners, segments = [], [], [], []
     for r, members in enumerate(rows):
         start = r * longest  # flat position of the row's next free slot
         for g in members:
@@ -110,6 +126,7 @@ def pack_groups(
             for branch in branches:
                 flat += branch
             offset = start - r * longest
+            segments.append((r, offset, offset + len(flat)))
             ids[r, offset : offset + len(flat)] = torch.tensor(flat, dtype=torch.long)
             group_of[r, offset : offset + len(flat)] = g
             positions[r, offset : offset + n_p] = torch.arange(n_p)
@@ -128,6 +145,8 @@ def pack_groups(
                 ends[s] = at + n_b - 1 if n_b else start + n_p - 1
                 at += n_b
             start = at
+        if start - r * longest < longest:  # the padding tail: each query sees itself only
+            segments.append((r, start - r * longest, longest))
     index = torch.arange(longest)
     causal = index[None, :, None] >= index[None, None, :]  # (1, L, L): query >= key
     q_group, k_group = group_of[:, :, None], group_of[:, None, :]
@@ -145,6 +164,7 @@ def pack_groups(
         "branch_lengths": torch.tensor([len(b) for _, bs in groups for b in bs], dtype=torch.long),
         "prefix_lengths": torch.tensor([len(p) for p, _ in groups], dtype=torch.long),
         "branches_per_group": torch.tensor([len(bs) for _, bs in groups], dtype=torch.long),
+        "segments": torch.tensor(segments, dtype=torch.long),
     }
 
 
@@ -178,23 +198,93 @@ def supports_packing(model: torch.nn.Module) -> bool:
     return getattr(config, "_attn_implementation", None) in ("sdpa", "eager")
 
 
+#: The attention implementation `segmented_attention` switches an SDPA model to (registered with
+#: transformers on first use): SDPA one segment at a time.
+SEGMENTED_SDPA = "rlhf_segmented_sdpa"
+#: Row capacity of packed batches under segmented attention (`pack_groups(row_tokens=...)`): a
+#: batch's groups share rows up to this many tokens, so rows carry no padding until it is reached.
+#: The (L, L) mask of such a row is built (4096: 16M entries), though attention only reads its
+#: segments' blocks.
+SEGMENTED_ROW_TOKENS = 4096
+_SEGMENTS: ContextVar[list[tuple[int, int, int]] | None] = ContextVar("segments", default=None)
+
+
+def supports_segmented_attention(model: torch.nn.Module) -> bool:
+    """Whether `segmented_attention` applies to `model`: a packing-capable model running SDPA on
+    the CPU (where SDPA computes every masked score). On a GPU, flash-attention's varlen path is
+    the tool for this, and per-segment kernel launches are untested here."""
+    inner = _unwrapped(model)
+    config = getattr(inner, "config", None)
+    on_cpu = all(p.device.type == "cpu" for p in inner.parameters())
+    return supports_packing(model) and config._attn_implementation == "sdpa" and on_cpu
+
+
+def _segmented_sdpa(module, query, key, value, attention_mask, *args, **kwargs):
+    """transformers' SDPA attention, called once per segment of the packed rows (`_SEGMENTS`):
+    query (B, H, L, D), key/value (B, H_kv, L, D), mask (B, 1, L, L) -> (B, L, H, D). Queries of
+    a segment attend only to keys of the same segment (the mask says so), so the result is the
+    full call's; only the scores between segments, all masked, are never computed."""
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    segments = _SEGMENTS.get()
+    whole = query.shape[2] != key.shape[2] or attention_mask is None or attention_mask.dim() != 4
+    if segments is None or whole:  # not a packed forward: plain SDPA
+        return sdpa_attention_forward(module, query, key, value, attention_mask, *args, **kwargs)
+    rows: list[list[torch.Tensor]] = [[] for _ in range(query.shape[0])]
+    for r, s, e in segments:
+        out, _ = sdpa_attention_forward(
+            module, query[r : r + 1, :, s:e], key[r : r + 1, :, s:e], value[r : r + 1, :, s:e],
+            attention_mask[r : r + 1, :, s:e, s:e], *args, **kwargs,
+        )  # fmt: skip
+        rows[r].append(out)
+    return torch.cat([torch.cat(parts, 1) for parts in rows], 0), None
+
+
+@contextmanager
+def segmented_attention(model: torch.nn.Module, segments: torch.Tensor | None) -> Iterator[None]:
+    """Inside this context, `model`'s forwards compute attention one segment of `segments` (K, 3)
+    = (row, start, end) at a time (`pack_groups`' segments, which must cover every position,
+    each row's in order); nothing changes where `supports_segmented_attention` is false or
+    `segments` is None. The backward needs no context (autograd kept each segment's call)."""
+    if segments is None or not supports_segmented_attention(model):
+        yield
+        return
+    from transformers import AttentionInterface
+    from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, sdpa_mask
+
+    if SEGMENTED_SDPA not in AttentionInterface._global_mapping:
+        AttentionInterface.register(SEGMENTED_SDPA, _segmented_sdpa)
+        ALL_MASK_ATTENTION_FUNCTIONS.register(SEGMENTED_SDPA, sdpa_mask)
+    config = _unwrapped(model).config
+    token = _SEGMENTS.set([tuple(x) for x in segments.tolist()])
+    before = config._attn_implementation_internal
+    config._attn_implementation_internal = SEGMENTED_SDPA
+    try:
+        yield
+    finally:
+        config._attn_implementation_internal = before
+        _SEGMENTS.reset(token)
+
+
 def packed_token_logprobs(
     model: torch.nn.Module, batch: dict[str, torch.Tensor], *, temperature: float = 1.0
 ) -> torch.Tensor:
     """Log-probs (N,) of a `pack_groups` batch's targets under a causal LM: one forward of the
-    packed rows, the LM head on the target positions only (`causal_lm_logprobs_at`)."""
+    packed rows, the LM head on the target positions only (`causal_lm_logprobs_at`), attention
+    segment by segment where that applies (`segmented_attention`)."""
     dtype = _unwrapped(model).get_input_embeddings().weight.dtype
     if not dtype.is_floating_point:
         dtype = torch.float32
-    return causal_lm_logprobs_at(
-        model,
-        batch["input_ids"],
-        additive_mask(batch["attention_mask"], dtype),
-        batch["position_ids"],
-        batch["sources"],
-        batch["targets"],
-        temperature=temperature,
-    )
+    with segmented_attention(model, batch.get("segments")):
+        return causal_lm_logprobs_at(
+            model,
+            batch["input_ids"],
+            additive_mask(batch["attention_mask"], dtype),
+            batch["position_ids"],
+            batch["sources"],
+            batch["targets"],
+            temperature=temperature,
+        )
 
 
 def stream_sums(values: torch.Tensor, batch: dict[str, torch.Tensor]) -> torch.Tensor:

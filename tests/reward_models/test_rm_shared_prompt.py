@@ -36,10 +36,13 @@ def model():
     return build_model()
 
 
-# eager attention adds the mask to the scores: a boolean 4D mask there once gave wrong rewards
+# eager attention adds the mask to the scores: a boolean 4D mask there once gave wrong rewards;
+# one_row: all pairs in one row, no padding (under CPU SDPA attention runs pair by pair)
 @pytest.mark.parametrize(
-    ("layout", "attention"), [("cache", "sdpa"), ("packed", "sdpa"), ("packed", "eager")]
-)
+    ("layout", "attention"),
+    [("cache", "sdpa"), ("packed", "sdpa"), ("packed", "eager"), ("one_row", "sdpa"),
+     ("one_row", "eager")],
+)  # fmt: skip
 def test_shared_prompt_gives_the_same_rewards_and_gradients(layout, attention):
     model = build_model(attention)
     # ragged prompts (left-padded as prefixes) and ragged completions (right-padded); packed,
@@ -49,10 +52,13 @@ def test_shared_prompt_gives_the_same_rewards_and_gradients(layout, attention):
     if layout == "cache":
         shared = collate_pairs(pairs, 0, share_prompt=True)
         assert shared["prompt_ids"].shape == (6, 12) and shared["input_ids"].shape == (12, 8)
-    else:
+    elif layout == "packed":
         shared = pack_pairs(pairs, 0)
         assert shared["input_ids"].shape == (4, 22)
         assert shared["attention_mask"].shape == (4, 1, 22, 22)
+    else:
+        shared = pack_pairs(pairs, 0, row_tokens=80)
+        assert shared["input_ids"].shape == (1, 74) and len(shared["segments"]) == 6
     assert batch_tokens(full) == batch_tokens(shared) == int(full["attention_mask"].sum())
     grads = []
     for batch in (full, shared):

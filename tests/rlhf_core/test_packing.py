@@ -15,7 +15,14 @@ import torch
 from direct_alignment.data import PreferencePair, collate_pairs, pack_pairs
 from direct_alignment.reference import pair_logps
 from rlhf_core.models import ModelConfig, load_policy
-from rlhf_core.packing import pack_groups, pack_rows, stream_sums, supports_packing
+from rlhf_core.packing import (
+    pack_groups,
+    pack_rows,
+    segmented_attention,
+    stream_sums,
+    supports_packing,
+    supports_segmented_attention,
+)
 
 
 def random_pairs(lengths, seed=0):
@@ -68,6 +75,50 @@ def test_shared_prompt_dpo_log_probs_and_gradients_equal_the_two_row_forward(att
             assert relative <= 1e-5, (name, float(relative))
 
 
+@pytest.mark.parametrize("attention", ["sdpa", "eager"])
+def test_one_row_with_segmented_attention_equals_the_two_row_forward(attention, monkeypatch):
+    # all six pairs (74 tokens) in one row with no padding; under SDPA on CPU attention runs
+    # one pair at a time (no query longer than the longest pair, 22), eager computes the full
+    # masked row: both equal the flat rows
+    model = tiny_policy(attention)
+    assert supports_segmented_attention(model) == (attention == "sdpa")
+    pairs = random_pairs(PAIRS)
+    reference = logps_and_grads(model, collate_pairs(pairs, 0))
+    packed = pack_pairs(pairs, 0, row_tokens=80)
+    assert packed["input_ids"].shape == (1, 74)
+    assert packed["segments"].tolist() == [[0, 0, 22], [0, 22, 37], [0, 37, 51], [0, 51, 65],
+                                           [0, 65, 70], [0, 70, 74]]  # fmt: skip
+    query_lengths = []
+    sdpa = torch.nn.functional.scaled_dot_product_attention
+
+    def spy(query, *args, **kwargs):
+        query_lengths.append(query.shape[-2])
+        return sdpa(query, *args, **kwargs)
+
+    monkeypatch.setattr(torch.nn.functional, "scaled_dot_product_attention", spy)
+    chosen, rejected, grads = logps_and_grads(model, packed)
+    if attention == "sdpa":
+        assert max(query_lengths) == 22 and len(query_lengths) == 6 * 2  # 6 pairs x 2 layers
+        assert model.config._attn_implementation == "sdpa"  # restored after the forward
+    else:
+        assert not query_lengths
+    torch.testing.assert_close(chosen, reference[0], rtol=0, atol=1e-6)
+    torch.testing.assert_close(rejected, reference[1], rtol=0, atol=1e-6)
+    assert grads.keys() == reference[2].keys() and grads
+    for name, grad in grads.items():
+        relative = (grad - reference[2][name]).norm() / reference[2][name].norm()
+        assert relative <= 1e-5, (name, float(relative))
+
+
+def test_segmented_attention_restores_the_model_after_an_error():
+    model = tiny_policy("sdpa")
+    segments = pack_pairs(random_pairs(PAIRS[:2]), 0)["segments"]
+    with pytest.raises(RuntimeError), segmented_attention(model, segments):
+        assert model.config._attn_implementation != "sdpa"
+        raise RuntimeError("boom")
+    assert model.config._attn_implementation == "sdpa"
+
+
 def test_packed_layout_positions_and_targets():
     # group 0: prefix [10, 11], branches [20, 21] and [30]; group 1: no prefix, one branch
     batch = pack_groups([([10, 11], ([20, 21], [30])), ([], ([40, 41, 42],))], 0)
@@ -82,6 +133,8 @@ def test_packed_layout_positions_and_targets():
     assert batch["targets"].tolist() == [20, 21, 30, 41, 42]
     assert batch["owners"].tolist() == [0, 0, 1, 2, 2]
     assert batch["ends"].tolist() == [3, 4, 7]
+    # attention segments (row, start, end): each group, and row 1's padding tail
+    assert batch["segments"].tolist() == [[0, 0, 5], [1, 0, 3], [1, 3, 5]]
     sums = stream_sums(torch.tensor([1.0, 2.0, 3.0, 4.0, 5.0]), batch)
     assert sums.tolist() == [3.0, 3.0, 9.0]
 
@@ -90,6 +143,7 @@ def test_rows_are_no_longer_than_the_longest_sequence():
     # first-fit decreasing into rows of 10: 10 | 9 | 7 + 3 | 2 (no room left beside the 9)
     assert pack_rows([7, 10, 3, 2, 9]) == [[1], [4], [0, 2], [3]]
     assert pack_rows([7, 10, 3], pack=False) == [[0], [1], [2]]
+    assert pack_rows([7, 10, 3, 2, 9], row_tokens=20) == [[1, 4], [0, 2, 3]]
 
 
 def test_unpaired_rows_keep_their_labels():
