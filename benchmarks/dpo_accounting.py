@@ -41,7 +41,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from benchmarks.measure import machine, median, write_results
+from benchmarks.measure import machine, median, timestamp, write_results
 from benchmarks.workload import MODEL_CHOICES, Workload, model_dir, prepare
 
 #: ours: as shipped (all of a step's pairs in one row, no padding, attention pair by pair:
@@ -377,7 +377,7 @@ def main(argv: list[str] | None = None) -> None:
     result = run(w, args.measure, args.rounds)
     text = markdown(result)
     print(text)
-    json_path, _ = write_results("dpo-accounting", result, text)
+    json_path, _ = write_results(f"{timestamp()}-dpo-accounting", result, text)
     print(f"wrote {json_path}")
 
 

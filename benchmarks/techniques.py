@@ -5,15 +5,18 @@ gradients, the reference's without, the `dpo` loss from `direct_alignment.losses
 backward pass, on one batch of the DPO workload (`benchmarks.workload`: same model, pairs, order and
 batch size): the batch of median padded size among the workload's steps. "shipped" is what our
 trainer does (`direct_alignment.reference.pair_logps` on `pack_pairs` batches: each pair packed as
-[prompt | chosen | rejected] with a 4D mask, its prompt encoded once, short pairs sharing a row,
-`rlhf_core.packing`; the LM head only on completion positions, fused with the log-softmax; a
-frozen reference model). "flat_rows" is what it did before packing (`collate_pairs`: 2B rows,
+[prompt | chosen | rejected] with a 4D mask, its prompt encoded once, all of a step's pairs in one
+row with no padding and attention computed pair by pair, `rlhf_core.packing`; the LM head only on
+completion positions, fused with the log-softmax; a frozen reference model). "flat_rows" is what
+it did before packing (`collate_pairs`: 2B rows,
 prompt + chosen then prompt + rejected, padded to the batch's longest, one concatenated forward
 through `rlhf_core.logprobs.causal_lm_selected_logprobs`). Each other variant changes exactly one
 thing, of shipped or of flat_rows:
 
-  one_pair_per_row  shipped without packing: each pair's [prompt | chosen | rejected] in a row of
-                    its own (the prompt still shared)
+  padded_rows       shipped without segmented attention: rows no longer than the longest pair,
+                    padded, attention over each whole masked row (what the trainer did before)
+  one_pair_per_row  padded_rows without packing: each pair's [prompt | chosen | rejected] in a
+                    row of its own (the prompt still shared)
   flat_rows         one_pair_per_row without the shared prompt (see above)
   two_forwards      flat_rows' chosen and rejected rows in two forwards (each half of the batch
                     cut to its own longest row) instead of one concatenated forward
@@ -49,6 +52,7 @@ import dataclasses
 import gc
 import tempfile
 import time
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -65,6 +69,7 @@ from benchmarks.workload import MODEL_CHOICES, Workload, model_dir, prepare
 
 VARIANTS = (
     "shipped",
+    "padded_rows",
     "one_pair_per_row",
     "flat_rows",
     "two_forwards",
@@ -75,7 +80,9 @@ VARIANTS = (
 )
 #: (technique, variant with it, variant without it, in src?)
 TECHNIQUES = (
-    ("packing several pairs per row", "shipped", "one_pair_per_row", "yes (train.packing)"),
+    ("one row, no padding, attention pair by pair", "shipped", "padded_rows",
+     "yes (CPU SDPA)"),
+    ("packing several pairs per row", "padded_rows", "one_pair_per_row", "yes (train.packing)"),
     ("shared prompt, encoded once per pair", "one_pair_per_row", "flat_rows",
      "yes (train.packing)"),
     ("concatenated chosen/rejected forward", "flat_rows", "two_forwards", "yes"),
@@ -100,6 +107,7 @@ class Bench:
         from direct_alignment.reference import precompute_reference
         from rlhf_core.data import DataSource, EpochSampler
         from rlhf_core.models import ModelConfig, ReferencePolicy, load_policy, load_tokenizer
+        from rlhf_core.packing import SEGMENTED_ROW_TOKENS
         from rlhf_core.registry import build_from_spec
 
         torch.set_num_threads(w.threads)
@@ -122,9 +130,13 @@ class Bench:
         self.batch_index = sorted(range(len(steps)), key=lambda i: (sizes[i], i))[len(steps) // 2]
         self.pairs = [steps[self.batch_index]]
         self.batches = [collate_pairs(p, self.pad_id) for p in self.pairs]
+        # shipped: one row per step and attention segments; the previous layouts without them
         self.packed = {
-            pack: [pack_pairs(p, self.pad_id, pack=pack) for p in self.pairs]
-            for pack in (True, False)
+            "True": [
+                pack_pairs(p, self.pad_id, row_tokens=SEGMENTED_ROW_TOKENS) for p in self.pairs
+            ],
+            "padded": [_whole_rows(pack_pairs(p, self.pad_id)) for p in self.pairs],
+            "False": [_whole_rows(pack_pairs(p, self.pad_id, pack=False)) for p in self.pairs],
         }
         self.tokens = sum(int(b["attention_mask"].sum()) for b in self.batches)
         self.loss_fn = build_from_spec(LOSSES, {"name": "dpo", "beta": w.beta})
@@ -132,13 +144,14 @@ class Bench:
         self.reference = ReferencePolicy(load_policy(cfg), "frozen")
         self.reference_mb = sum(p.numel() * p.element_size() for p in self.policy.parameters())
         self.reference_mb /= 2**20
+        one_row = partial(pack_pairs, row_tokens=SEGMENTED_ROW_TOKENS)
         # Our `precompute_reference` over the batch's pairs (timed: a one-off cost per pair).
         start = time.perf_counter()
         self.ref_cache = []
         for pairs in self.pairs:
             cache = precompute_reference(
                 self.reference, pairs, pad_id=self.pad_id, batch_size=w.batch_size,
-                device=torch.device("cpu"), collate=pack_pairs,
+                device=torch.device("cpu"), collate=one_row,
             )  # fmt: skip
             self.ref_cache.append((cache[:, 0], cache[:, 1]))
         self.precompute_s = time.perf_counter() - start
@@ -210,6 +223,7 @@ class Bench:
         log-probs (chosen then rejected of each batch), to check the variants agree."""
         logps = {
             "shipped": self.shipped_logps, "one_pair_per_row": self.shipped_logps,
+            "padded_rows": self.shipped_logps,
             "flat_rows": self.shipped_logps, "two_forwards": self.two_forward_logps,
             "fixed_padding": self.shipped_logps, "full_log_softmax": self.full_softmax_logps,
             "precomputed_ref": self.shipped_logps, "full_lm_head": self.full_head_logps,
@@ -218,8 +232,10 @@ class Bench:
         for i, batch in enumerate(self.batches):
             if variant == "fixed_padding":
                 batch = self.padded_to_max_length(batch)
-            elif variant in ("shipped", "precomputed_ref", "one_pair_per_row"):
-                batch = self.packed[variant != "one_pair_per_row"][i]
+            elif variant in ("shipped", "precomputed_ref"):
+                batch = self.packed["True"][i]
+            elif variant in ("padded_rows", "one_pair_per_row"):
+                batch = self.packed["padded" if variant == "padded_rows" else "False"][i]
             chosen, rejected = logps(self.policy, batch)
             if variant == "precomputed_ref":
                 ref_c, ref_r = self.ref_cache[i]
@@ -254,6 +270,12 @@ class Bench:
                 opt.step()
                 times[name].append(time.perf_counter() - start)
         return {name: median(t) for name, t in times.items()}
+
+
+def _whole_rows(batch: dict) -> dict:
+    """A packed batch without its attention segments: SDPA over each whole masked row."""
+    batch.pop("segments")
+    return batch
 
 
 def _malloc_trim() -> None:
@@ -299,7 +321,7 @@ def worker(w: Workload, workdir: Path, rounds: int) -> dict[str, Any]:
         "tokens_per_call": bench.tokens,
         "padded_positions": sum(int(b["attention_mask"].numel()) for b in bench.batches),
         "packed_positions": {
-            str(pack): sum(int(b["input_ids"].numel()) for b in batches)
+            pack: sum(int(b["input_ids"].numel()) for b in batches)
             for pack, batches in bench.packed.items()
         },
         "times": times,
@@ -379,7 +401,8 @@ def markdown(result: dict[str, Any]) -> str:
         f"forward, `dpo` loss) on batch {m['batch_index'] + 1} of the DPO workload (the median "
         f"padded size: {m['pairs']} pairs, {m['tokens_per_call']} non-pad tokens in "
         f"{m['padded_positions']} positions as flat rows; packed: "
-        f"{m['packed_positions']['True']} positions, one pair per row "
+        f"{m['packed_positions']['True']} positions, padded rows "
+        f"{m['packed_positions'].get('padded', '-')}, one pair per row "
         f"{m['packed_positions']['False']}), model `{w.model}`, {w.threads} threads. Time: "
         f"median of {result['rounds']} rotating rounds in one process (CPU s: user + kernel time "
         "of all threads). Working memory: the peak "
@@ -440,7 +463,7 @@ def profile(w: Workload, variants: list[str], rows: int) -> None:
     print(
         f"batch {bench.batch_index + 1}: {bench.tokens} non-pad tokens, "
         f"{bench.batches[0]['input_ids'].numel()} positions as flat rows, "
-        f"{bench.packed[True][0]['input_ids'].numel()} packed, {w.threads} thread(s)"
+        f"{bench.packed['True'][0]['input_ids'].numel()} packed, {w.threads} thread(s)"
     )
     for variant in variants:
         bench.run(variant)  # warm-up
