@@ -152,11 +152,16 @@ def collate(examples: list[SFTExample], pad_id: int) -> dict[str, torch.Tensor]:
     return {"input_ids": input_ids, "attention_mask": attention_mask, "loss_mask": loss_mask}
 
 
-def pack(examples: list[SFTExample], pad_id: int) -> dict[str, torch.Tensor]:
+def pack(
+    examples: list[SFTExample], pad_id: int, *, row_tokens: int | None = None
+) -> dict[str, torch.Tensor]:
     """The examples packed several to a row (`rlhf_core.packing.pack_groups`: positions restart
     at every example, attention blocked across examples, rows no longer than the longest
-    example), the targets being the completion tokens: loss_mask (1, N) is all true, aligned
-    with `rlhf_core.packing.batch_logprobs`. Same loss as `collate` (tested)."""
-    batch = pack_groups([(e.prompt_ids, (e.completion_ids,)) for e in examples], pad_id)
+    example, or `row_tokens` for segmented attention), the targets being the completion tokens:
+    loss_mask (1, N) is all true, aligned with `rlhf_core.packing.batch_logprobs`. Same loss as
+    `collate` (tested)."""
+    batch = pack_groups(
+        [(e.prompt_ids, (e.completion_ids,)) for e in examples], pad_id, row_tokens=row_tokens
+    )
     batch["loss_mask"] = torch.ones((1, batch["targets"].shape[0]), dtype=torch.bool)
     return batch

@@ -16,6 +16,7 @@ resumed run reproduces the uninterrupted one exactly on CPU.
 from __future__ import annotations
 
 import sys
+from functools import partial
 
 import torch
 
@@ -36,7 +37,12 @@ from rlhf_core.loop import (
 )
 from rlhf_core.models import load_policy, load_tokenizer
 from rlhf_core.optim import build_optimizer, build_scheduler
-from rlhf_core.packing import batch_logprobs, supports_packing
+from rlhf_core.packing import (
+    SEGMENTED_ROW_TOKENS,
+    batch_logprobs,
+    supports_packing,
+    supports_segmented_attention,
+)
 from rlhf_core.registry import build_from_spec
 from rlhf_core.rundir import managed_run, open_run_dir
 from rlhf_core.runtime import seed_everything
@@ -107,6 +113,8 @@ def train(cfg: SFTConfig, run: RunArgs) -> int:
     # --- the loop
     pad_id = tokenizer.pad_token_id
     batcher = pack if t.packing and supports_packing(model) else collate
+    if batcher is pack and supports_segmented_attention(model):  # CPU SDPA: rows not padded
+        batcher = partial(pack, row_tokens=SEGMENTED_ROW_TOKENS)
     step_loss = torch.zeros(())
     with StopSignal() as stop:
         while step < total_steps:

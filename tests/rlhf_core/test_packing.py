@@ -166,19 +166,22 @@ def test_packed_sft_loss_and_gradients_equal_the_padded_batch():
         for p, c in [(4, 9), (2, 3), (7, 1), (1, 5), (3, 3)]
     ]  # fmt: skip
     results = []
-    for batch in (collate(examples, 0), pack(examples, 0)):
+    one_row = pack(examples, 0, row_tokens=40)  # all 38 tokens, attention example by example
+    assert one_row["input_ids"].shape == (1, 38) and len(one_row["segments"]) == 5
+    for batch in (collate(examples, 0), pack(examples, 0), one_row):
         model.zero_grad(set_to_none=True)
         logps = batch_logprobs(model, batch)
         loss, metrics = CompletionNLLLoss()(logps, batch["loss_mask"], 21.0)
         loss.backward()
         grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
         results.append((loss.detach(), metrics["tokens"], grads))
-    (loss_a, tokens_a, grads_a), (loss_b, tokens_b, grads_b) = results
-    assert int(tokens_a) == int(tokens_b) == 21
+    (loss_a, tokens_a, grads_a), *packed_results = results
     packed = pack(examples, 0)
     assert packed["input_ids"].shape == (3, 13)  # 13 | 5 + 8 | 6 + 6, not 5 rows of 13
-    torch.testing.assert_close(loss_b, loss_a, rtol=0, atol=1e-6)
-    assert grads_a.keys() == grads_b.keys() and grads_a
-    for name, grad in grads_b.items():
-        relative = (grad - grads_a[name]).norm() / grads_a[name].norm()
-        assert relative <= 1e-5, (name, float(relative))
+    for loss_b, tokens_b, grads_b in packed_results:
+        assert int(tokens_a) == int(tokens_b) == 21
+        torch.testing.assert_close(loss_b, loss_a, rtol=0, atol=1e-6)
+        assert grads_a.keys() == grads_b.keys() and grads_a
+        for name, grad in grads_b.items():
+            relative = (grad - grads_a[name]).norm() / grads_a[name].norm()
+            assert relative <= 1e-5, (name, float(relative))
