@@ -39,7 +39,8 @@ class DATrainConfig(LoopConfig):
         True,
         description="run each pair as one packed row segment [prompt | chosen | rejected] with a "
         "4D mask, the prompt encoded once for both completions and short pairs sharing a row "
-        "(rlhf_core.packing; same log-probs). Applies to causal models with SDPA or eager "
+        "(rlhf_core.packing; same log-probs); on CPU with SDPA a step's pairs share rows with no "
+        "padding and attention runs pair by pair. Applies to causal models with SDPA or eager "
         "attention; others (flash-attention 2, T5) run unpacked 2B rows",
     )
 
