@@ -279,9 +279,11 @@ def summarize(prep: dict[str, Any], runs: list[dict[str, Any]]) -> dict[str, Any
             out["arms"][arm][f"ratio_{key}"] = median(
                 [p[arm][key] / p["trl"][key] for p in by_round.values() if arm in p and "trl" in p]
             )
+        # issue 15's targets at real proportions; the tiny model's were 2x and 60%
+        speed, memory = (2.5, 0.50) if prep["model"]["name"] == "real" else (2.0, 0.60)
         out["arms"][arm]["targets_met"] = {
-            "tokens_per_s >= 2x": out["arms"][arm]["ratio_tokens_per_s"] >= 2.0,
-            "peak_rss <= 60%": out["arms"][arm]["ratio_peak_rss_mb"] <= 0.60,
+            f"tokens_per_s >= {speed}x": out["arms"][arm]["ratio_tokens_per_s"] >= speed,
+            f"peak_rss <= {memory:.0%}": out["arms"][arm]["ratio_peak_rss_mb"] <= memory,
         }
     timed_from = runs[0]["steps"] - runs[0]["timed_steps"]
     out["timed_tokens_expected"] = sum(prep["step_tokens"][timed_from:])
