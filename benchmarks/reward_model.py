@@ -187,12 +187,14 @@ def compare(w: Workload, rounds: int, timeout: float = 900) -> dict[str, Any]:
                 for k in ("tokens_per_s", "tokens_per_cpu_s", "peak_rss_mb")
             }
     ratios = arms["ours"]["ratio_over_trl"]
+    target = 2.0 if w.model == "real" else 1.5  # issue 15's at real proportions
     expected = sum(prep["step_tokens"][w.warmup_steps :])
     return {
         "machine": host, "workload": dataclasses.asdict(w), "prepare": prep, "runs": runs,
         "summary": {
             "arms": arms, "ratios_ours_over_trl": ratios,
-            "target_tokens_per_s_1_5x": ratios["tokens_per_s"] >= 1.5,
+            "target_tokens_per_s": target,
+            "target_tokens_per_s_met": ratios["tokens_per_s"] >= target,
             "timed_tokens_match": all(r["timed_tokens"] == expected for r in runs),
             "tokens_identical": all(r.get("tokens_identical_to_ours", True) for r in runs),
             "load_average_range": spread([r["load_average_before"] for r in runs]),
@@ -231,7 +233,8 @@ def markdown(result: dict[str, Any]) -> str:
             f"{r['tokens_per_s']:.2f}x, tokens/CPU-s {r['tokens_per_cpu_s']:.2f}x, peak RSS "
             f"{r['peak_rss_mb']:.2f}x."
         )
-    lines += ["", f"Target >= 1.5x TRL tokens/s (as shipped): {s['target_tokens_per_s_1_5x']}.", ""]
+    lines += ["", f"Target >= {s['target_tokens_per_s']}x TRL tokens/s (as shipped): "
+              f"{'met' if s['target_tokens_per_s_met'] else 'NOT met'}.", ""]  # fmt: skip
     return "\n".join(lines)
 
 
