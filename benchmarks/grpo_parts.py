@@ -46,9 +46,10 @@ def measure(model_name: str, prompts_per_step: int, group_size: int, max_new_tok
 
     from rlhf_core.chat import render_prompt
     from rlhf_core.data import ReasoningGymSource, reasoning_gym_dataset
-    from rlhf_core.generation import decode, row_generators
-    from rlhf_core.logprobs import causal_lm_selected_logprobs, shared_prompt_logprobs
+    from rlhf_core.generation import Sampling, decode, row_generators
+    from rlhf_core.logprobs import causal_lm_selected_logprobs
     from rlhf_core.models import ModelConfig, load_policy, load_tokenizer
+    from rlhf_core.packing import shared_prompt_logprobs
 
     torch.set_num_threads(threads)
     cfg = ModelConfig(name_or_path=str(model_dir(model_name)), dtype="fp32")
@@ -65,7 +66,7 @@ def measure(model_name: str, prompts_per_step: int, group_size: int, max_new_tok
     g = group_size
     seeds = list(range(prompts_per_step * g))
     args = {"max_new_tokens": max_new_tokens, "eos_token_id": tok.eos_token_id,
-            "pad_token_id": tok.pad_token_id, "temperature": 1.0}  # fmt: skip
+            "pad_token_id": tok.pad_token_id, "sampling": Sampling(temperature=1.0)}  # fmt: skip
     model.eval()
 
     def gen_repeated():
