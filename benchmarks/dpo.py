@@ -67,7 +67,17 @@ from benchmarks.measure import (
     spread,
     write_result_file,
 )
-from benchmarks.workload import StepClock, Workload, model_dir, prepare, trl_clock, worker_result
+from benchmarks.workload import (
+    StepClock,
+    Workload,
+    count_trl_tokens,
+    model_dir,
+    prepare,
+    trl_arguments,
+    trl_clock,
+    trl_inputs,
+    worker_result,
+)
 
 # ----------------------------------------------------------------------------- the two workers
 
@@ -141,57 +151,22 @@ def run_trl(w: Workload, workdir: Path) -> dict[str, Any]:
     import torch
 
     torch.set_num_threads(w.threads)
-    from datasets import Dataset
-    from transformers import AutoTokenizer
+    # loaded before the after-imports RSS is read (trl_inputs uses them)
+    from datasets import Dataset  # noqa: F401
+    from transformers import AutoTokenizer  # noqa: F401
     from trl import DPOConfig, DPOTrainer
 
     after_imports = rss_mb()
     clock = StepClock(w.warmup_steps, memory)
-    path = str(model_dir(w.model))
-    tokenizer = AutoTokenizer.from_pretrained(path)
-    rows = [json.loads(x) for x in (workdir / "trl_rows.jsonl").read_text().splitlines()]
-    dataset = Dataset.from_list(rows)
-    out_dir = workdir / f"trl-run-{time.time_ns()}"
-    args = DPOConfig(
-        output_dir=str(out_dir),
-        per_device_train_batch_size=w.batch_size,
-        gradient_accumulation_steps=1,
-        max_steps=w.steps,
-        learning_rate=w.lr,
-        lr_scheduler_type="cosine",
-        warmup_steps=0,
-        weight_decay=0.0,
-        max_grad_norm=1.0,
-        beta=w.beta,
-        loss_type=["sigmoid"],
-        max_length=w.max_length,
-        bf16=False,
-        fp16=False,
-        gradient_checkpointing=False,
-        use_cpu=True,
-        seed=w.seed,
-        train_sampling_strategy="sequential",
-        model_init_kwargs={"dtype": "float32", "attn_implementation": "sdpa"},
-        logging_steps=w.log_every,
-        report_to="none",
-        save_strategy="no",
-        eval_strategy="no",
-        disable_tqdm=True,
-        dataloader_num_workers=0,
-    )
+    path, tokenizer, dataset, out_dir = trl_inputs(w, workdir, "trl_rows.jsonl")
+    args = DPOConfig(**trl_arguments(w, out_dir, beta=w.beta, loss_type=["sigmoid"]))
 
     trainer = DPOTrainer(
         path, ref_model=None, args=args, train_dataset=dataset, processing_class=tokenizer,
         callbacks=[trl_clock(clock)],
     )  # fmt: skip
     identical = _same_tokens(trainer.train_dataset, workdir)
-    original_training_step = trainer.training_step
-
-    def counted_training_step(model, inputs, *rest, **kwargs):
-        clock.count(inputs["attention_mask"])
-        return original_training_step(model, inputs, *rest, **kwargs)
-
-    trainer.training_step = counted_training_step
+    count_trl_tokens(trainer, clock)
     result = trainer.train()
     shutil.rmtree(out_dir, ignore_errors=True)
     return {

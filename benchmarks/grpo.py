@@ -39,7 +39,6 @@ runs alternating fresh processes `ours` / `trl` and writes
 
 from __future__ import annotations
 
-import argparse
 import json
 import shutil
 import sys
@@ -50,7 +49,6 @@ from pathlib import Path
 from typing import Any
 
 from benchmarks.measure import (
-    RESULTS_DIR,
     PeakRSS,
     machine,
     median,
@@ -59,6 +57,7 @@ from benchmarks.measure import (
     spread,
     timestamp,
     write_result_file,
+    write_results,
 )
 from benchmarks.workload import (
     MODEL_CHOICES,
@@ -67,6 +66,7 @@ from benchmarks.workload import (
     count_params,
     model_dir,
     trl_clock,
+    worker_parser,
     worker_result,
 )
 
@@ -340,16 +340,7 @@ def markdown(result: dict[str, Any]) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(
-        prog="python -m benchmarks.grpo",
-        description=__doc__,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-    )
-    parser.add_argument("command", nargs="?", choices=["prepare", *ARMS], help="(worker mode)")
-    parser.add_argument("--workload", default=None, help="(worker) Workload as JSON")
-    parser.add_argument("--workdir", type=Path, default=None, help="(worker) shared directory")
-    parser.add_argument("--result", type=Path, default=None, help="(worker) where to write JSON")
-    parser.add_argument("--rounds", type=int, default=2, help="alternating rounds")
+    parser = worker_parser("python -m benchmarks.grpo", __doc__, ARMS, rounds=2)
     parser.add_argument(
         "--model",
         choices=MODEL_CHOICES,
@@ -371,12 +362,9 @@ def main(argv: list[str] | None = None) -> int:
     print(f"GRPO vs TRL: {w}, {args.rounds} rounds", flush=True)
     result = compare(w, args.rounds)
     text = markdown(result)
-    RESULTS_DIR.mkdir(parents=True, exist_ok=True)
-    stem = RESULTS_DIR / f"{timestamp()}-grpo"
     payload = {"grpo": result, "command": sys.argv}
-    stem.with_suffix(".json").write_text(json.dumps(payload, indent=1) + "\n")
-    stem.with_suffix(".md").write_text(text)
-    print("\n" + text + f"\nwrote {stem}.json and {stem}.md")
+    paths = write_results(f"{timestamp()}-grpo", payload, text, latest=False)
+    print("\n" + text + f"\nwrote {paths[0]} and {paths[1]}")
     return 0
 
 

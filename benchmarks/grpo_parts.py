@@ -23,17 +23,16 @@ high-water mark restarted before each call; it includes the resident model).
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 import time
 from typing import Any
 
 from benchmarks.measure import (
-    RESULTS_DIR,
     median,
     peak_rss_mb,
     reset_peak_rss,
     timestamp,
+    write_results,
 )
 from benchmarks.workload import MODEL_CHOICES, model_dir
 
@@ -174,11 +173,8 @@ def main(argv: list[str] | None = None) -> int:
     result = measure(a.model, a.prompts_per_step, a.group_size, a.max_new_tokens, a.threads,
                      a.repeats)  # fmt: skip
     text = markdown(result)
-    RESULTS_DIR.mkdir(parents=True, exist_ok=True)
-    stem = RESULTS_DIR / f"{timestamp()}-grpo-parts"
-    stem.with_suffix(".json").write_text(json.dumps(result, indent=1) + "\n")
-    stem.with_suffix(".md").write_text(text)
-    print("\n" + text + f"\nwrote {stem}.json and {stem}.md")
+    paths = write_results(f"{timestamp()}-grpo-parts", result, text, latest=False)
+    print("\n" + text + f"\nwrote {paths[0]} and {paths[1]}")
     return 0
 
 
