@@ -53,7 +53,6 @@ import argparse
 import json
 import shutil
 import tempfile
-import time
 from dataclasses import asdict
 from pathlib import Path
 from typing import Any
@@ -70,9 +69,12 @@ from benchmarks.measure import (
 from benchmarks.workload import (
     StepClock,
     Workload,
+    clock_steps,
+    count_batch_tokens,
     count_trl_tokens,
     model_dir,
     prepare,
+    run_our_trainer,
     trl_arguments,
     trl_clock,
     trl_inputs,
@@ -89,11 +91,9 @@ def run_ours(w: Workload, workdir: Path) -> dict[str, Any]:
     import direct_alignment.train as da_train
     from direct_alignment.config import DAConfig, DATrainConfig, PreferenceDataConfig
     from rlhf_core.checkpoint import CheckpointConfig
-    from rlhf_core.config import RunArgs
     from rlhf_core.data import DataSource
     from rlhf_core.models import ModelConfig
     from rlhf_core.optim import OptimConfig
-    from rlhf_core.packing import is_packed, unpacked_tokens
     from rlhf_core.tracking import TrackingConfig
 
     after_imports = rss_mb()
@@ -117,27 +117,15 @@ def run_ours(w: Workload, workdir: Path) -> dict[str, Any]:
         tracking=TrackingConfig(log_every=w.log_every),
     )  # fmt: skip
 
-    original_step, original_logps = da_train.optimizer_step, da_train.pair_logps
+    original_logps = da_train.pair_logps
 
-    def timed_step(*args, **kwargs):
-        out = original_step(*args, **kwargs)
-        clock.step_done()
-        return out
-
-    def counted_logps(model, batch):
-        if is_packed(batch):  # the non-pad tokens of the 2B rows the packed rows stand for
-            clock.tokens.append(unpacked_tokens(batch))
-        else:
-            clock.count(batch["attention_mask"])
+    def counted_logps(model, batch):  # a packed batch counts the 2B rows it stands for
+        count_batch_tokens(clock, batch)
         return original_logps(model, batch)
 
-    da_train.optimizer_step, da_train.pair_logps = timed_step, counted_logps
-    run_dir = workdir / f"ours-run-{time.time_ns()}"
-    code = da_train.train(cfg, RunArgs(config_path=Path("benchmarks/dpo.py"), output_dir=run_dir))
-    if code != 0:
-        raise RuntimeError(f"our trainer exited with {code}")
-    metrics = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    shutil.rmtree(run_dir, ignore_errors=True)
+    clock_steps(da_train, clock)
+    da_train.pair_logps = counted_logps
+    metrics = run_our_trainer(da_train, cfg, workdir, "benchmarks/dpo.py")
     return {
         **worker_result("ours", clock, memory, after_imports),
         "peak_rss_setup_mb": memory.phases.get("setup_and_warmup"),

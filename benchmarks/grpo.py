@@ -39,7 +39,6 @@ runs alternating fresh processes `ours` / `trl` and writes
 
 from __future__ import annotations
 
-import json
 import shutil
 import sys
 import tempfile
@@ -63,8 +62,10 @@ from benchmarks.workload import (
     MODEL_CHOICES,
     JsonDataclass,
     StepClock,
+    clock_steps,
     count_params,
     model_dir,
+    run_our_trainer,
     trl_clock,
     worker_parser,
     worker_result,
@@ -118,7 +119,6 @@ def run_ours(w: Workload, workdir: Path) -> dict[str, Any]:
 
     import policy_gradients.train as pg_train
     from policy_gradients.config import PGConfig
-    from rlhf_core.config import RunArgs
 
     after_imports = rss_mb()
     clock = StepClock(w.warmup_steps, memory)
@@ -144,24 +144,15 @@ def run_ours(w: Workload, workdir: Path) -> dict[str, Any]:
         "checkpoint": {"save_every": 0, "save_final": False},
         "tracking": {"log_every": 1, "plot_every": 10_000},
     })  # fmt: skip
-    original_step, original_logprobs = pg_train.optimizer_step, pg_train.completion_logprobs
-
-    def timed_step(*args, **kwargs):
-        out = original_step(*args, **kwargs)
-        clock.step_done()
-        return out
+    original_logprobs = pg_train.completion_logprobs
 
     def counted_logprobs(model, ids, attention_mask, *args, **kwargs):  # the training forward
         clock.count(attention_mask)
         return original_logprobs(model, ids, attention_mask, *args, **kwargs)
 
-    pg_train.optimizer_step, pg_train.completion_logprobs = timed_step, counted_logprobs
-    run_dir = workdir / f"ours-run-{time.time_ns()}"
-    code = pg_train.train(cfg, RunArgs(Path("benchmarks/grpo.py"), output_dir=run_dir))
-    if code != 0:
-        raise RuntimeError(f"our trainer exited with {code}")
-    metrics = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    shutil.rmtree(run_dir, ignore_errors=True)
+    clock_steps(pg_train, clock)
+    pg_train.completion_logprobs = counted_logprobs
+    metrics = run_our_trainer(pg_train, cfg, workdir, "benchmarks/grpo.py")
     per_step = [m for m in metrics if "train/length/mean" in m]
     timed = per_step[w.warmup_steps :]
     phases = {k: sum(m.get(k, 0.0) for m in timed) / len(timed)

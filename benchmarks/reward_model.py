@@ -32,7 +32,6 @@ import dataclasses
 import json
 import shutil
 import sys
-import time
 from functools import partial
 from pathlib import Path
 from typing import Any
@@ -49,6 +48,7 @@ from benchmarks.workload import (
     StepClock,
     Workload,
     arm_rows,
+    clock_steps,
     count_trl_tokens,
     last_logged_loss,
     model_dir,
@@ -56,6 +56,7 @@ from benchmarks.workload import (
     ratio_line,
     round_ratios,
     run_checks,
+    run_our_trainer,
     run_rounds,
     trl_arguments,
     trl_clock,
@@ -82,7 +83,6 @@ def run_ours(w: Workload, workdir: Path, *, share_prompt: bool = True) -> dict[s
     import reward_models.train as rm_train
     from reward_models.config import RMConfig
     from reward_models.data import batch_tokens
-    from rlhf_core.config import RunArgs
 
     after_imports = rss_mb()
     clock = StepClock(w.warmup_steps, memory)
@@ -98,25 +98,16 @@ def run_ours(w: Workload, workdir: Path, *, share_prompt: bool = True) -> dict[s
         "checkpoint": {"save_every": 0, "save_final": False},
         "tracking": {"log_every": w.log_every},
     })  # fmt: skip
-    original_step, original_loss = rm_train.optimizer_step, rm_train.compute_loss
-
-    def timed_step(*args, **kwargs):
-        out = original_step(*args, **kwargs)
-        clock.step_done()
-        return out
+    original_loss = rm_train.compute_loss
 
     def counted_loss(model, loss_fn, batch):
         # the full rows' non-pad tokens: a shared prompt counts once per completion reading it
         clock.tokens.append(batch_tokens(batch))
         return original_loss(model, loss_fn, batch)
 
-    rm_train.optimizer_step, rm_train.compute_loss = timed_step, counted_loss
-    run_dir = workdir / f"ours-run-{time.time_ns()}"
-    code = rm_train.train(cfg, RunArgs(Path("benchmarks/reward_model.py"), output_dir=run_dir))
-    if code != 0:
-        raise RuntimeError(f"our trainer exited with {code}")
-    metrics = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    shutil.rmtree(run_dir, ignore_errors=True)
+    clock_steps(rm_train, clock)
+    rm_train.compute_loss = counted_loss
+    metrics = run_our_trainer(rm_train, cfg, workdir, "benchmarks/reward_model.py")
     return {
         **worker_result(
             "ours" if share_prompt else "ours-unshared", clock, memory, after_imports

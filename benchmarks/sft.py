@@ -37,7 +37,6 @@ import dataclasses
 import json
 import shutil
 import sys
-import time
 from functools import partial
 from pathlib import Path
 from typing import Any
@@ -55,12 +54,15 @@ from benchmarks.workload import (
     StepClock,
     Workload,
     arm_rows,
+    clock_steps,
+    count_batch_tokens,
     count_trl_tokens,
     last_logged_loss,
     model_dir,
     ratio_line,
     round_ratios,
     run_checks,
+    run_our_trainer,
     run_rounds,
     trl_arguments,
     trl_clock,
@@ -115,7 +117,6 @@ def run_ours(w: Workload, workdir: Path) -> dict[str, Any]:
 
     import instruction_tuning.train as sft_train
     from instruction_tuning.config import SFTConfig
-    from rlhf_core.config import RunArgs
 
     after_imports = rss_mb()
     clock = StepClock(w.warmup_steps, memory)
@@ -132,29 +133,15 @@ def run_ours(w: Workload, workdir: Path) -> dict[str, Any]:
         "checkpoint": {"save_every": 0, "save_final": False},
         "tracking": {"log_every": w.log_every},
     })  # fmt: skip
-    from rlhf_core.packing import is_packed, unpacked_tokens
-
-    original_step, original_logprobs = sft_train.optimizer_step, sft_train.batch_logprobs
-
-    def timed_step(*args, **kwargs):
-        out = original_step(*args, **kwargs)
-        clock.step_done()
-        return out
+    original_logprobs = sft_train.batch_logprobs
 
     def counted_logprobs(model, batch):  # a packed batch counts the rows it stands for
-        if is_packed(batch):
-            clock.tokens.append(unpacked_tokens(batch))
-        else:
-            clock.count(batch["attention_mask"])
+        count_batch_tokens(clock, batch)
         return original_logprobs(model, batch)
 
-    sft_train.optimizer_step, sft_train.batch_logprobs = timed_step, counted_logprobs
-    run_dir = workdir / f"ours-run-{time.time_ns()}"
-    code = sft_train.train(cfg, RunArgs(Path("benchmarks/sft.py"), output_dir=run_dir))
-    if code != 0:
-        raise RuntimeError(f"our trainer exited with {code}")
-    metrics = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    shutil.rmtree(run_dir, ignore_errors=True)
+    clock_steps(sft_train, clock)
+    sft_train.batch_logprobs = counted_logprobs
+    metrics = run_our_trainer(sft_train, cfg, workdir, "benchmarks/sft.py")
     return {
         **worker_result("ours", clock, memory, after_imports),
         "final_logged_loss": next((m["train/loss"] for m in reversed(metrics)

@@ -7,6 +7,8 @@
     prepare        select the HH pairs neither trainer truncates and write both trainers' inputs
     count_params   parameters of a tied-embedding Qwen3 config
     StepClock      optimizer-step end times, CPU times and non-pad tokens of a timed window
+    clock_steps, count_batch_tokens, run_our_trainer
+                   what every arm of ours shares: its step clock, its tokens, its run
     trl_inputs, trl_arguments, trl_clock, count_trl_tokens, last_logged_loss
                    what every TRL arm shares: its inputs, TrainingArguments, step clock, tokens
     worker_parser  the command line every side-by-side benchmark module shares
@@ -328,6 +330,45 @@ def trl_arguments(w: Any, out_dir: Path, **overrides: Any) -> dict[str, Any]:
         "logging_steps": w.log_every, "report_to": "none", "save_strategy": "no",
         "eval_strategy": "no", "disable_tqdm": True, "dataloader_num_workers": 0, **overrides,
     }  # fmt: skip
+
+
+def clock_steps(trainer: Any, clock: StepClock) -> None:
+    """End a `clock` step after every optimizer step of our `trainer` module (its `train.py`:
+    wraps the `optimizer_step` it calls)."""
+    original_step = trainer.optimizer_step
+
+    def timed_step(*args, **kwargs):
+        out = original_step(*args, **kwargs)
+        clock.step_done()
+        return out
+
+    trainer.optimizer_step = timed_step
+
+
+def count_batch_tokens(clock: StepClock, batch: dict[str, Any]) -> None:
+    """Count a batch's non-pad tokens on `clock`; a packed batch counts those of the rows it
+    stands for (a shared prompt once per completion reading it), so packing does not inflate a
+    tokens/s figure."""
+    from rlhf_core.packing import is_packed, unpacked_tokens
+
+    if is_packed(batch):
+        clock.tokens.append(unpacked_tokens(batch))
+    else:
+        clock.count(batch["attention_mask"])
+
+
+def run_our_trainer(trainer: Any, cfg: Any, workdir: Path, config_path: str) -> list[dict]:
+    """Run our `trainer` module's `train(cfg)` into a fresh run dir under `workdir`; returns the
+    metrics it logged (the run dir is removed)."""
+    from rlhf_core.config import RunArgs
+
+    run_dir = workdir / f"ours-run-{time.time_ns()}"
+    code = trainer.train(cfg, RunArgs(Path(config_path), output_dir=run_dir))
+    if code != 0:
+        raise RuntimeError(f"our trainer exited with {code}")
+    metrics = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    shutil.rmtree(run_dir, ignore_errors=True)
+    return metrics
 
 
 def trl_inputs(w: Any, workdir: Path, rows_file: str) -> tuple[str, Any, Any, Path]:
