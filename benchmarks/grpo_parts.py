@@ -30,17 +30,16 @@ make it faster.
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 import time
 from typing import Any
 
 from benchmarks.measure import (
-    RESULTS_DIR,
     median,
     peak_rss_mb,
     reset_peak_rss,
     timestamp,
+    write_results,
 )
 from benchmarks.workload import MODEL_CHOICES, model_dir
 
@@ -53,9 +52,10 @@ def measure(model_name: str, prompts_per_step: int, group_size: int, max_new_tok
 
     from rlhf_core.chat import render_prompt
     from rlhf_core.data import ReasoningGymSource, reasoning_gym_dataset
-    from rlhf_core.generation import decode, row_generators
-    from rlhf_core.logprobs import causal_lm_selected_logprobs, shared_prompt_logprobs
+    from rlhf_core.generation import Sampling, decode, row_generators
+    from rlhf_core.logprobs import causal_lm_selected_logprobs
     from rlhf_core.models import ModelConfig, load_policy, load_tokenizer
+    from rlhf_core.packing import shared_prompt_logprobs
 
     torch.set_num_threads(threads)
     cfg = ModelConfig(name_or_path=str(model_dir(model_name)), dtype="fp32")
@@ -72,7 +72,7 @@ def measure(model_name: str, prompts_per_step: int, group_size: int, max_new_tok
     g = group_size
     seeds = list(range(prompts_per_step * g))
     args = {"max_new_tokens": max_new_tokens, "eos_token_id": tok.eos_token_id,
-            "pad_token_id": tok.pad_token_id, "temperature": 1.0}  # fmt: skip
+            "pad_token_id": tok.pad_token_id, "sampling": Sampling(temperature=1.0)}  # fmt: skip
     model.eval()
 
     def gen_repeated():
@@ -233,11 +233,8 @@ def main(argv: list[str] | None = None) -> int:
     result = measure(a.model, a.prompts_per_step, a.group_size, a.max_new_tokens, a.threads,
                      a.repeats)  # fmt: skip
     text = markdown(result)
-    RESULTS_DIR.mkdir(parents=True, exist_ok=True)
-    stem = RESULTS_DIR / f"{timestamp()}-grpo-parts"
-    stem.with_suffix(".json").write_text(json.dumps(result, indent=1) + "\n")
-    stem.with_suffix(".md").write_text(text)
-    print("\n" + text + f"\nwrote {stem}.json and {stem}.md")
+    paths = write_results(f"{timestamp()}-grpo-parts", result, text, latest=False)
+    print("\n" + text + f"\nwrote {paths[0]} and {paths[1]}")
     return 0
 
 
