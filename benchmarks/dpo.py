@@ -53,7 +53,6 @@ import argparse
 import json
 import shutil
 import tempfile
-import time
 from dataclasses import asdict
 from pathlib import Path
 from typing import Any
@@ -67,7 +66,20 @@ from benchmarks.measure import (
     spread,
     write_result_file,
 )
-from benchmarks.workload import StepClock, Workload, model_dir, prepare, trl_clock, worker_result
+from benchmarks.workload import (
+    StepClock,
+    Workload,
+    clock_steps,
+    count_batch_tokens,
+    count_trl_tokens,
+    model_dir,
+    prepare,
+    run_our_trainer,
+    trl_arguments,
+    trl_clock,
+    trl_inputs,
+    worker_result,
+)
 
 # ----------------------------------------------------------------------------- the two workers
 
@@ -79,11 +91,9 @@ def run_ours(w: Workload, workdir: Path) -> dict[str, Any]:
     import direct_alignment.train as da_train
     from direct_alignment.config import DAConfig, DATrainConfig, PreferenceDataConfig
     from rlhf_core.checkpoint import CheckpointConfig
-    from rlhf_core.config import RunArgs
     from rlhf_core.data import DataSource
     from rlhf_core.models import ModelConfig
     from rlhf_core.optim import OptimConfig
-    from rlhf_core.packing import is_packed, unpacked_tokens
     from rlhf_core.tracking import TrackingConfig
 
     after_imports = rss_mb()
@@ -107,27 +117,15 @@ def run_ours(w: Workload, workdir: Path) -> dict[str, Any]:
         tracking=TrackingConfig(log_every=w.log_every),
     )  # fmt: skip
 
-    original_step, original_logps = da_train.optimizer_step, da_train.pair_logps
+    original_logps = da_train.pair_logps
 
-    def timed_step(*args, **kwargs):
-        out = original_step(*args, **kwargs)
-        clock.step_done()
-        return out
-
-    def counted_logps(model, batch):
-        if is_packed(batch):  # the non-pad tokens of the 2B rows the packed rows stand for
-            clock.tokens.append(unpacked_tokens(batch))
-        else:
-            clock.count(batch["attention_mask"])
+    def counted_logps(model, batch):  # a packed batch counts the 2B rows it stands for
+        count_batch_tokens(clock, batch)
         return original_logps(model, batch)
 
-    da_train.optimizer_step, da_train.pair_logps = timed_step, counted_logps
-    run_dir = workdir / f"ours-run-{time.time_ns()}"
-    code = da_train.train(cfg, RunArgs(config_path=Path("benchmarks/dpo.py"), output_dir=run_dir))
-    if code != 0:
-        raise RuntimeError(f"our trainer exited with {code}")
-    metrics = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    shutil.rmtree(run_dir, ignore_errors=True)
+    clock_steps(da_train, clock)
+    da_train.pair_logps = counted_logps
+    metrics = run_our_trainer(da_train, cfg, workdir, "benchmarks/dpo.py")
     return {
         **worker_result("ours", clock, memory, after_imports),
         "peak_rss_setup_mb": memory.phases.get("setup_and_warmup"),
@@ -141,57 +139,22 @@ def run_trl(w: Workload, workdir: Path) -> dict[str, Any]:
     import torch
 
     torch.set_num_threads(w.threads)
-    from datasets import Dataset
-    from transformers import AutoTokenizer
+    # loaded before the after-imports RSS is read (trl_inputs uses them)
+    from datasets import Dataset  # noqa: F401
+    from transformers import AutoTokenizer  # noqa: F401
     from trl import DPOConfig, DPOTrainer
 
     after_imports = rss_mb()
     clock = StepClock(w.warmup_steps, memory)
-    path = str(model_dir(w.model))
-    tokenizer = AutoTokenizer.from_pretrained(path)
-    rows = [json.loads(x) for x in (workdir / "trl_rows.jsonl").read_text().splitlines()]
-    dataset = Dataset.from_list(rows)
-    out_dir = workdir / f"trl-run-{time.time_ns()}"
-    args = DPOConfig(
-        output_dir=str(out_dir),
-        per_device_train_batch_size=w.batch_size,
-        gradient_accumulation_steps=1,
-        max_steps=w.steps,
-        learning_rate=w.lr,
-        lr_scheduler_type="cosine",
-        warmup_steps=0,
-        weight_decay=0.0,
-        max_grad_norm=1.0,
-        beta=w.beta,
-        loss_type=["sigmoid"],
-        max_length=w.max_length,
-        bf16=False,
-        fp16=False,
-        gradient_checkpointing=False,
-        use_cpu=True,
-        seed=w.seed,
-        train_sampling_strategy="sequential",
-        model_init_kwargs={"dtype": "float32", "attn_implementation": "sdpa"},
-        logging_steps=w.log_every,
-        report_to="none",
-        save_strategy="no",
-        eval_strategy="no",
-        disable_tqdm=True,
-        dataloader_num_workers=0,
-    )
+    path, tokenizer, dataset, out_dir = trl_inputs(w, workdir, "trl_rows.jsonl")
+    args = DPOConfig(**trl_arguments(w, out_dir, beta=w.beta, loss_type=["sigmoid"]))
 
     trainer = DPOTrainer(
         path, ref_model=None, args=args, train_dataset=dataset, processing_class=tokenizer,
         callbacks=[trl_clock(clock)],
     )  # fmt: skip
     identical = _same_tokens(trainer.train_dataset, workdir)
-    original_training_step = trainer.training_step
-
-    def counted_training_step(model, inputs, *rest, **kwargs):
-        clock.count(inputs["attention_mask"])
-        return original_training_step(model, inputs, *rest, **kwargs)
-
-    trainer.training_step = counted_training_step
+    count_trl_tokens(trainer, clock)
     result = trainer.train()
     shutil.rmtree(out_dir, ignore_errors=True)
     return {

@@ -1,7 +1,8 @@
 """Per-process peak memory of full fine-tuning: one process vs 2-process FSDP2 (CPU, gloo).
 
-    uv run python benchmarks/fsdp2_memory.py                       # 267M: ~10 min, ~9 GB RAM
-    uv run python benchmarks/fsdp2_memory.py --model 505m --malloc release   # ~15 min, ~11 GB
+    uv run python benchmarks/fsdp2_memory.py                  # 267M: ~15 min, ~9 GB RAM
+    uv run python benchmarks/fsdp2_memory.py --model 505m     # ~25 min, ~11 GB
+    uv run python benchmarks/fsdp2_memory.py --model 505m --malloc shipped   # ~8 min
 
 A transformers Qwen3 (random weights: memory does not depend on the values; untied 32k vocabulary)
 of 267M parameters (hidden 1024, 16 layers) or 505M (Qwen3-0.6B's body: hidden 1024, 28 layers,
@@ -24,12 +25,15 @@ falls towards 1/2 as the model grows: (b + S/2 + t) / (b + S) for state S.
 
 The CPU allocator: glibc raises its mmap threshold (up to 32 MiB) the first time a large block is
 freed, after which the transient gathers and unsharded gradients of every step come from the heap
-and fragment it; RSS then keeps hundreds of MiB nobody uses. `--malloc release` runs both arms with
-MALLOC_MMAP_THRESHOLD_=131072 (glibc's initial threshold, held fixed), so freed blocks go back to
-the system and the peak is what training needs; it is not the trainers' default because it made a
-CPU training step ~25% slower (95M model, 1 thread: 44.2 vs 35.4 s/step; the page faults of fresh
-mmaps). `--malloc default` measures what a run gets as shipped. GPU memory does not have this
-issue (CUDA's caching allocator).
+and fragment it; RSS then keeps hundreds of MiB nobody uses. So the fsdp2 engine on CPU holds the
+threshold at 128 KiB (`train.fsdp.cpu_mmap_threshold_mib`, glibc's initial value; see
+`rlhf_core.distributed.fix_cpu_mmap_threshold`). `--malloc` picks what each arm runs with:
+`shipped` = as the trainers run (one process: glibc's default; FSDP2: the engine's 128 KiB),
+`default` = glibc's self-raising threshold in both arms (the engine's setting off), `release` =
+128 KiB in both (MALLOC_MMAP_THRESHOLD_=131072), the like-for-like comparison. The held threshold
+costs CPU step time (a page fault per fresh mapping); the seconds per step are printed but are
+only as good as the machine's quiet. GPU memory does not have this issue (CUDA's caching
+allocator).
 
 Not measured here: GPU activations (they scale with micro-batch x sequence length, and gradient
 checkpointing cuts them to about one layer's) and the CUDA context; the table leaves a reserve.
@@ -45,6 +49,7 @@ import os
 import subprocess
 import sys
 import tempfile
+import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -58,16 +63,22 @@ MODELS = {
              "num_attention_heads": 16, "num_key_value_heads": 8, "head_dim": 128,
              "vocab_size": 32000, "tie_word_embeddings": False},
 }  # fmt: skip
-MALLOC = {"default": {}, "release": {"MALLOC_MMAP_THRESHOLD_": "131072"}}
+# allocator settings: (environment of both arms, whether the fsdp2 arm keeps the engine's own
+# mmap threshold (train.fsdp.cpu_mmap_threshold_mib) or turns it off)
+MALLOC = {
+    "shipped": ({}, True),  # as the trainers run: single as glibc starts, fsdp2 fixes 128 KiB
+    "default": ({}, False),  # glibc's self-raising threshold in both arms
+    "release": ({"MALLOC_MMAP_THRESHOLD_": "131072"}, False),  # 128 KiB fixed in both arms
+}
 GLOBAL_BATCH, SEQ, STEPS = 4, 64, 3
 KINDS = ("params", "grads", "optim")
 
 
-def worker(out: Path, engine_name: str, model_name: str) -> None:
+def worker(out: Path, engine_name: str, model_name: str, engine_mmap: bool) -> None:
     import torch
     from transformers import Qwen3Config, Qwen3ForCausalLM
 
-    from rlhf_core.distributed import Engine
+    from rlhf_core.distributed import Engine, FSDPConfig
     from rlhf_core.logprobs import causal_lm_selected_logprobs
     from rlhf_core.loop import clip_grad_norm, start_accelerator
     from rlhf_core.optim import OptimConfig, build_optimizer
@@ -76,7 +87,8 @@ def worker(out: Path, engine_name: str, model_name: str) -> None:
         threads, device = None, "cpu"
 
     accelerator, _ = start_accelerator(Loop)
-    engine = Engine(accelerator, engine_name)
+    fsdp = FSDPConfig() if engine_mmap else FSDPConfig(cpu_mmap_threshold_mib=None)
+    engine = Engine(accelerator, engine_name, fsdp)
     torch.manual_seed(0)
     spec = MODELS[model_name]
     model = Qwen3ForCausalLM(Qwen3Config(**spec)).train()
@@ -88,8 +100,9 @@ def worker(out: Path, engine_name: str, model_name: str) -> None:
     mask = torch.ones_like(ids)
     target = torch.zeros(ids.shape[0], SEQ - 1, dtype=torch.bool)
     target[:, SEQ // 2 :] = True
-    losses = []
+    losses, seconds = [], []
     for _ in range(STEPS):
+        start = time.perf_counter()
         logps = causal_lm_selected_logprobs(model, ids, mask, target)
         loss = -logps.sum() / (target.sum() * engine.world) * engine.world
         accelerator.backward(loss)
@@ -98,6 +111,7 @@ def worker(out: Path, engine_name: str, model_name: str) -> None:
         facts = engine.describe([model], [optimizer])  # grads still allocated: the peak state
         optimizer.zero_grad(set_to_none=True)
         losses.append(float(accelerator.reduce(loss.detach(), reduction="sum")) / engine.world)
+        seconds.append(time.perf_counter() - start)
     peaks = [peak_rss_mb()]
     if engine.world > 1:
         from accelerate.utils import gather_object
@@ -106,17 +120,18 @@ def worker(out: Path, engine_name: str, model_name: str) -> None:
     if accelerator.is_main_process:
         out.write_text(json.dumps({"engine": engine.name, "processes": engine.world,
                                    "params": n_params, "peak_rss_mb_per_rank": peaks,
-                                   "losses": losses, **facts}))  # fmt: skip
+                                   "losses": losses, "step_seconds": seconds,
+                                   **facts}))  # fmt: skip
 
 
 def run(engine: str, nproc: int, tmp: Path, model: str, malloc: str) -> dict:
     out = tmp / f"{engine}.json"
     env = {**os.environ, "OMP_NUM_THREADS": str(max(1, (os.cpu_count() or 2) // nproc))}
     env.pop("MALLOC_MMAP_THRESHOLD_", None)
-    env.update(MALLOC[malloc])
+    env.update(MALLOC[malloc][0])
     env["PYTHONPATH"] = str(Path(__file__).resolve().parents[1] / "src")
     cmd = [sys.executable, __file__, "--worker", "--engine", engine, "--out", str(out),
-           "--model", model]  # fmt: skip
+           "--model", model, *(["--engine-mmap"] if MALLOC[malloc][1] else [])]  # fmt: skip
     if nproc > 1:
         cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc),
                "--master_addr", "127.0.0.1", "--master_port", "29533", *cmd[1:]]  # fmt: skip
@@ -160,6 +175,11 @@ def fits_table(gpu_gib: tuple[int, ...] = (24, 48, 80), reserve_gib: float = 6.0
     return "\n".join(rows)
 
 
+def later_steps(run_: dict) -> float:
+    """Mean seconds of the steps after the first (which also allocates the AdamW moments)."""
+    return sum(run_["step_seconds"][1:]) / (len(run_["step_seconds"]) - 1)
+
+
 def describe(one: dict, two: dict, malloc: str) -> list[str]:
     mib = 1 << 20
     lines = [f"\n### allocator: {malloc}\n"]
@@ -190,16 +210,19 @@ def main() -> None:
     ap.add_argument("--engine", default="single")
     ap.add_argument("--out", type=Path)
     ap.add_argument("--model", choices=list(MODELS), default="267m")
+    ap.add_argument("--engine-mmap", action="store_true")
     ap.add_argument(
         "--malloc",
         choices=list(MALLOC),
         nargs="+",
         default=list(MALLOC),
-        help="allocator settings to measure (each: one process, then FSDP2 x2)",
+        help="allocator settings to measure (each: one process, then FSDP2 x2): shipped = as "
+        "the trainers run (fsdp2 on CPU fixes glibc's mmap threshold at 128 KiB, single keeps "
+        "glibc's default); default / release = glibc's default / 128 KiB in both arms",
     )
     args = ap.parse_args()
     if args.worker:
-        worker(args.out, args.engine, args.model)
+        worker(args.out, args.engine, args.model, args.engine_mmap)
         return
     results: dict[str, dict] = {}
     mib = 1 << 20
@@ -215,13 +238,14 @@ def main() -> None:
     head = [
         f"model: Qwen3 {args.model}, {n / 1e6:.0f}M parameters ({n * 4 / mib:.0f} MiB fp32), "
         f"global batch {GLOBAL_BATCH} x {SEQ} tokens, {STEPS} AdamW steps, CPU\n",
-        "| allocator | one process | FSDP2 x2 (max rank) | ratio |",
-        "| --- | ---: | ---: | ---: |",
+        "| allocator | one process | FSDP2 x2 (max rank) | ratio | s/step one / FSDP2 x2 |",
+        "| --- | ---: | ---: | ---: | ---: |",
     ]
     for malloc, r in results.items():
         head.append(f"| {malloc} | {r['single']['peak_rss_mb_per_rank'][0]:.0f} MiB | "
                     f"{max(r['fsdp2']['peak_rss_mb_per_rank']):.0f} MiB | "
-                    f"**{r['peak_ratio']:.2f}** |")  # fmt: skip
+                    f"**{r['peak_ratio']:.2f}** | {later_steps(r['single']):.1f} / "
+                    f"{later_steps(r['fsdp2']):.1f} |")  # fmt: skip
     lines = head + lines
     lines.append("\nWhat fits (weights + gradients + AdamW; 6 GiB kept for activations/CUDA):\n")
     lines.append(fits_table())

@@ -36,7 +36,7 @@ def run(repeats: int, max_new_tokens: int, threads: int) -> dict[str, Any]:
     torch.set_num_threads(threads)
     from rlhf_core.chat import render_prompt
     from rlhf_core.data import ReasoningGymSource, reasoning_gym_dataset
-    from rlhf_core.generation import decode
+    from rlhf_core.generation import Sampling, decode
     from rlhf_core.models import ModelConfig, load_policy, load_tokenizer
     from rlhf_core.tiny import preset_dir
 
@@ -54,7 +54,8 @@ def run(repeats: int, max_new_tokens: int, threads: int) -> dict[str, Any]:
     special = {"eos_token_id": tokenizer.eos_token_id, "pad_token_id": tokenizer.pad_token_id}
 
     def ours(temperature: float) -> torch.Tensor:
-        return decode(model, ids, mask, max_new_tokens=max_new_tokens, temperature=temperature,
+        return decode(model, ids, mask, max_new_tokens=max_new_tokens,
+                      sampling=Sampling(temperature=temperature),
                       **special)  # fmt: skip
 
     def theirs(temperature: float) -> torch.Tensor:

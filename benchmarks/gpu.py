@@ -207,7 +207,7 @@ def bench_grpo(s: Settings, device, dtype) -> dict[str, Any]:
     from policy_gradients.experience import Experience
     from policy_gradients.losses import LOSSES
     from policy_gradients.rollout import completion_logprobs
-    from rlhf_core.generation import decode
+    from rlhf_core.generation import Sampling, decode
     from rlhf_core.optim import OptimConfig, build_optimizer
 
     model, _ = build_model(s, device, dtype)
@@ -225,7 +225,7 @@ def bench_grpo(s: Settings, device, dtype) -> dict[str, Any]:
         t0 = time.perf_counter()
         model.eval()
         seqs = decode(model, ids, mask, max_new_tokens=s.grpo_new_tokens, eos_token_id=eos,
-                      pad_token_id=0, temperature=1.0)  # fmt: skip
+                      pad_token_id=0, sampling=Sampling(temperature=1.0))  # fmt: skip
         model.train()
         sync(device)
         t1 = time.perf_counter()

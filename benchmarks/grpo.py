@@ -39,8 +39,6 @@ runs alternating fresh processes `ours` / `trl` and writes
 
 from __future__ import annotations
 
-import argparse
-import json
 import shutil
 import sys
 import tempfile
@@ -50,7 +48,6 @@ from pathlib import Path
 from typing import Any
 
 from benchmarks.measure import (
-    RESULTS_DIR,
     PeakRSS,
     machine,
     median,
@@ -59,14 +56,18 @@ from benchmarks.measure import (
     spread,
     timestamp,
     write_result_file,
+    write_results,
 )
 from benchmarks.workload import (
     MODEL_CHOICES,
     JsonDataclass,
     StepClock,
+    clock_steps,
     count_params,
     model_dir,
+    run_our_trainer,
     trl_clock,
+    worker_parser,
     worker_result,
 )
 
@@ -118,7 +119,6 @@ def run_ours(w: Workload, workdir: Path) -> dict[str, Any]:
 
     import policy_gradients.train as pg_train
     from policy_gradients.config import PGConfig
-    from rlhf_core.config import RunArgs
 
     after_imports = rss_mb()
     clock = StepClock(w.warmup_steps, memory)
@@ -144,24 +144,15 @@ def run_ours(w: Workload, workdir: Path) -> dict[str, Any]:
         "checkpoint": {"save_every": 0, "save_final": False},
         "tracking": {"log_every": 1, "plot_every": 10_000},
     })  # fmt: skip
-    original_step, original_logprobs = pg_train.optimizer_step, pg_train.completion_logprobs
-
-    def timed_step(*args, **kwargs):
-        out = original_step(*args, **kwargs)
-        clock.step_done()
-        return out
+    original_logprobs = pg_train.completion_logprobs
 
     def counted_logprobs(model, ids, attention_mask, *args, **kwargs):  # the training forward
         clock.count(attention_mask)
         return original_logprobs(model, ids, attention_mask, *args, **kwargs)
 
-    pg_train.optimizer_step, pg_train.completion_logprobs = timed_step, counted_logprobs
-    run_dir = workdir / f"ours-run-{time.time_ns()}"
-    code = pg_train.train(cfg, RunArgs(Path("benchmarks/grpo.py"), output_dir=run_dir))
-    if code != 0:
-        raise RuntimeError(f"our trainer exited with {code}")
-    metrics = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    shutil.rmtree(run_dir, ignore_errors=True)
+    clock_steps(pg_train, clock)
+    pg_train.completion_logprobs = counted_logprobs
+    metrics = run_our_trainer(pg_train, cfg, workdir, "benchmarks/grpo.py")
     per_step = [m for m in metrics if "train/length/mean" in m]
     timed = per_step[w.warmup_steps :]
     phases = {k: sum(m.get(k, 0.0) for m in timed) / len(timed)
@@ -340,16 +331,7 @@ def markdown(result: dict[str, Any]) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(
-        prog="python -m benchmarks.grpo",
-        description=__doc__,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-    )
-    parser.add_argument("command", nargs="?", choices=["prepare", *ARMS], help="(worker mode)")
-    parser.add_argument("--workload", default=None, help="(worker) Workload as JSON")
-    parser.add_argument("--workdir", type=Path, default=None, help="(worker) shared directory")
-    parser.add_argument("--result", type=Path, default=None, help="(worker) where to write JSON")
-    parser.add_argument("--rounds", type=int, default=2, help="alternating rounds")
+    parser = worker_parser("python -m benchmarks.grpo", __doc__, ARMS, rounds=2)
     parser.add_argument(
         "--model",
         choices=MODEL_CHOICES,
@@ -371,12 +353,9 @@ def main(argv: list[str] | None = None) -> int:
     print(f"GRPO vs TRL: {w}, {args.rounds} rounds", flush=True)
     result = compare(w, args.rounds)
     text = markdown(result)
-    RESULTS_DIR.mkdir(parents=True, exist_ok=True)
-    stem = RESULTS_DIR / f"{timestamp()}-grpo"
     payload = {"grpo": result, "command": sys.argv}
-    stem.with_suffix(".json").write_text(json.dumps(payload, indent=1) + "\n")
-    stem.with_suffix(".md").write_text(text)
-    print("\n" + text + f"\nwrote {stem}.json and {stem}.md")
+    paths = write_results(f"{timestamp()}-grpo", payload, text, latest=False)
+    print("\n" + text + f"\nwrote {paths[0]} and {paths[1]}")
     return 0
 
 

@@ -15,7 +15,14 @@ and without its technique, alternating the variants in one process:
                          test_logprobs.py)
 
 Reported: median seconds per call and the peak RSS during the calls of each variant (the
-high-water mark restarted before each call; it includes the resident model).
+high-water mark restarted before each call; it includes the resident model). For the two training
+variants also where the time goes: the FLOPs of the call (matmuls of the decoder's linear layers
+over every position the variant computes, padding included, the LM head over completion tokens,
+attention scores and values; forward + backward = 3 x forward), the process CPU-seconds of the
+call (all threads; robust to other work on the machine, unlike wall time), and the share of this
+machine's matmul rate those FLOPs reach (GFLOP per CPU-second of one fp32 matmul of the same
+width, measured in the same process). A variant near 100% is compute-bound: only fewer FLOPs
+make it faster.
 
     uv run --group bench python -m benchmarks.grpo_parts --model real --threads 2 --repeats 2
 """
@@ -23,17 +30,16 @@ high-water mark restarted before each call; it includes the resident model).
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 import time
 from typing import Any
 
 from benchmarks.measure import (
-    RESULTS_DIR,
     median,
     peak_rss_mb,
     reset_peak_rss,
     timestamp,
+    write_results,
 )
 from benchmarks.workload import MODEL_CHOICES, model_dir
 
@@ -46,9 +52,10 @@ def measure(model_name: str, prompts_per_step: int, group_size: int, max_new_tok
 
     from rlhf_core.chat import render_prompt
     from rlhf_core.data import ReasoningGymSource, reasoning_gym_dataset
-    from rlhf_core.generation import decode, row_generators
-    from rlhf_core.logprobs import causal_lm_selected_logprobs, shared_prompt_logprobs
+    from rlhf_core.generation import Sampling, decode, row_generators
+    from rlhf_core.logprobs import causal_lm_selected_logprobs
     from rlhf_core.models import ModelConfig, load_policy, load_tokenizer
+    from rlhf_core.packing import shared_prompt_logprobs
 
     torch.set_num_threads(threads)
     cfg = ModelConfig(name_or_path=str(model_dir(model_name)), dtype="fp32")
@@ -65,7 +72,7 @@ def measure(model_name: str, prompts_per_step: int, group_size: int, max_new_tok
     g = group_size
     seeds = list(range(prompts_per_step * g))
     args = {"max_new_tokens": max_new_tokens, "eos_token_id": tok.eos_token_id,
-            "pad_token_id": tok.pad_token_id, "temperature": 1.0}  # fmt: skip
+            "pad_token_id": tok.pad_token_id, "sampling": Sampling(temperature=1.0)}  # fmt: skip
     model.eval()
 
     def gen_repeated():
@@ -98,11 +105,21 @@ def measure(model_name: str, prompts_per_step: int, group_size: int, max_new_tok
         lp, h = shared_prompt_logprobs(model, p_ids, p_mask, c_ids, c_mask, with_entropy=True)
         (lp.sum() + 0.01 * h.sum()).backward()
 
+    flops = {
+        "flat": train_flops(model, rows=ids.shape[0], queries=ids.shape[1],
+                            keys=ids.shape[1], head_tokens=int(c_mask.sum())),
+        "shared": train_flops(model, rows=len({tuple(r) for r in enc["input_ids"].tolist()}),
+                              queries=p, keys=p, head_tokens=int(c_mask.sum()))
+        + train_flops(model, rows=c_ids.shape[0], queries=c_ids.shape[1],
+                      keys=p + c_ids.shape[1], head_tokens=0),
+    }  # fmt: skip
+    matmul_rate = matmul_gflop_per_cpu_s(model.config.hidden_size)
     variants = {
         ("generate", "repeated"): gen_repeated, ("generate", "shared"): gen_shared,
         ("train", "flat"): train_flat, ("train", "shared"): train_shared,
     }  # fmt: skip
     times: dict[tuple[str, str], list[float]] = {k: [] for k in variants}
+    cpu: dict[tuple[str, str], list[float]] = {k: [] for k in variants}
     peaks: dict[tuple[str, str], float] = dict.fromkeys(variants, 0.0)
     for r in range(repeats):
         for part in ("generate", "train"):
@@ -111,13 +128,14 @@ def measure(model_name: str, prompts_per_step: int, group_size: int, max_new_tok
                 fn = variants[(part, name)]
                 model.train(part == "train")
                 reset_peak_rss()
-                start = time.perf_counter()
+                start, start_cpu = time.perf_counter(), time.process_time()
                 if part == "generate":
                     with torch.no_grad():
                         fn()
                 else:
                     fn()
                 times[(part, name)].append(time.perf_counter() - start)
+                cpu[(part, name)].append(time.process_time() - start_cpu)
                 peaks[(part, name)] = max(peaks[(part, name)], peak_rss_mb())
                 print(f"  {part:8s} {name:8s} {times[(part, name)][-1]:.2f} s", flush=True)
     return {
@@ -125,12 +143,46 @@ def measure(model_name: str, prompts_per_step: int, group_size: int, max_new_tok
         "max_new_tokens": max_new_tokens, "threads": threads, "repeats": repeats,
         "prompt_tokens_nonpad": int(enc["attention_mask"].sum()), "prompt_width": p,
         "completion_tokens": int(c_mask.sum()), "load_average": os.getloadavg(),
+        "matmul_gflop_per_cpu_s": matmul_rate,
         "parts": [
             {"part": k[0], "variant": k[1], "s_median": median(v), "s": v,
-             "peak_rss_mb": peaks[k]}
+             "cpu_s_median": median(cpu[k]), "peak_rss_mb": peaks[k],
+             **({"gflop": flops[k[1]] / 1e9} if k[0] == "train" else {})}
             for k, v in times.items()
         ],
     }  # fmt: skip
+
+
+def train_flops(model: Any, *, rows: int, queries: int, keys: int, head_tokens: int) -> float:
+    """Forward + backward FLOPs (3 x forward) of `rows` rows of `queries` positions attending to
+    `keys` positions each: 2 per weight of the decoder's linear layers per position, the LM head
+    per `head_tokens`, and attention's scores and weighted values (2 x 2 x q x k x width per
+    layer and row)."""
+    import torch
+
+    head = model.get_output_embeddings()
+    linear = sum(m.weight.numel() for m in model.modules()
+                 if isinstance(m, torch.nn.Linear) and m is not head)  # fmt: skip
+    c = model.config
+    width = c.num_attention_heads * getattr(c, "head_dim", c.hidden_size // c.num_attention_heads)
+    forward = (2 * linear * rows * queries + 2 * head.weight.numel() * head_tokens
+               + c.num_hidden_layers * rows * 4 * queries * keys * width)  # fmt: skip
+    return 3.0 * forward
+
+
+def matmul_gflop_per_cpu_s(hidden: int, positions: int = 2048, repeats: int = 5) -> float:
+    """This machine's fp32 matmul rate per CPU-second (all threads) at the model's width: the
+    best of `repeats` products (positions x hidden) @ (hidden x 3 hidden)."""
+    import torch
+
+    a, b = torch.randn(positions, hidden), torch.randn(hidden, 3 * hidden)
+    best = float("inf")
+    for _ in range(repeats):
+        start = time.process_time()
+        for _ in range(10):
+            a @ b
+        best = min(best, (time.process_time() - start) / 10)
+    return 2 * positions * hidden * 3 * hidden / best / 1e9
 
 
 def markdown(result: dict[str, Any]) -> str:
@@ -143,13 +195,21 @@ def markdown(result: dict[str, Any]) -> str:
         f"prompts (width {r['prompt_width']}); {r['completion_tokens']} completion tokens; "
         f"load average {', '.join(f'{x:.1f}' for x in r['load_average'])}.",
         "",
-        "| part | variant | s (median) | peak RSS MiB |",
-        "| --- | --- | ---: | ---: |",
+        "| part | variant | s (median) | CPU-s (median) | peak RSS MiB | GFLOP | GFLOP per "
+        "CPU-s | of the matmul rate |",
+        "| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: |",
     ]
     by = {(p["part"], p["variant"]): p for p in r["parts"]}
+    rate = r["matmul_gflop_per_cpu_s"]
     for p in r["parts"]:
+        cells = ["", "", ""]
+        if "gflop" in p:
+            achieved = p["gflop"] / p["cpu_s_median"]
+            cells = [f"{p['gflop']:.0f}", f"{achieved:.1f}", f"{achieved / rate:.0%}"]
         lines.append(f"| {p['part']} | {p['variant']} | {p['s_median']:.2f} | "
-                     f"{p['peak_rss_mb']:.0f} |")  # fmt: skip
+                     f"{p['cpu_s_median']:.2f} | {p['peak_rss_mb']:.0f} | "
+                     + " | ".join(cells) + " |")  # fmt: skip
+    lines += ["", f"One fp32 matmul at the model's width: {rate:.1f} GFLOP per CPU-second."]
     gen = by[("generate", "repeated")]["s_median"] / by[("generate", "shared")]["s_median"]
     train = by[("train", "flat")]["s_median"] / by[("train", "shared")]["s_median"]
     lines += ["", f"Shared prompt KV in generation: {gen:.2f}x; shared prompt in the training "
@@ -173,11 +233,8 @@ def main(argv: list[str] | None = None) -> int:
     result = measure(a.model, a.prompts_per_step, a.group_size, a.max_new_tokens, a.threads,
                      a.repeats)  # fmt: skip
     text = markdown(result)
-    RESULTS_DIR.mkdir(parents=True, exist_ok=True)
-    stem = RESULTS_DIR / f"{timestamp()}-grpo-parts"
-    stem.with_suffix(".json").write_text(json.dumps(result, indent=1) + "\n")
-    stem.with_suffix(".md").write_text(text)
-    print("\n" + text + f"\nwrote {stem}.json and {stem}.md")
+    paths = write_results(f"{timestamp()}-grpo-parts", result, text, latest=False)
+    print("\n" + text + f"\nwrote {paths[0]} and {paths[1]}")
     return 0
 
 

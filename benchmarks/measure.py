@@ -196,8 +196,11 @@ def timestamp() -> str:
     return datetime.now().strftime("%Y%m%d-%H%M%S")
 
 
-def write_results(stem: str, payload: dict[str, Any], markdown: str) -> tuple[Path, Path]:
-    """`results/<stem>.json` and `.md`, plus `results/latest.md` (the newest table)."""
+def write_results(
+    stem: str, payload: dict[str, Any], markdown: str, *, latest: bool = True
+) -> tuple[Path, Path]:
+    """`results/<stem>.json` and `.md`, plus (`latest`) `results/latest.md`, the newest table of
+    the headline run (`benchmarks.run`)."""
     RESULTS_DIR.mkdir(parents=True, exist_ok=True)
     json_path = RESULTS_DIR / f"{stem}.json"
     md_path = RESULTS_DIR / f"{stem}.md"
@@ -205,8 +208,9 @@ def write_results(stem: str, payload: dict[str, Any], markdown: str) -> tuple[Pa
         tmp = path.with_suffix(path.suffix + ".tmp")
         tmp.write_text(text)
         os.replace(tmp, path)
-    latest = RESULTS_DIR / "latest.md"
-    tmp = latest.with_suffix(".md.tmp")
-    tmp.write_text(markdown)
-    os.replace(tmp, latest)
+    if latest:
+        newest = RESULTS_DIR / "latest.md"
+        tmp = newest.with_suffix(".md.tmp")
+        tmp.write_text(markdown)
+        os.replace(tmp, newest)
     return json_path, md_path

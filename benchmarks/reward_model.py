@@ -28,33 +28,40 @@ runs `prepare` once and then alternating fresh processes `ours` / `trl`, and wri
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import json
 import shutil
 import sys
-import time
 from functools import partial
 from pathlib import Path
 from typing import Any
 
 from benchmarks.measure import (
-    RESULTS_DIR,
     PeakRSS,
     machine,
-    median,
     rss_mb,
-    spread,
     timestamp,
     write_result_file,
+    write_results,
 )
 from benchmarks.workload import (
     StepClock,
     Workload,
+    arm_rows,
+    clock_steps,
+    count_trl_tokens,
+    last_logged_loss,
     model_dir,
     prepare,
+    ratio_line,
+    round_ratios,
+    run_checks,
+    run_our_trainer,
     run_rounds,
+    trl_arguments,
     trl_clock,
+    trl_inputs,
+    worker_parser,
     worker_result,
 )
 
@@ -76,7 +83,6 @@ def run_ours(w: Workload, workdir: Path, *, share_prompt: bool = True) -> dict[s
     import reward_models.train as rm_train
     from reward_models.config import RMConfig
     from reward_models.data import batch_tokens
-    from rlhf_core.config import RunArgs
 
     after_imports = rss_mb()
     clock = StepClock(w.warmup_steps, memory)
@@ -92,25 +98,16 @@ def run_ours(w: Workload, workdir: Path, *, share_prompt: bool = True) -> dict[s
         "checkpoint": {"save_every": 0, "save_final": False},
         "tracking": {"log_every": w.log_every},
     })  # fmt: skip
-    original_step, original_loss = rm_train.optimizer_step, rm_train.compute_loss
-
-    def timed_step(*args, **kwargs):
-        out = original_step(*args, **kwargs)
-        clock.step_done()
-        return out
+    original_loss = rm_train.compute_loss
 
     def counted_loss(model, loss_fn, batch):
         # the full rows' non-pad tokens: a shared prompt counts once per completion reading it
         clock.tokens.append(batch_tokens(batch))
         return original_loss(model, loss_fn, batch)
 
-    rm_train.optimizer_step, rm_train.compute_loss = timed_step, counted_loss
-    run_dir = workdir / f"ours-run-{time.time_ns()}"
-    code = rm_train.train(cfg, RunArgs(Path("benchmarks/reward_model.py"), output_dir=run_dir))
-    if code != 0:
-        raise RuntimeError(f"our trainer exited with {code}")
-    metrics = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    shutil.rmtree(run_dir, ignore_errors=True)
+    clock_steps(rm_train, clock)
+    rm_train.compute_loss = counted_loss
+    metrics = run_our_trainer(rm_train, cfg, workdir, "benchmarks/reward_model.py")
     return {
         **worker_result(
             "ours" if share_prompt else "ours-unshared", clock, memory, after_imports
@@ -124,29 +121,18 @@ def run_trl(w: Workload, workdir: Path) -> dict[str, Any]:
     import torch
 
     torch.set_num_threads(w.threads)
-    from datasets import Dataset
-    from transformers import AutoTokenizer
+    # loaded before the after-imports RSS is read (trl_inputs uses them)
+    from datasets import Dataset  # noqa: F401
+    from transformers import AutoTokenizer  # noqa: F401
     from trl import RewardConfig, RewardTrainer
 
     after_imports = rss_mb()
     clock = StepClock(w.warmup_steps, memory)
-    path = str(model_dir(w.model))
-    tokenizer = AutoTokenizer.from_pretrained(path)
-    rows = [json.loads(x) for x in (workdir / "trl_rows.jsonl").read_text().splitlines()]
-    out_dir = workdir / f"trl-run-{time.time_ns()}"
-    args = RewardConfig(
-        output_dir=str(out_dir), per_device_train_batch_size=w.batch_size,
-        gradient_accumulation_steps=1, max_steps=w.steps, learning_rate=w.lr,
-        lr_scheduler_type="cosine", warmup_steps=0, weight_decay=0.0, max_grad_norm=1.0,
-        max_length=w.max_length, bf16=False, fp16=False, gradient_checkpointing=False,
-        use_cpu=True, seed=w.seed, train_sampling_strategy="sequential",
-        model_init_kwargs={"dtype": "float32", "attn_implementation": "sdpa"},
-        logging_steps=w.log_every, report_to="none", save_strategy="no", eval_strategy="no",
-        disable_tqdm=True, dataloader_num_workers=0,
-    )  # fmt: skip
+    path, tokenizer, dataset, out_dir = trl_inputs(w, workdir, "trl_rows.jsonl")
+    args = RewardConfig(**trl_arguments(w, out_dir))
 
     trainer = RewardTrainer(
-        model=path, args=args, train_dataset=Dataset.from_list(rows),
+        model=path, args=args, train_dataset=dataset,
         processing_class=tokenizer, callbacks=[trl_clock(clock)],
     )  # fmt: skip
     expected = json.loads((workdir / "expected.json").read_text())["pairs"]
@@ -156,21 +142,13 @@ def run_trl(w: Workload, workdir: Path) -> dict[str, Any]:
         and data[i]["rejected_ids"] == e["prompt_ids"] + e["rejected_ids"]
         for i, e in enumerate(expected)
     )
-    original_training_step = trainer.training_step
-
-    def counted_training_step(model, inputs, *rest, **kwargs):
-        clock.count(inputs["attention_mask"])
-        return original_training_step(model, inputs, *rest, **kwargs)
-
-    trainer.training_step = counted_training_step
+    count_trl_tokens(trainer, clock)
     trainer.train()
     shutil.rmtree(out_dir, ignore_errors=True)
     return {
         **worker_result("trl", clock, memory, after_imports), "optimizer": str(args.optim),
         "tokens_identical_to_ours": identical,
-        "final_logged_loss": next(
-            (h["loss"] for h in reversed(trainer.state.log_history) if "loss" in h), None
-        ),
+        "final_logged_loss": last_logged_loss(trainer),
     }  # fmt: skip
 
 
@@ -182,20 +160,14 @@ def compare(w: Workload, rounds: int, timeout: float = 900) -> dict[str, Any]:
     )
     for a in ARMS:
         if a != "trl":
-            arms[a]["ratio_over_trl"] = {
-                k: median([p[a][k] / p["trl"][k] for p in by_round.values()])
-                for k in ("tokens_per_s", "tokens_per_cpu_s", "peak_rss_mb")
-            }
+            arms[a]["ratio_over_trl"] = round_ratios(by_round, a, "trl")
     ratios = arms["ours"]["ratio_over_trl"]
-    expected = sum(prep["step_tokens"][w.warmup_steps :])
     return {
         "machine": host, "workload": dataclasses.asdict(w), "prepare": prep, "runs": runs,
         "summary": {
             "arms": arms, "ratios_ours_over_trl": ratios,
             "target_tokens_per_s_1_5x": ratios["tokens_per_s"] >= 1.5,
-            "timed_tokens_match": all(r["timed_tokens"] == expected for r in runs),
-            "tokens_identical": all(r.get("tokens_identical_to_ours", True) for r in runs),
-            "load_average_range": spread([r["load_average_before"] for r in runs]),
+            **run_checks(w, prep, runs),
         },
     }  # fmt: skip
 
@@ -216,36 +188,15 @@ def markdown(result: dict[str, Any]) -> str:
         "| arm | tokens/s (median, range) | tokens/CPU-s | peak RSS MiB (timed steps) | step s |",
         "| --- | --- | --- | --- | --- |",
     ]
-    for arm, label in LABELS.items():
-        a = s["arms"][arm]
-        lines.append(
-            f"| {label} | {a['tokens_per_s']:.0f} ({a['tokens_per_s_range']}) | "
-            f"{a['tokens_per_cpu_s']:.0f} | {a['peak_rss_mb']:.0f} ({a['peak_rss_timed_mb']:.0f}) "
-            f"| {a['step_s_median']:.3f} |"
-        )
-    lines.append("")
+    lines += [*arm_rows(s["arms"], LABELS), ""]
     for arm in ("ours", "ours-unshared"):
-        r = s["arms"][arm]["ratio_over_trl"]
-        lines.append(
-            f"{LABELS[arm]} / TRL (median of per-round ratios): tokens/s "
-            f"{r['tokens_per_s']:.2f}x, tokens/CPU-s {r['tokens_per_cpu_s']:.2f}x, peak RSS "
-            f"{r['peak_rss_mb']:.2f}x."
-        )
+        lines.append(ratio_line(LABELS[arm], "TRL", s["arms"][arm]["ratio_over_trl"]))
     lines += ["", f"Target >= 1.5x TRL tokens/s (as shipped): {s['target_tokens_per_s_1_5x']}.", ""]
     return "\n".join(lines)
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(
-        prog="python -m benchmarks.reward_model",
-        description=__doc__,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-    )
-    parser.add_argument("command", nargs="?", choices=["prepare", *ARMS], help="(worker mode)")
-    parser.add_argument("--workload", default=None, help="(worker) Workload as JSON")
-    parser.add_argument("--workdir", type=Path, default=None, help="(worker) shared directory")
-    parser.add_argument("--result", type=Path, default=None, help="(worker) where to write JSON")
-    parser.add_argument("--rounds", type=int, default=3, help="alternating rounds")
+    parser = worker_parser("python -m benchmarks.reward_model", __doc__, ARMS, rounds=3)
     defaults = Workload(steps=STEPS)
     for field in ("model", "batch_size", "steps", "max_length", "max_prompt_length", "threads"):
         value = getattr(defaults, field)
@@ -264,12 +215,9 @@ def main(argv: list[str] | None = None) -> int:
     print(f"reward model vs TRL: {w}, {args.rounds} rounds", flush=True)
     result = compare(w, args.rounds)
     text = markdown(result)
-    RESULTS_DIR.mkdir(parents=True, exist_ok=True)
-    stem = RESULTS_DIR / f"{timestamp()}-reward_model"
     payload = {"reward_model": result, "command": sys.argv}
-    stem.with_suffix(".json").write_text(json.dumps(payload, indent=1) + "\n")
-    stem.with_suffix(".md").write_text(text)
-    print("\n" + text + f"\nwrote {stem}.json and {stem}.md")
+    paths = write_results(f"{timestamp()}-reward_model", payload, text, latest=False)
+    print("\n" + text + f"\nwrote {paths[0]} and {paths[1]}")
     return 0
 
 

@@ -33,28 +33,43 @@ runs `prepare` once and then alternating fresh processes per arm, and writes
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import json
 import shutil
 import sys
-import time
 from functools import partial
 from pathlib import Path
 from typing import Any
 
 from benchmarks.measure import (
-    RESULTS_DIR,
     PeakRSS,
     machine,
-    median,
-    peak_rss_mb,
     rss_mb,
-    spread,
     timestamp,
     write_result_file,
+    write_results,
 )
-from benchmarks.workload import MODEL_CHOICES, StepClock, Workload, model_dir, run_rounds
+from benchmarks.workload import (
+    MODEL_CHOICES,
+    StepClock,
+    Workload,
+    arm_rows,
+    clock_steps,
+    count_batch_tokens,
+    count_trl_tokens,
+    last_logged_loss,
+    model_dir,
+    ratio_line,
+    round_ratios,
+    run_checks,
+    run_our_trainer,
+    run_rounds,
+    trl_arguments,
+    trl_clock,
+    trl_inputs,
+    worker_parser,
+    worker_result,
+)
 from benchmarks.workload import prepare as prepare_pairs
 
 ARMS = ("ours", "trl", "trl-padding-free")
@@ -99,11 +114,9 @@ def prepare(w: Workload, workdir: Path) -> dict[str, Any]:
 
 def run_ours(w: Workload, workdir: Path) -> dict[str, Any]:
     memory = PeakRSS()
-    import torch
 
     import instruction_tuning.train as sft_train
     from instruction_tuning.config import SFTConfig
-    from rlhf_core.config import RunArgs
 
     after_imports = rss_mb()
     clock = StepClock(w.warmup_steps, memory)
@@ -120,33 +133,17 @@ def run_ours(w: Workload, workdir: Path) -> dict[str, Any]:
         "checkpoint": {"save_every": 0, "save_final": False},
         "tracking": {"log_every": w.log_every},
     })  # fmt: skip
-    from rlhf_core.packing import is_packed, unpacked_tokens
-
-    original_step, original_logprobs = sft_train.optimizer_step, sft_train.batch_logprobs
-
-    def timed_step(*args, **kwargs):
-        out = original_step(*args, **kwargs)
-        clock.step_done()
-        return out
+    original_logprobs = sft_train.batch_logprobs
 
     def counted_logprobs(model, batch):  # a packed batch counts the rows it stands for
-        if is_packed(batch):
-            clock.tokens.append(unpacked_tokens(batch))
-        else:
-            clock.count(batch["attention_mask"])
+        count_batch_tokens(clock, batch)
         return original_logprobs(model, batch)
 
-    sft_train.optimizer_step, sft_train.batch_logprobs = timed_step, counted_logprobs
-    run_dir = workdir / f"ours-run-{time.time_ns()}"
-    code = sft_train.train(cfg, RunArgs(Path("benchmarks/sft.py"), output_dir=run_dir))
-    if code != 0:
-        raise RuntimeError(f"our trainer exited with {code}")
-    metrics = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    shutil.rmtree(run_dir, ignore_errors=True)
+    clock_steps(sft_train, clock)
+    sft_train.batch_logprobs = counted_logprobs
+    metrics = run_our_trainer(sft_train, cfg, workdir, "benchmarks/sft.py")
     return {
-        "impl": "ours", **clock.summary(), "rss_after_imports_mb": after_imports,
-        "peak_rss_mb": memory.overall(), "peak_rss_timed_mb": peak_rss_mb(),
-        "threads": torch.get_num_threads(),
+        **worker_result("ours", clock, memory, after_imports),
         "final_logged_loss": next((m["train/loss"] for m in reversed(metrics)
                                    if "train/loss" in m), None),
     }  # fmt: skip
@@ -157,64 +154,39 @@ def run_trl(w: Workload, workdir: Path, *, padding_free: bool = False) -> dict[s
     import torch
 
     torch.set_num_threads(w.threads)
-    from datasets import Dataset
-    from transformers import AutoTokenizer, TrainerCallback
+    # loaded before the after-imports RSS is read (trl_inputs uses them)
+    from datasets import Dataset  # noqa: F401
+    from transformers import AutoTokenizer  # noqa: F401
     from trl import SFTConfig, SFTTrainer
 
     after_imports = rss_mb()
     clock = StepClock(w.warmup_steps, memory)
-    path = str(model_dir(w.model))
-    tokenizer = AutoTokenizer.from_pretrained(path)
-    rows = [json.loads(x) for x in (workdir / "sft_trl.jsonl").read_text().splitlines()]
-    out_dir = workdir / f"trl-run-{time.time_ns()}"
-    args = SFTConfig(
-        output_dir=str(out_dir), per_device_train_batch_size=w.batch_size,
-        gradient_accumulation_steps=1, max_steps=w.steps, learning_rate=w.lr,
-        lr_scheduler_type="cosine", warmup_steps=0, weight_decay=0.0, max_grad_norm=1.0,
-        # padding-free without packing refuses a max_length; the rows already fit it (prepare)
-        max_length=None if padding_free else w.max_length, packing=False,
-        padding_free=padding_free, bf16=False,
-        fp16=False, gradient_checkpointing=False, use_cpu=True, seed=w.seed,
-        train_sampling_strategy="sequential",
-        model_init_kwargs={"dtype": "float32", "attn_implementation": "sdpa"},
-        logging_steps=w.log_every, report_to="none", save_strategy="no", eval_strategy="no",
-        disable_tqdm=True, dataloader_num_workers=0,
-    )  # fmt: skip
-
-    class Clock(TrainerCallback):
-        def on_step_end(self, args, state, control, **kwargs):
-            clock.step_done()
+    path, tokenizer, dataset, out_dir = trl_inputs(w, workdir, "sft_trl.jsonl")
+    # padding-free without packing refuses a max_length; the rows already fit it (prepare)
+    args = SFTConfig(**trl_arguments(
+        w, out_dir, max_length=None if padding_free else w.max_length, packing=False,
+        padding_free=padding_free,
+    ))  # fmt: skip
 
     trainer = SFTTrainer(
-        model=path, args=args, train_dataset=Dataset.from_list(rows),
-        processing_class=tokenizer, callbacks=[Clock()],
+        model=path, args=args, train_dataset=dataset,
+        processing_class=tokenizer, callbacks=[trl_clock(clock)],
     )  # fmt: skip
     expected = json.loads((workdir / "sft_expected.json").read_text())["rows"]
     data = trainer.train_dataset
     identical = len(data) == len(expected) and all(
         data[i]["input_ids"] == e for i, e in enumerate(expected)
     )
-    original_training_step = trainer.training_step
-
-    def counted_training_step(model, inputs, *rest, **kwargs):
-        if "attention_mask" in inputs:
-            clock.count(inputs["attention_mask"])
-        else:  # padding-free: one flat row, every position a real token
-            clock.tokens.append(int(inputs["input_ids"].numel()))
-        return original_training_step(model, inputs, *rest, **kwargs)
-
-    trainer.training_step = counted_training_step
+    count_trl_tokens(trainer, clock)
     trainer.train()
     shutil.rmtree(out_dir, ignore_errors=True)
     return {
-        "impl": "trl-padding-free" if padding_free else "trl", **clock.summary(),
-        "rss_after_imports_mb": after_imports,
-        "peak_rss_mb": memory.overall(), "peak_rss_timed_mb": peak_rss_mb(),
-        "threads": torch.get_num_threads(), "optimizer": str(args.optim),
-        "tokens_identical_to_ours": identical,
-        "final_logged_loss": next(
-            (h["loss"] for h in reversed(trainer.state.log_history) if "loss" in h), None
+        **worker_result(
+            "trl-padding-free" if padding_free else "trl", clock, memory, after_imports
         ),
+        "optimizer": str(args.optim),
+        "tokens_identical_to_ours": identical,
+        "final_logged_loss": last_logged_loss(trainer),
     }  # fmt: skip
 
 
@@ -224,23 +196,14 @@ def compare(w: Workload, rounds: int, timeout: float = 900) -> dict[str, Any]:
     prep, runs, arms, by_round = run_rounds(
         "benchmarks.sft", ARMS, w, rounds, timeout, "rlhf-bench-sft-"
     )
-    ratios = {
-        peer: {
-            k: median([p["ours"][k] / p[peer][k] for p in by_round.values()])
-            for k in ("tokens_per_s", "tokens_per_cpu_s", "peak_rss_mb")
-        }
-        for peer in ARMS[1:]
-    }
-    expected = sum(prep["step_tokens"][w.warmup_steps :])
+    ratios = {peer: round_ratios(by_round, "ours", peer) for peer in ARMS[1:]}
     fastest_trl = min(ratios[p]["tokens_per_s"] for p in ARMS[1:])
     return {
         "machine": host, "workload": dataclasses.asdict(w), "prepare": prep, "runs": runs,
         "summary": {
             "arms": arms, "ratios_ours_over": ratios,
             "target_tokens_per_s_1_5x_over_fastest_trl": fastest_trl >= 1.5,
-            "timed_tokens_match": all(r["timed_tokens"] == expected for r in runs),
-            "tokens_identical": all(r.get("tokens_identical_to_ours", True) for r in runs),
-            "load_average_range": spread([r["load_average_before"] for r in runs]),
+            **run_checks(w, prep, runs),
         },
     }  # fmt: skip
 
@@ -262,21 +225,9 @@ def markdown(result: dict[str, Any]) -> str:
         "| step s |",
         "| --- | --- | --- | --- | --- |",
     ]
-    for arm, label in LABELS.items():
-        a = s["arms"][arm]
-        lines.append(
-            f"| {label} | {a['tokens_per_s']:.0f} ({a['tokens_per_s_range']}) | "
-            f"{a['tokens_per_cpu_s']:.0f} | {a['peak_rss_mb']:.0f} ({a['peak_rss_timed_mb']:.0f}) "
-            f"| {a['step_s_median']:.3f} |"
-        )
-    lines.append("")
+    lines += [*arm_rows(s["arms"], LABELS), ""]
     for peer in ARMS[1:]:
-        r = s["ratios_ours_over"][peer]
-        lines.append(
-            f"ours / {LABELS[peer]} (median of per-round ratios): tokens/s "
-            f"{r['tokens_per_s']:.2f}x, tokens/CPU-s {r['tokens_per_cpu_s']:.2f}x, peak RSS "
-            f"{r['peak_rss_mb']:.2f}x."
-        )
+        lines.append(ratio_line("ours", LABELS[peer], s["ratios_ours_over"][peer]))
     lines += [
         "",
         f"Target >= 1.5x TRL tokens/s (over its faster arm): "
@@ -287,16 +238,7 @@ def markdown(result: dict[str, Any]) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(
-        prog="python -m benchmarks.sft",
-        description=__doc__,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-    )
-    parser.add_argument("command", nargs="?", choices=["prepare", *ARMS], help="(worker mode)")
-    parser.add_argument("--workload", default=None, help="(worker) Workload as JSON")
-    parser.add_argument("--workdir", type=Path, default=None, help="(worker) shared directory")
-    parser.add_argument("--result", type=Path, default=None, help="(worker) where to write JSON")
-    parser.add_argument("--rounds", type=int, default=2, help="alternating rounds")
+    parser = worker_parser("python -m benchmarks.sft", __doc__, ARMS, rounds=2)
     parser.add_argument("--model", choices=MODEL_CHOICES, default="tiny")
     defaults = Workload(steps=STEPS)
     fields = ("batch_size", "steps", "max_length", "max_prompt_length", "threads")
@@ -315,12 +257,9 @@ def main(argv: list[str] | None = None) -> int:
     print(f"SFT vs TRL: {w}, {args.rounds} rounds", flush=True)
     result = compare(w, args.rounds)
     text = markdown(result)
-    RESULTS_DIR.mkdir(parents=True, exist_ok=True)
-    stem = RESULTS_DIR / f"{timestamp()}-sft"
     payload = {"sft": result, "command": sys.argv}
-    stem.with_suffix(".json").write_text(json.dumps(payload, indent=1) + "\n")
-    stem.with_suffix(".md").write_text(text)
-    print("\n" + text + f"\nwrote {stem}.json and {stem}.md")
+    paths = write_results(f"{timestamp()}-sft", payload, text, latest=False)
+    print("\n" + text + f"\nwrote {paths[0]} and {paths[1]}")
     return 0
 
 

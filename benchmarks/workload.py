@@ -7,12 +7,20 @@
     prepare        select the HH pairs neither trainer truncates and write both trainers' inputs
     count_params   parameters of a tied-embedding Qwen3 config
     StepClock      optimizer-step end times, CPU times and non-pad tokens of a timed window
+    clock_steps, count_batch_tokens, run_our_trainer
+                   what every arm of ours shares: its step clock, its tokens, its run
+    trl_inputs, trl_arguments, trl_clock, count_trl_tokens, last_logged_loss
+                   what every TRL arm shares: its inputs, TrainingArguments, step clock, tokens
+    worker_parser  the command line every side-by-side benchmark module shares
+    round_ratios, run_checks, arm_rows, ratio_line
+                   what their reports share: per-round ratios, the runs' checks, table rows
 
 See `benchmarks.dpo` for what is timed and why the pairs are selected as they are.
 """
 
 from __future__ import annotations
 
+import argparse
 import gzip
 import hashlib
 import json
@@ -306,6 +314,111 @@ def trl_clock(clock: StepClock) -> Any:
     return Clock()
 
 
+def trl_arguments(w: Any, out_dir: Path, **overrides: Any) -> dict[str, Any]:
+    """The TrainingArguments keywords the TRL arms share (`w`: a Workload): the workload's batch,
+    steps, learning rate and seed; a cosine schedule with no warm-up and no weight decay; clip at
+    1.0; float32 SDPA on the CPU; the rows in order; no saving, evaluation, progress bar or data
+    workers. `overrides` add or replace the trainer's own (e.g. DPO's beta)."""
+    return {
+        "output_dir": str(out_dir), "per_device_train_batch_size": w.batch_size,
+        "gradient_accumulation_steps": 1, "max_steps": w.steps, "learning_rate": w.lr,
+        "lr_scheduler_type": "cosine", "warmup_steps": 0, "weight_decay": 0.0,
+        "max_grad_norm": 1.0, "max_length": w.max_length, "bf16": False, "fp16": False,
+        "gradient_checkpointing": False, "use_cpu": True, "seed": w.seed,
+        "train_sampling_strategy": "sequential",
+        "model_init_kwargs": {"dtype": "float32", "attn_implementation": "sdpa"},
+        "logging_steps": w.log_every, "report_to": "none", "save_strategy": "no",
+        "eval_strategy": "no", "disable_tqdm": True, "dataloader_num_workers": 0, **overrides,
+    }  # fmt: skip
+
+
+def clock_steps(trainer: Any, clock: StepClock) -> None:
+    """End a `clock` step after every optimizer step of our `trainer` module (its `train.py`:
+    wraps the `optimizer_step` it calls)."""
+    original_step = trainer.optimizer_step
+
+    def timed_step(*args, **kwargs):
+        out = original_step(*args, **kwargs)
+        clock.step_done()
+        return out
+
+    trainer.optimizer_step = timed_step
+
+
+def count_batch_tokens(clock: StepClock, batch: dict[str, Any]) -> None:
+    """Count a batch's non-pad tokens on `clock`; a packed batch counts those of the rows it
+    stands for (a shared prompt once per completion reading it), so packing does not inflate a
+    tokens/s figure."""
+    from rlhf_core.packing import is_packed, unpacked_tokens
+
+    if is_packed(batch):
+        clock.tokens.append(unpacked_tokens(batch))
+    else:
+        clock.count(batch["attention_mask"])
+
+
+def run_our_trainer(trainer: Any, cfg: Any, workdir: Path, config_path: str) -> list[dict]:
+    """Run our `trainer` module's `train(cfg)` into a fresh run dir under `workdir`; returns the
+    metrics it logged (the run dir is removed)."""
+    from rlhf_core.config import RunArgs
+
+    run_dir = workdir / f"ours-run-{time.time_ns()}"
+    code = trainer.train(cfg, RunArgs(Path(config_path), output_dir=run_dir))
+    if code != 0:
+        raise RuntimeError(f"our trainer exited with {code}")
+    metrics = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    shutil.rmtree(run_dir, ignore_errors=True)
+    return metrics
+
+
+def trl_inputs(w: Any, workdir: Path, rows_file: str) -> tuple[str, Any, Any, Path]:
+    """A TRL arm's inputs, after its imports: the benchmark model's directory, its tokenizer
+    (transformers `AutoTokenizer`), the training rows (JSON lines `rows_file` in `workdir`, as
+    a `datasets.Dataset`) and a fresh output directory under `workdir`."""
+    from datasets import Dataset
+    from transformers import AutoTokenizer
+
+    path = str(model_dir(w.model))
+    tokenizer = AutoTokenizer.from_pretrained(path)
+    rows = [json.loads(x) for x in (workdir / rows_file).read_text().splitlines()]
+    return path, tokenizer, Dataset.from_list(rows), workdir / f"trl-run-{time.time_ns()}"
+
+
+def count_trl_tokens(trainer: Any, clock: StepClock) -> None:
+    """Count every TRL training step's non-pad tokens on `clock` (wraps `trainer.training_step`;
+    a padding-free batch, one flat row without an attention mask, counts every position)."""
+    original_training_step = trainer.training_step
+
+    def counted_training_step(model, inputs, *rest, **kwargs):
+        if "attention_mask" in inputs:
+            clock.count(inputs["attention_mask"])
+        else:  # padding-free: one flat row, every position a real token
+            clock.tokens.append(int(inputs["input_ids"].numel()))
+        return original_training_step(model, inputs, *rest, **kwargs)
+
+    trainer.training_step = counted_training_step
+
+
+def last_logged_loss(trainer: Any) -> float | None:
+    """The last training loss a transformers Trainer logged (None if it logged none)."""
+    return next((h["loss"] for h in reversed(trainer.state.log_history) if "loss" in h), None)
+
+
+def worker_parser(prog: str, doc: str | None, arms: tuple[str, ...], rounds: int):
+    """The command line of a side-by-side benchmark module: with no command it runs the rounds;
+    `prepare` or an arm (worker mode, `run_worker`) reads the workload and the shared directory
+    and writes its result file."""
+    parser = argparse.ArgumentParser(
+        prog=prog, description=doc, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("command", nargs="?", choices=["prepare", *arms], help="(worker mode)")
+    parser.add_argument("--workload", default=None, help="(worker) Workload as JSON")
+    parser.add_argument("--workdir", type=Path, default=None, help="(worker) shared directory")
+    parser.add_argument("--result", type=Path, default=None, help="(worker) where to write JSON")
+    parser.add_argument("--rounds", type=int, default=rounds, help="alternating rounds")
+    return parser
+
+
 def worker_result(
     impl: str, clock: StepClock, memory: PeakRSS, after_imports: float
 ) -> dict[str, Any]:
@@ -349,3 +462,44 @@ def run_rounds(
     for r in runs:
         by_round[r["round"]][r["impl"]] = r
     return prep, runs, medians, by_round
+
+
+# ----------------------------------------------------------------------------- the reports
+
+RATIO_KEYS = ("tokens_per_s", "tokens_per_cpu_s", "peak_rss_mb")
+
+
+def round_ratios(by_round: dict[int, dict[str, Any]], arm: str, peer: str) -> dict[str, float]:
+    """`arm` over `peer` in tokens/s, tokens/CPU-s and peak RSS: the median of per-round ratios
+    (each round's arms ran back to back, so a ratio within a round cancels the machine's load)."""
+    return {k: median([p[arm][k] / p[peer][k] for p in by_round.values()]) for k in RATIO_KEYS}
+
+
+def run_checks(w: Any, prep: dict[str, Any], runs: list[dict[str, Any]]) -> dict[str, Any]:
+    """Whether every run timed the tokens `prepare` expects and read our token ids, and the
+    load average the runs started under."""
+    expected = sum(prep["step_tokens"][w.warmup_steps :])
+    return {
+        "timed_tokens_match": all(r["timed_tokens"] == expected for r in runs),
+        "tokens_identical": all(r.get("tokens_identical_to_ours", True) for r in runs),
+        "load_average_range": spread([r["load_average_before"] for r in runs]),
+    }
+
+
+def arm_rows(arms: dict[str, dict[str, Any]], labels: dict[str, str]) -> list[str]:
+    """The markdown table rows of each arm's medians: | label | tokens/s (range) | tokens/CPU-s
+    | peak RSS (timed steps) | step s |."""
+    return [
+        f"| {label} | {a['tokens_per_s']:.0f} ({a['tokens_per_s_range']}) | "
+        f"{a['tokens_per_cpu_s']:.0f} | {a['peak_rss_mb']:.0f} ({a['peak_rss_timed_mb']:.0f}) "
+        f"| {a['step_s_median']:.3f} |"
+        for label, a in ((labels[arm], arms[arm]) for arm in labels)
+    ]
+
+
+def ratio_line(arm: str, peer: str, r: dict[str, float]) -> str:
+    """One report line: `arm` / `peer` in the three `round_ratios`."""
+    return (
+        f"{arm} / {peer} (median of per-round ratios): tokens/s {r['tokens_per_s']:.2f}x, "
+        f"tokens/CPU-s {r['tokens_per_cpu_s']:.2f}x, peak RSS {r['peak_rss_mb']:.2f}x."
+    )

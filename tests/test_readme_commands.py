@@ -101,7 +101,7 @@ PLAN: dict[str, str] = {
     'eval_rollouts GROUP BY step, kind"': "the continuation of the sqlite3 command",
     "uv run python -m rlhf_core.longform data/longform": "writes the committed data files; "
     "tests/rlhf_core/test_segmentation.py checks them",
-    "uv run python -m rlhf_lab.fine_grained --steps 15 --seeds 0": "tens of CPU minutes",
+    "uv run python -m rlhf_lab.fine_grained --steps 20 --seeds 0 1 2": "47 CPU minutes",
     "uv run torchrun --nproc_per_node 2 -m instruction_tuning.train --config "
     "configs/instruction_tuning/tiny_sft.yaml --set train.engine=fsdp2 --set "
     "train.micro_batch_size=32 --set train.max_steps=20": "two minutes of two processes; "

@@ -11,7 +11,7 @@ from typing import Literal
 
 from pydantic import Field, model_validator
 
-from rlhf_core.bookkeeping import TrainerConfig
+from rlhf_core.bookkeeping import TrainerConfig, run_name
 from rlhf_core.data import DataSource, TextDataConfig
 from rlhf_core.errors import UserError
 from rlhf_core.loop import LoopConfig
@@ -45,10 +45,7 @@ class DATrainConfig(LoopConfig):
 
 
 class DAConfig(TrainerConfig):
-    name: str = Field(
-        "dpo", description="run name (run dir outputs/direct_alignment/<name>-<time>)"
-    )
-    seed: int = Field(0, description="seed for data order and sampling")
+    name: str = run_name("dpo")
     model: ModelConfig | None = Field(None, description="the policy (and reference) to start from")
     models: list[ModelConfig] = Field(
         default_factory=list,

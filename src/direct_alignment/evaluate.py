@@ -16,7 +16,7 @@ import torch
 from direct_alignment.data import PreferencePair, collate_pairs
 from direct_alignment.losses import loss_inputs
 from direct_alignment.reference import pair_logps
-from rlhf_core.generation import generate_completions
+from rlhf_core.generation import Sampling, generate_completions
 from rlhf_core.models import eval_mode, with_padding_side
 
 
@@ -66,7 +66,7 @@ def write_samples(
         torch.manual_seed(seed)
         outs = generate_completions(
             model, with_padding_side(tokenizer, "left"), [p.prompt_text for p in pairs],
-            max_new_tokens=max_new_tokens, temperature=1.0,
+            max_new_tokens=max_new_tokens, sampling=Sampling(temperature=1.0),
         )  # fmt: skip
     if path is None:
         return

@@ -236,9 +236,23 @@ class DirectAlignmentLoss(Configurable, nn.Module):
 LOSSES.base = DirectAlignmentLoss  # what a "module:Class" name in a config must subclass
 
 
-def _check_label_smoothing(loss: DirectAlignmentLoss, eps: float, *, upper_inclusive: bool) -> None:
-    ok = 0 <= eps <= 0.5 if upper_inclusive else 0 <= eps < 0.5
-    loss._require(ok, "label_smoothing", eps, "in [0, 0.5]" if upper_inclusive else "in [0, 0.5)")
+class NoisyLabelLoss(DirectAlignmentLoss):
+    """What the losses for labels flipped with probability eps (`label_smoothing`, TRL's name)
+    share: their keywords, and eps checked to lie in [0, 0.5] (`eps_max_inclusive`) or
+    [0, 0.5)."""
+
+    needs_reference = True
+    needs_lengths = False
+    eps_max_inclusive = True
+
+    def __init__(self, *, beta: float = 0.1, label_smoothing: float = 0.1) -> None:
+        super().__init__(beta=beta)
+        inclusive = self.eps_max_inclusive
+        ok = 0 <= label_smoothing <= 0.5 if inclusive else 0 <= label_smoothing < 0.5
+        self._require(
+            ok, "label_smoothing", label_smoothing, "in [0, 0.5]" if inclusive else "in [0, 0.5)"
+        )
+        self.label_smoothing = float(label_smoothing)
 
 
 @LOSSES.register("dpo")
@@ -296,7 +310,7 @@ class RPOLoss(DPOLoss):
 
 
 @LOSSES.register("cdpo")
-class ConservativeDPOLoss(DirectAlignmentLoss):
+class ConservativeDPOLoss(NoisyLabelLoss):
     """Conservative DPO / label smoothing (Mitchell 2023, "A note on DPO with noisy preferences
     & relationship to IPO", https://ericmitchell.ai/cdpo.pdf; no arXiv id).
 
@@ -310,14 +324,6 @@ class ConservativeDPOLoss(DirectAlignmentLoss):
     which must be in [0, 0.5].
     """
 
-    needs_reference = True
-    needs_lengths = False
-
-    def __init__(self, *, beta: float = 0.1, label_smoothing: float = 0.1) -> None:
-        super().__init__(beta=beta)
-        _check_label_smoothing(self, label_smoothing, upper_inclusive=True)
-        self.label_smoothing = float(label_smoothing)
-
     def _losses(self, chosen: torch.Tensor, rejected: torch.Tensor) -> torch.Tensor:
         x = self.beta * (chosen - rejected)
         eps = self.label_smoothing
@@ -325,7 +331,7 @@ class ConservativeDPOLoss(DirectAlignmentLoss):
 
 
 @LOSSES.register("robust")
-class RobustDPOLoss(DirectAlignmentLoss):
+class RobustDPOLoss(NoisyLabelLoss):
     """Provably robust DPO (Ray Chowdhury, Kini & Natarajan 2024, arXiv:2403.00409).
 
         loss = [(1 - eps) * (-log sigmoid(beta * h)) - eps * (-log sigmoid(-beta * h))]
@@ -338,13 +344,7 @@ class RobustDPOLoss(DirectAlignmentLoss):
     in [0, 0.5).
     """
 
-    needs_reference = True
-    needs_lengths = False
-
-    def __init__(self, *, beta: float = 0.1, label_smoothing: float = 0.1) -> None:
-        super().__init__(beta=beta)
-        _check_label_smoothing(self, label_smoothing, upper_inclusive=False)
-        self.label_smoothing = float(label_smoothing)
+    eps_max_inclusive = False
 
     def _losses(self, chosen: torch.Tensor, rejected: torch.Tensor) -> torch.Tensor:
         x = self.beta * (chosen - rejected)

@@ -41,7 +41,9 @@ from rlhf_core.checkpoint import StopSignal
 from rlhf_core.config import RunArgs, parse_run_args
 from rlhf_core.errors import UserError, run_main
 from rlhf_core.loop import (
+    accumulate_gradients,
     check_engine_accumulation,
+    micro_batches,
     optimizer_step,
     plan_steps,
     print_dry_run,
@@ -179,27 +181,22 @@ def train(cfg: DAConfig, run: RunArgs) -> int:
             )  # fmt: skip
 
     # --- the loop
+    def pair_loss(batch: dict[str, torch.Tensor], rows: list[int]) -> tuple[torch.Tensor, dict]:
+        chosen, rejected = pair_logps(policy, batch)
+        ref_c, ref_r = ref_logps("train", batch, rows)
+        return loss_fn(chosen, rejected, ref_c, ref_r, **loss_inputs(batch))
+
     metrics: dict[str, torch.Tensor] = {}
     with StopSignal() as stop:
         while step < total_steps:
             indices = sampler.next_batch(t.batch_size)[rank::world]
-            step_loss = torch.zeros((), device=device)
-            metrics = {}
-            for start in range(0, len(indices), micro):
-                rows = indices[start : start + micro]
-                batch = collate([train_data.pairs[j] for j in rows], pad_id)
-                batch = {k: v.to(device) for k, v in batch.items()}
-                weight = len(rows) / t.batch_size  # share of the global step's pairs
-                with engine.grad_sync(policy, sync=start + micro >= len(indices)):
-                    chosen, rejected = pair_logps(policy, batch)
-                    ref_c, ref_r = ref_logps("train", batch, rows)
-                    loss, m = loss_fn(chosen, rejected, ref_c, ref_r, **loss_inputs(batch))
-                    # DDP/FSDP average gradients over processes: scale so they sum to the mean
-                    accelerator.backward(loss * weight * world)
-                step_loss += loss.detach() * weight
-                for key, value in m.items():
-                    metrics[key] = metrics.get(key, 0.0) + value * weight
-            step_loss = accelerator.reduce(step_loss, reduction="sum")
+            batches = micro_batches(
+                indices, micro, lambda rows: collate([train_data.pairs[j] for j in rows], pad_id)
+            )
+            # each micro-batch's loss counts with its share of the step's pairs
+            step_loss, metrics = accumulate_gradients(
+                engine, policy, batches, pair_loss, step_rows=t.batch_size
+            )
             grad_norm, _ = optimizer_step(
                 accelerator, policy, optimizer, scheduler,
                 max_grad_norm=cfg.optim.max_grad_norm, loss=step_loss, skips=skips,

@@ -6,7 +6,7 @@ from typing import Literal
 
 from pydantic import Field
 
-from rlhf_core.bookkeeping import TrainerConfig
+from rlhf_core.bookkeeping import TrainerConfig, run_name
 from rlhf_core.data import DataSource, TextDataConfig
 from rlhf_core.loop import LoopConfig
 from rlhf_core.models import ModelConfig
@@ -39,10 +39,7 @@ class SFTTrainConfig(LoopConfig):
 
 
 class SFTConfig(TrainerConfig):
-    name: str = Field(
-        "sft", description="run name (the run dir is outputs/instruction_tuning/<name>-<time>)"
-    )
-    seed: int = Field(0, description="seed for init, data order and sampling")
+    name: str = run_name("sft")
     model: ModelConfig = Field(description="policy to fine-tune")
     data: SFTDataConfig = Field(description="training and held-out data")
     loss: LossSpec = Field(

@@ -15,7 +15,7 @@ import torch
 
 from instruction_tuning.data import SFTData, collate, pack
 from instruction_tuning.losses import CompletionNLLLoss
-from rlhf_core.generation import generate_completions
+from rlhf_core.generation import Sampling, generate_completions
 from rlhf_core.models import with_padding_side
 from rlhf_core.packing import batch_logprobs, supports_packing
 from rlhf_core.scoring import exact_match, task_score
@@ -66,7 +66,7 @@ def evaluate(
                 left,
                 prompts,
                 max_new_tokens=max_new_tokens,
-                temperature=temperature,
+                sampling=Sampling(temperature=temperature),
                 batch_size=batch_size,
             )
         rows = gather([

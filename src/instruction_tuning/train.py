@@ -28,7 +28,9 @@ from rlhf_core.checkpoint import StopSignal
 from rlhf_core.config import RunArgs, parse_run_args
 from rlhf_core.errors import run_main
 from rlhf_core.loop import (
+    accumulate_gradients,
     check_engine_accumulation,
+    micro_batches,
     optimizer_step,
     plan_steps,
     print_dry_run,
@@ -108,25 +110,20 @@ def train(cfg: SFTConfig, run: RunArgs) -> int:
     pad_id = tokenizer.pad_token_id
     batcher = pack if t.packing and supports_packing(model) else collate
     step_loss = torch.zeros(())
+
+    def nll(batch: dict[str, torch.Tensor], _rows: list[int]) -> tuple[torch.Tensor, dict]:
+        return loss_fn(batch_logprobs(model, batch), batch["loss_mask"], num_tokens)
+
     with StopSignal() as stop:
         while step < total_steps:
             indices = sampler.next_batch(t.batch_size)[rank::world]
-            batches = [
-                batcher([train_data.examples[i] for i in indices[s : s + micro]], pad_id)
-                for s in range(0, len(indices), micro)
-            ]
-            local_tokens = sum(b["loss_mask"].sum() for b in batches).to(device)
+            batches = micro_batches(
+                indices, micro, lambda rows: batcher([train_data.examples[i] for i in rows], pad_id)
+            )
+            # the loss is normalised by the step's completion tokens over all processes
+            local_tokens = sum(b["loss_mask"].sum() for _, b in batches).to(device)
             num_tokens = accelerator.reduce(local_tokens, reduction="sum").clamp(min=1)
-            step_loss = torch.zeros((), device=device)
-            for i, batch in enumerate(batches):
-                batch = {k: v.to(device) for k, v in batch.items()}
-                with engine.grad_sync(model, sync=i == len(batches) - 1):
-                    logps = batch_logprobs(model, batch)
-                    loss, _ = loss_fn(logps, batch["loss_mask"], num_tokens)
-                    # DDP/FSDP average gradients over processes; scale so they sum (loss /global N)
-                    accelerator.backward(loss * world)
-                step_loss += loss.detach()
-            step_loss = accelerator.reduce(step_loss, reduction="sum")
+            step_loss, _ = accumulate_gradients(engine, model, batches, nll, step_rows=None)
             grad_norm, _ = optimizer_step(
                 accelerator, model, optimizer, scheduler,
                 max_grad_norm=cfg.optim.max_grad_norm, loss=step_loss, skips=skips,

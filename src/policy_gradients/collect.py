@@ -195,8 +195,7 @@ def collect_experience(
         t0 = time.perf_counter()
         ro = generate_rollouts(
             policy, tokenizer, [it["prompt"] for it in items], group_size=r.group_size,
-            max_new_tokens=r.max_new_tokens, temperature=r.temperature, top_p=r.top_p,
-            top_k=r.top_k, min_p=r.min_p, seeds=seeds,
+            max_new_tokens=r.max_new_tokens, sampling=r.sampling(), seeds=seeds,
         )  # fmt: skip
         t1 = time.perf_counter()
         rep_items = [it for it in items for _ in range(r.group_size)]

@@ -19,10 +19,11 @@ from typing import Any, Literal
 
 from pydantic import Field, field_validator, model_validator
 
-from rlhf_core.bookkeeping import TrainerConfig
+from rlhf_core.bookkeeping import TrainerConfig, run_name
 from rlhf_core.config import StrictModel
 from rlhf_core.data import DataSource, SplitDataConfig
 from rlhf_core.errors import UserError
+from rlhf_core.generation import Sampling
 from rlhf_core.loop import BaseLoopConfig
 from rlhf_core.models import ModelConfig, ReferenceConfig
 from rlhf_core.registry import registered_spec, validate_spec
@@ -80,6 +81,12 @@ class RolloutConfig(StrictModel):
     top_k: int = Field(0, ge=0, description="top-k sampling; 0 = off")
     min_p: float = Field(0.0, ge=0, lt=1, description="min-p sampling; 0 = off")
 
+    def sampling(self) -> Sampling:
+        """These settings as `rlhf_core.generation.Sampling`, what `decode` takes."""
+        return Sampling(
+            temperature=self.temperature, top_p=self.top_p, top_k=self.top_k, min_p=self.min_p
+        )
+
 
 class PGTrainConfig(BaseLoopConfig):
     max_steps: int = Field(100, gt=0, description="rollout + update steps")
@@ -87,10 +94,7 @@ class PGTrainConfig(BaseLoopConfig):
 
 
 class PGConfig(TrainerConfig):
-    name: str = Field(
-        "grpo", description="run name (run dir outputs/policy_gradients/<name>-<time>)"
-    )
-    seed: int = Field(0, description="seed for prompts order, sampling and shuffling")
+    name: str = run_name("grpo")
     model: ModelConfig = Field(description="the policy (its starting weights are also pi_ref)")
     value_model: ModelConfig | None = Field(
         None, description="PPO value model backbone; null = the policy's starting checkpoint"

@@ -16,6 +16,7 @@ import torch
 
 from policy_gradients.rewards import CombinedReward, RewardInput
 from policy_gradients.rollout import PromptSet, completion_logprobs, generate_rollouts
+from rlhf_core.generation import Sampling
 from rlhf_core.kl import kl_estimate
 from rlhf_core.logprobs import masked_mean
 from rlhf_core.models import ReferencePolicy
@@ -48,7 +49,7 @@ def evaluate_policy(
                 items = prompts.items[start : start + batch_size]
                 ro = generate_rollouts(
                     policy, tokenizer, [it["prompt"] for it in items], group_size=1,
-                    max_new_tokens=max_new_tokens, temperature=temp,
+                    max_new_tokens=max_new_tokens, sampling=Sampling(temperature=temp),
                 )  # fmt: skip
                 lengths = ro.action_mask.sum(-1)
                 total, parts = reward_fn(RewardInput(

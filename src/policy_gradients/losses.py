@@ -135,6 +135,17 @@ class PolicyGradientLoss(Configurable, nn.Module):
             )
         return value
 
+    def _mask_and_input(
+        self, experience: LossInputs, arg: str, value: torch.Tensor | None, why: str
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(the action mask, the loss's floating (B, T) input `value` of its shape), or a
+        ValueError naming `arg`."""
+        mask = self._mask(experience)
+        value = self._checked(arg, value, tuple(mask.shape), why)
+        if not value.dtype.is_floating_point:
+            raise ValueError(f"{self.name} loss: {arg} must be floating, got {value.dtype}")
+        return mask, value
+
     def _mask(self, experience: LossInputs) -> torch.Tensor:
         mask = experience.action_mask
         if not isinstance(mask, torch.Tensor) or mask.dim() != 2:
@@ -193,11 +204,9 @@ class PolicyLoss(PolicyGradientLoss):
     ) -> tuple[torch.Tensor, Metrics]:
         """log_probs (B, T) under the current policy -> (scalar loss, metrics). `values` is
         accepted for a uniform call signature and ignored by the policy losses."""
-        mask = self._mask(experience)
+        why = "(B, T) under the current policy"
+        mask, log_probs = self._mask_and_input(experience, "log_probs", log_probs, why)
         shape = tuple(mask.shape)
-        log_probs = self._checked("log_probs", log_probs, shape, "(B, T) under the current policy")
-        if not log_probs.dtype.is_floating_point:
-            raise ValueError(f"{self.name} loss: log_probs must be floating, got {log_probs.dtype}")
         old = self._checked(
             "experience.log_probs_old", experience.log_probs_old, shape, "(B, T) of the sampler"
         )
@@ -427,11 +436,9 @@ class ValueLoss(PolicyGradientLoss):
         values: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, Metrics]:
         """values (B, T) from the value model -> (scalar loss, metrics)."""
-        mask = self._mask(experience)
+        why = "(B, T) current value predictions"
+        mask, values = self._mask_and_input(experience, "values", values, why)
         shape = tuple(mask.shape)
-        values = self._checked("values", values, shape, "(B, T) current value predictions")
-        if not values.dtype.is_floating_point:
-            raise ValueError(f"{self.name} loss: values must be floating, got {values.dtype}")
         old = self._checked(
             "experience.values_old", experience.values_old, shape, "(B, T) value-model outputs"
         )

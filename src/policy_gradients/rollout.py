@@ -29,8 +29,8 @@ import torch
 from rlhf_core.chat import render_prompt
 from rlhf_core.data import DataSource, load_rows, reasoning_gym_dataset
 from rlhf_core.errors import UserError
-from rlhf_core.generation import decode, row_generators
-from rlhf_core.logprobs import shared_prompt_logprobs
+from rlhf_core.generation import Sampling, decode, row_generators
+from rlhf_core.packing import shared_prompt_logprobs
 from rlhf_core.policy_model import completion_values as policy_completion_values
 from rlhf_core.policy_model import is_encoder_decoder, policy_logprobs
 
@@ -105,10 +105,7 @@ def generate_rollouts(
     *,
     group_size: int,
     max_new_tokens: int,
-    temperature: float,
-    top_p: float = 1.0,
-    top_k: int = 0,
-    min_p: float = 0.0,
+    sampling: Sampling,
     seeds: list[int] | None = None,
 ) -> Rollouts:
     """`group_size` sampled completions per prompt, grouped consecutively (rows g*G ... g*G+G-1).
@@ -131,8 +128,7 @@ def generate_rollouts(
         out = decode(  # each prompt encoded once, its KV cache shared by its group
             model, enc["input_ids"], enc["attention_mask"], max_new_tokens=max_new_tokens,
             eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id,
-            temperature=temperature, top_p=top_p, top_k=top_k, min_p=min_p, generator=generator,
-            group_size=group_size,
+            sampling=sampling, generator=generator, group_size=group_size,
         )  # fmt: skip
     finally:
         model.train(was_training)
@@ -167,7 +163,7 @@ def completion_logprobs(
     fused with the log-softmax; an encoder-decoder model encodes the prompt and scores the
     completion with its decoder); positions outside the mask are 0. With an `action_mask` and a
     causal LM, the rows that share a prompt (a group) share one encoding of it
-    (`rlhf_core.logprobs.shared_prompt_logprobs`: equal log-probs, gradients summed over the
+    (`rlhf_core.packing.shared_prompt_logprobs`: equal log-probs, gradients summed over the
     group as with separate rows)."""
 
     batch, total = rollouts_ids.shape

@@ -12,7 +12,7 @@ from typing import Literal
 
 from pydantic import Field, model_validator
 
-from rlhf_core.bookkeeping import TrainerConfig
+from rlhf_core.bookkeeping import TrainerConfig, run_name
 from rlhf_core.config import StrictModel
 from rlhf_core.data import DataSource, SplitDataConfig
 from rlhf_core.encoding import MAX_PROMPT_LENGTH_HELP
@@ -111,10 +111,7 @@ class RMTrainConfig(LoopConfig):
 
 
 class RMConfig(TrainerConfig):
-    name: str = Field(
-        "reward_model", description="run name (run dir outputs/reward_models/<name>-<time>)"
-    )
-    seed: int = Field(0, description="seed for the head's init and the data order")
+    name: str = run_name("reward_model")
     model: ModelConfig = Field(description="the backbone: tiny preset, local dir or hub id")
     freeze_backbone: bool = Field(False, description="train the head only (not with LoRA)")
     data: RMDataConfig = Field(description="training and held-out rows")

@@ -5,7 +5,8 @@ All of the machinery (backbone loading, per-token scores, last-token pooling, th
 `score`) is `rlhf_core.scalar_head.ScalarHeadModel`, so that `policy_gradients` can load a reward
 model from its directory without importing this package. This module adds what only training
 needs: building the model for a config, the two forwards that encode each pair's prompt once
-(packed rows with a 4D mask, or a shared prefix through the KV cache), running a collated batch
+(packed rows with a 4D mask, or a shared prefix through the KV cache; both
+`rlhf_core.packing`), running a collated batch
 through it into the loss of its kind (`compute_loss`), and the sequence-classification export of
 preference models.
 
@@ -25,7 +26,7 @@ import torch
 
 from reward_models.config import RMConfig
 from reward_models.losses import RewardLoss
-from rlhf_core.packing import additive_mask
+from rlhf_core.packing import additive_mask, shared_prefix_forward
 from rlhf_core.scalar_head import (
     ScalarHeadInfo,
     ScalarHeadModel,
@@ -101,26 +102,12 @@ class BaseRewardModel(ScalarHeadModel):
                 f"a multiple of the prefixes' ({prefix_ids.shape[0]})"
             )
         repeats = input_ids.shape[0] // prefix_ids.shape[0]
-        prefix_mask = prefix_mask.long()
-        prefix_positions = (prefix_mask.cumsum(-1) - 1).clamp(min=0)
-        starts = prefix_mask.sum(-1, keepdim=True).repeat_interleave(repeats, 0)
-        positions = starts + (attention_mask.long().cumsum(-1) - 1).clamp(min=0)
-        mask = torch.cat([prefix_mask.repeat_interleave(repeats, 0), attention_mask.long()], 1)
+        prefix_of = torch.arange(prefix_ids.shape[0], device=input_ids.device)
         with self._grad_context():
-            # one embedding lookup for both passes: a second one would cost a second dense
-            # (vocab x hidden) embedding gradient in the backward
-            embed = self.backbone.get_input_embeddings()
-            both = embed(torch.cat([prefix_ids.reshape(-1), input_ids.reshape(-1)]))
-            n = prefix_ids.numel()
-            cache = self.backbone(
-                inputs_embeds=both[:n].view(*prefix_ids.shape, -1), attention_mask=prefix_mask,
-                position_ids=prefix_positions, use_cache=True,
-            ).past_key_values  # fmt: skip
-            cache.batch_repeat_interleave(repeats)
-            hidden = self.backbone(
-                inputs_embeds=both[n:].view(*input_ids.shape, -1), attention_mask=mask,
-                position_ids=positions, past_key_values=cache, use_cache=True,
-            ).last_hidden_state  # fmt: skip
+            _, hidden = shared_prefix_forward(
+                self.backbone, prefix_ids, prefix_mask, input_ids, attention_mask,
+                prefix_of.repeat_interleave(repeats),
+            )  # fmt: skip
         return self.head(hidden.to(self.head.weight.dtype))
 
     @classmethod

@@ -32,7 +32,9 @@ from rlhf_core.checkpoint import StopSignal
 from rlhf_core.config import RunArgs, parse_run_args
 from rlhf_core.errors import UserError, run_main
 from rlhf_core.loop import (
+    accumulate_gradients,
     check_engine_accumulation,
+    micro_batches,
     optimizer_step,
     plan_steps,
     print_dry_run,
@@ -138,26 +140,22 @@ def train(cfg: RMConfig, run: RunArgs) -> int:
             return evaluate(whole, loss_fn, eval_data, pad_id=pad_id, batch_size=micro)
 
     # --- the loop
+    def example_loss(batch: dict[str, torch.Tensor], _rows: list[int]) -> tuple[torch.Tensor, dict]:
+        loss, batch_metrics, _ = compute_loss(model, loss_fn, batch)
+        return loss, batch_metrics
+
     metrics: dict[str, torch.Tensor] = {}
     step_loss = torch.zeros(())
     with StopSignal() as stop:
         while step < total_steps:
             indices = sampler.next_batch(t.batch_size)[rank::world]
-            step_loss = torch.zeros((), device=device)
-            metrics = {}
-            for start in range(0, len(indices), micro):
-                rows = indices[start : start + micro]
-                batch = collate([train_data.examples[j] for j in rows], pad_id)
-                batch = {k: v.to(device) for k, v in batch.items()}
-                weight = len(rows) / t.batch_size  # share of the global step's examples
-                with engine.grad_sync(model, sync=start + micro >= len(indices)):
-                    loss, m, _ = compute_loss(model, loss_fn, batch)
-                    # DDP/FSDP average gradients over processes: scale so they sum to the mean
-                    accelerator.backward(loss * weight * world)
-                step_loss += loss.detach() * weight
-                for key, value in m.items():
-                    metrics[key] = metrics.get(key, 0.0) + value * weight
-            step_loss = accelerator.reduce(step_loss, reduction="sum")
+            batches = micro_batches(
+                indices, micro, lambda rows: collate([train_data.examples[j] for j in rows], pad_id)
+            )
+            # each micro-batch's loss counts with its share of the step's examples
+            step_loss, metrics = accumulate_gradients(
+                engine, model, batches, example_loss, step_rows=t.batch_size
+            )
             grad_norm, _ = optimizer_step(
                 accelerator, model, optimizer, scheduler,
                 max_grad_norm=cfg.optim.max_grad_norm, loss=step_loss, grad_buffer=grad_buffer,

@@ -43,11 +43,19 @@ from rlhf_core.tracking import Tracker, TrackingConfig
 Facts = dict[str, Any]  # named figures: metrics, summary entries
 
 
+RUN_NAME_HELP = "run name (the run dir is outputs/<package>/<name>-<time>)"
+
+
+def run_name(default: str) -> Any:
+    """The `name:` field of a package's config, with the package's default run name."""
+    return Field(default, description=RUN_NAME_HELP)
+
+
 class TrainerConfig(RunConfig):
     """The top-level fields every trainer's config has; a package's config extends it (and
-    re-declares `name` with its own default)."""
+    gives `name` its own default: `name: str = run_name("sft")`)."""
 
-    name: str = Field(description="run name (the run dir is outputs/<package>/<name>-<time>)")
+    name: str = Field(description=RUN_NAME_HELP)
     seed: int = Field(0, description="seed for init, data order and sampling")
     optim: OptimConfig = Field(default_factory=OptimConfig, description="optimizer and schedule")
     checkpoint: CheckpointConfig = Field(default_factory=CheckpointConfig, description="saving")

@@ -1,13 +1,14 @@
 """Batched generation with a KV cache and left padding: `decode`, and `generate_completions`.
 
 `decode` is the sampling loop every package uses (rollouts, evaluation): one prefill forward of
-the left-padded prompts, then one token per step through the transformers KV cache, with the
-logits warped as transformers `generate` warps them (temperature -> top-k -> top-p -> min-p) and
-greedy decoding at temperature 0. Its greedy tokens equal `model.generate`'s (tested). It
-differs from `generate` in one place, the draw: `generate` samples with `torch.multinomial`,
-which draws one exponential variate per vocabulary entry per row (on CPU that was 3/4 of a GRPO
-rollout's time with a 50k vocabulary); `decode` inverts the CDF with one uniform per row,
-index = min{i : cdf_i > u * cdf_V}, an exact draw from the same categorical distribution.
+the left-padded prompts, then one token per step through the transformers KV cache, each token
+chosen as a `Sampling` says: the logits warped as transformers `generate` warps them
+(temperature -> top-k -> top-p -> min-p), greedy decoding at temperature 0. Its greedy tokens
+equal `model.generate`'s (tested). It differs from `generate` in one place, the draw: `generate`
+samples with `torch.multinomial`, which draws one exponential variate per vocabulary entry per
+row (on CPU that was 3/4 of a GRPO rollout's time with a 50k vocabulary); `decode` inverts the
+CDF with one uniform per row, index = min{i : cdf_i > u * cdf_V}, an exact draw from the same
+categorical distribution.
 
 An encoder-decoder policy (T5) takes the same call and returns the same layout, [prompt |
 completion]: the encoder runs once on the left-padded prompts, the decoder starts from its start
@@ -23,7 +24,7 @@ are the ones the N x G repeated prompts would make, and so are the tokens (teste
 
 `generate_completions` takes rendered prompt texts and returns, per prompt, the completion token
 ids (up to and including the first eos), the decoded text (special tokens removed) and whether it
-was truncated at `max_new_tokens` without an eos. temperature 0 means greedy.
+was truncated at `max_new_tokens` without an eos. Both decode greedily unless given a `Sampling`.
 """
 
 from __future__ import annotations
@@ -35,37 +36,6 @@ from dataclasses import dataclass
 import torch
 
 from rlhf_core.policy_model import base_model, decoder_start_id, is_encoder_decoder
-
-
-def warp_logits(
-    logits: torch.Tensor,
-    *,
-    temperature: float,
-    top_k: int = 0,
-    top_p: float = 1.0,
-    min_p: float = 0.0,
-) -> torch.Tensor:
-    """Next-token logits (B, V) -> the sampling distribution's logits, -inf on removed tokens,
-    in transformers' order: / temperature, keep the top_k, keep the smallest set whose
-    probability reaches top_p (at least one token), drop tokens below min_p x the top one."""
-    logits = logits.float()
-    if temperature != 1.0:
-        logits = logits / temperature
-    if 0 < top_k < logits.shape[-1]:
-        kth = torch.topk(logits, top_k, dim=-1).values[:, -1:]
-        logits = logits.masked_fill(logits < kth, float("-inf"))
-    if top_p < 1.0:
-        sorted_logits, order = torch.sort(logits, dim=-1, descending=False)
-        cum = sorted_logits.softmax(-1).cumsum(-1)
-        remove = cum <= 1 - top_p  # the low tail whose mass is at most 1 - top_p
-        remove[:, -1] = False  # always keep the most likely token
-        logits = logits.masked_fill(remove.scatter(-1, order, remove), float("-inf"))
-    if min_p > 0.0:
-        probs = logits.softmax(-1)
-        floor = min_p * probs.max(-1, keepdim=True).values
-        logits = logits.masked_fill(probs < floor, float("-inf"))
-    return logits
-
 
 Generators = torch.Generator | Sequence[torch.Generator] | None
 
@@ -95,21 +65,48 @@ def sample_from_logits(logits: torch.Tensor, generator: Generators = None) -> to
     return index.clamp_(max=cdf.shape[-1] - 1).squeeze(-1)
 
 
-def next_token(
-    logits: torch.Tensor,
-    *,
-    temperature: float,
-    top_p: float,
-    top_k: int,
-    min_p: float,
-    generator: Generators,
-) -> torch.Tensor:
-    """The next token of each row from its logits (B, V): argmax at temperature 0, else a draw
-    from the warped distribution."""
-    if temperature <= 0:
-        return logits.argmax(-1)
-    warped = warp_logits(logits, temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p)
-    return sample_from_logits(warped, generator)
+@dataclass(frozen=True)
+class Sampling:
+    """How the next token is chosen, the one owner of the sampling settings: argmax at
+    `temperature` 0 (greedy), else a draw (`sample_from_logits`) from the logits warped as
+    transformers `generate` warps them, in its order: / temperature, keep the `top_k` (0 = off),
+    keep the smallest set whose probability reaches `top_p` (1 = off; at least one token), drop
+    tokens below `min_p` x the top one's probability (0 = off)."""
+
+    temperature: float = 0.0
+    top_p: float = 1.0
+    top_k: int = 0
+    min_p: float = 0.0
+
+    def warp(self, logits: torch.Tensor) -> torch.Tensor:
+        """Next-token logits (B, V) -> the sampling distribution's logits, -inf on removed
+        tokens."""
+        logits = logits.float()
+        if self.temperature != 1.0:
+            logits = logits / self.temperature
+        if 0 < self.top_k < logits.shape[-1]:
+            kth = torch.topk(logits, self.top_k, dim=-1).values[:, -1:]
+            logits = logits.masked_fill(logits < kth, float("-inf"))
+        if self.top_p < 1.0:
+            sorted_logits, order = torch.sort(logits, dim=-1, descending=False)
+            cum = sorted_logits.softmax(-1).cumsum(-1)
+            remove = cum <= 1 - self.top_p  # the low tail whose mass is at most 1 - top_p
+            remove[:, -1] = False  # always keep the most likely token
+            logits = logits.masked_fill(remove.scatter(-1, order, remove), float("-inf"))
+        if self.min_p > 0.0:
+            probs = logits.softmax(-1)
+            floor = self.min_p * probs.max(-1, keepdim=True).values
+            logits = logits.masked_fill(probs < floor, float("-inf"))
+        return logits
+
+    def next_token(self, logits: torch.Tensor, generator: Generators = None) -> torch.Tensor:
+        """The next token of each row from its logits (B, V)."""
+        if self.temperature <= 0:
+            return logits.argmax(-1)
+        return sample_from_logits(self.warp(logits), generator)
+
+
+GREEDY = Sampling()
 
 
 @torch.no_grad()
@@ -121,9 +118,9 @@ def _decode_encoder_decoder(
     max_new_tokens: int,
     eos_token_id: int,
     pad_token_id: int,
+    sampling: Sampling,
     generator: Generators,
     group_size: int,
-    **sampling: float,
 ) -> torch.Tensor:
     """`decode` for an encoder-decoder model: the encoder once per distinct prompt (its output
     repeated `group_size` times), then the decoder token by token through its KV cache from the
@@ -147,7 +144,7 @@ def _decode_encoder_decoder(
             past_key_values=cache, use_cache=True,
         )  # fmt: skip
         cache = out.past_key_values
-        token = next_token(out.logits[:, -1], generator=generator, **sampling)
+        token = sampling.next_token(out.logits[:, -1], generator)
         token = torch.where(done, pad, token.to(input_ids.dtype))
         new_tokens.append(token)
         done = done | (token == eos_token_id)
@@ -170,10 +167,7 @@ def decode(
     max_new_tokens: int,
     eos_token_id: int,
     pad_token_id: int,
-    temperature: float = 0.0,
-    top_p: float = 1.0,
-    top_k: int = 0,
-    min_p: float = 0.0,
+    sampling: Sampling = GREEDY,
     generator: Generators = None,
     group_size: int = 1,
 ) -> torch.Tensor:
@@ -187,12 +181,11 @@ def decode(
         raise ValueError(f"decode: max_new_tokens must be >= 1, got {max_new_tokens}")
     if group_size < 1:
         raise ValueError(f"decode: group_size must be >= 1, got {group_size}")
-    sampling = {"temperature": temperature, "top_p": top_p, "top_k": top_k, "min_p": min_p}
     if is_encoder_decoder(model):
         return _decode_encoder_decoder(
             model, input_ids, attention_mask, max_new_tokens=max_new_tokens,
-            eos_token_id=eos_token_id, pad_token_id=pad_token_id, generator=generator,
-            group_size=group_size, **sampling,
+            eos_token_id=eos_token_id, pad_token_id=pad_token_id, sampling=sampling,
+            generator=generator, group_size=group_size,
         )  # fmt: skip
     mask = attention_mask.long()
     position_ids = (mask.cumsum(-1) - 1).clamp(min=0)
@@ -215,7 +208,7 @@ def decode(
     ones = torch.ones(batch, 1, dtype=mask.dtype, device=mask.device)
     new_tokens = []
     for step in range(max_new_tokens):
-        token = next_token(logits, generator=generator, **sampling)
+        token = sampling.next_token(logits, generator)
         token = torch.where(done, pad, token.to(input_ids.dtype))
         new_tokens.append(token)
         done = done | (token == eos_token_id)
@@ -245,10 +238,7 @@ def generate_completions(
     prompts: list[str],
     *,
     max_new_tokens: int,
-    temperature: float = 0.0,
-    top_p: float = 1.0,
-    top_k: int = 0,
-    min_p: float = 0.0,
+    sampling: Sampling = GREEDY,
     batch_size: int = 64,
 ) -> list[Completion]:
     """Complete each prompt text; see the module docstring."""
@@ -261,7 +251,6 @@ def generate_completions(
     was_training = model.training
     model.eval()
     out: list[Completion] = []
-    sampling = {"temperature": temperature, "top_p": top_p, "top_k": top_k, "min_p": min_p}
     try:
         for start in range(0, len(prompts), batch_size):
             batch = tokenizer(
@@ -273,7 +262,7 @@ def generate_completions(
             generated = decode(
                 model, batch["input_ids"], batch["attention_mask"],
                 max_new_tokens=max_new_tokens, eos_token_id=eos_id,
-                pad_token_id=tokenizer.pad_token_id, **sampling,
+                pad_token_id=tokenizer.pad_token_id, sampling=sampling,
             )  # fmt: skip
             new_tokens = generated[:, batch["input_ids"].shape[1] :].tolist()
             for row in new_tokens:

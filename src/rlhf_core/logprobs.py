@@ -107,7 +107,7 @@ def causal_lm_token_logprobs(
     )
 
 
-def _decoder_and_head(model: torch.nn.Module):
+def decoder_and_head(model: torch.nn.Module):
     """(decoder, lm_head) of a plain, peft-wrapped or FSDP2-sharded causal LM, or None when the
     head cannot be run separately: a DDP wrapper (its forward hooks sync gradients) or a model that
     rescales or soft-caps its logits after the head (Gemma 2, Cohere, Granite), or whose head is
@@ -255,7 +255,7 @@ def causal_lm_selected_logprobs(
     run_as_root_forward`), so the head weight is the gathered one. Falls back to the full head
     where that is not safe (a DDP wrapper, soft-capped logits, a
     head that is not a plain `nn.Linear`, e.g. a LoRA-adapted one)."""
-    parts = _decoder_and_head(model)
+    parts = decoder_and_head(model)
     if parts is None:
         full = causal_lm_token_logprobs(
             model, input_ids, attention_mask, temperature=temperature, with_entropy=with_entropy
@@ -282,118 +282,27 @@ def _fused_selected_logprobs(
         use_cache=False,
     ).last_hidden_state
     select = target_mask.bool()
-    # an untied head is an FSDP2 unit of its own: gathered just around its own use
-    picked = run_as_root_forward(
-        head, _head_logprobs, hidden[:, :-1][select], head, input_ids[:, 1:][select],
-        temperature, chunk_rows, with_entropy,
+    picked = fused_head_logprobs(
+        head, hidden[:, :-1][select], input_ids[:, 1:][select], temperature, chunk_rows,
+        with_entropy,
     )  # fmt: skip
-    if not with_entropy:
-        picked = (picked,)
-    outs = []
-    for values in picked:
-        out = torch.zeros(select.shape, dtype=values.dtype, device=values.device)
-        outs.append(out.masked_scatter(select, values))
-    return tuple(outs) if with_entropy else outs[0]
+    return scatter_selected(select, picked, with_entropy)
 
 
-def _checkpointing(model: torch.nn.Module) -> bool:
-    """True when a module of `model` recomputes activations in training (transformers then drops
-    the KV cache, so a shared-prompt forward through the cache is impossible)."""
-    return model.training and any(
-        getattr(m, "gradient_checkpointing", False) is True for m in model.modules()
-    )
-
-
-def shared_prompt_logprobs(
-    model: torch.nn.Module,
-    prompt_ids: torch.Tensor,
-    prompt_mask: torch.Tensor,
-    completion_ids: torch.Tensor,
-    completion_mask: torch.Tensor,
-    *,
-    temperature: float = 1.0,
-    chunk_rows: int | None = None,
-    with_entropy: bool = False,
+def fused_head_logprobs(
+    head: torch.nn.Linear,
+    hidden: torch.Tensor,
+    labels: torch.Tensor,
+    temperature: float,
+    chunk_rows: int | None,
+    with_entropy: bool,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
-    """Log-probs (B, T) of completions (B, T, right-padded, `completion_mask`) continuing
-    left-padded prompts (B, P), 0 off the mask; with `with_entropy` also the entropies. Rows whose
-    prompts are equal (GRPO's G samples of a group, wherever they sit in the batch) share one
-    encoding of the prompt: the U distinct prompts run once, their keys and values are gathered
-    for the B rows, and the completions attend to them through the KV cache; gradients flow
-    through the cache into the prompt's single forward, so they are the sum over the group, as
-    with B separate rows (tested against `causal_lm_selected_logprobs` on [prompt | completion]
-    rows in float64). The state that predicts a completion's first token is the prompt's last
-    one. Falls back to the flat rows where the decoder and head cannot run apart (see
-    `causal_lm_selected_logprobs`) or where activation checkpointing drops the cache."""
-    if prompt_ids.shape != prompt_mask.shape or completion_ids.shape != completion_mask.shape:
-        raise ValueError(
-            f"shared_prompt_logprobs: ids and masks must match, got prompt "
-            f"{tuple(prompt_ids.shape)} / {tuple(prompt_mask.shape)}, completion "
-            f"{tuple(completion_ids.shape)} / {tuple(completion_mask.shape)}"
-        )
-    if not bool(prompt_mask[:, -1].all()):
-        raise ValueError("shared_prompt_logprobs: prompts must be left-padded (last column real)")
-    parts = _decoder_and_head(model)
-    if parts is None or _checkpointing(model):
-        ids = torch.cat([prompt_ids, completion_ids], 1)
-        mask = torch.cat([prompt_mask, completion_mask], 1)
-        target = torch.zeros(ids.shape[0], ids.shape[1] - 1, dtype=torch.bool, device=ids.device)
-        target[:, prompt_ids.shape[1] - 1 :] = completion_mask.bool()
-        out = causal_lm_selected_logprobs(
-            model, ids, mask, target, temperature=temperature, chunk_rows=chunk_rows,
-            with_entropy=with_entropy,
-        )  # fmt: skip
-        p = prompt_ids.shape[1] - 1
-        return tuple(x[:, p:] for x in out) if with_entropy else out[:, p:]
+    """`linear_token_logprobs` of the selected hidden states (N, H) through `head`, inside the
+    head's own forward: an untied head is an FSDP2 unit of its own, gathered just around its
+    use (`rlhf_core.distributed.run_as_root_forward`)."""
     return run_as_root_forward(
-        model, _shared_prompt_fused, *parts, prompt_ids, prompt_mask, completion_ids,
-        completion_mask, temperature, chunk_rows, with_entropy,
-    )  # fmt: skip
-
-
-def _shared_prompt_fused(
-    decoder, head, prompt_ids, prompt_mask, completion_ids, completion_mask, temperature,
-    chunk_rows, with_entropy,
-):  # fmt: skip
-    """The distinct prompts once, the completions through their gathered KV cache, then the fused
-    head on the completion positions (see `shared_prompt_logprobs`)."""
-    prompt_mask, completion_mask = prompt_mask.long(), completion_mask.long()
-    width = prompt_ids.shape[1]
-    rows = torch.cat([prompt_ids.masked_fill(prompt_mask == 0, 0), prompt_mask], 1)
-    distinct, inverse = torch.unique(rows, dim=0, return_inverse=True)
-    ids, mask = distinct[:, :width], distinct[:, width:]
-    # one embedding lookup for both passes: a second would add a second dense embedding gradient
-    embed = decoder.get_input_embeddings()
-    both = embed(torch.cat([ids.reshape(-1), completion_ids.reshape(-1)]))
-    n = ids.numel()
-    out = decoder(
-        inputs_embeds=both[:n].view(*ids.shape, -1), attention_mask=mask,
-        position_ids=(mask.cumsum(-1) - 1).clamp(min=0), use_cache=True,
-    )  # fmt: skip
-    cache = out.past_key_values
-    cache.batch_select_indices(inverse)
-    starts = mask.sum(-1, keepdim=True)[inverse]
-    hidden = decoder(
-        inputs_embeds=both[n:].view(*completion_ids.shape, -1),
-        attention_mask=torch.cat([mask[inverse], completion_mask], 1),
-        position_ids=starts + torch.arange(completion_ids.shape[1], device=starts.device),
-        past_key_values=cache, use_cache=True,
-    ).last_hidden_state  # fmt: skip
-    # the state predicting completion token t: the prompt's last for t = 0, else completion t - 1
-    states = torch.cat([out.last_hidden_state[:, -1:][inverse], hidden[:, :-1]], 1)
-    select = completion_mask.bool()
-    # an untied head is an FSDP2 unit of its own: gathered just around its own use
-    picked = run_as_root_forward(
-        head, _head_logprobs, states[select], head, completion_ids[select], temperature,
-        chunk_rows, with_entropy,
-    )  # fmt: skip
-    if not with_entropy:
-        picked = (picked,)
-    outs = []
-    for values in picked:
-        full = torch.zeros(select.shape, dtype=values.dtype, device=values.device)
-        outs.append(full.masked_scatter(select, values))
-    return tuple(outs) if with_entropy else outs[0]
+        head, _head_logprobs, hidden, head, labels, temperature, chunk_rows, with_entropy
+    )
 
 
 def _head_logprobs(hidden, head, labels, temperature, chunk_rows, with_entropy):
@@ -401,6 +310,20 @@ def _head_logprobs(hidden, head, labels, temperature, chunk_rows, with_entropy):
         hidden, head, labels, temperature=temperature, chunk_rows=chunk_rows,
         with_entropy=with_entropy,
     )  # fmt: skip
+
+
+def scatter_selected(
+    select: torch.Tensor,
+    picked: torch.Tensor | tuple[torch.Tensor, torch.Tensor],
+    with_entropy: bool,
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    """The values at the `select`ed positions (N,) (with `with_entropy`, a pair of them) laid
+    out in the shape of `select`, 0 elsewhere."""
+    outs = tuple(
+        torch.zeros(select.shape, dtype=v.dtype, device=v.device).masked_scatter(select, v)
+        for v in (picked if with_entropy else (picked,))
+    )
+    return outs if with_entropy else outs[0]
 
 
 def causal_lm_logprobs_at(
@@ -417,7 +340,7 @@ def causal_lm_logprobs_at(
     layout the caller owns (explicit `position_ids`; `attention_mask` 2D or a 4D additive mask:
     `rlhf_core.packing`). The LM head runs on the N source positions only, fused with the
     log-softmax as in `causal_lm_selected_logprobs`, with the same fallback to the full head."""
-    parts = _decoder_and_head(model)
+    parts = decoder_and_head(model)
     if parts is None:
         logits = model(
             input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
@@ -440,11 +363,9 @@ def _fused_logprobs_at(
         position_ids=position_ids,
         use_cache=False,
     ).last_hidden_state
-    # an untied head is an FSDP2 unit of its own: gathered just around its own use
-    return run_as_root_forward(
-        head, _head_logprobs, hidden.flatten(0, 1)[sources], head, labels, temperature, None,
-        False,
-    )  # fmt: skip
+    return fused_head_logprobs(
+        head, hidden.flatten(0, 1)[sources], labels, temperature, None, False
+    )
 
 
 def masked_sum(values: torch.Tensor, mask: torch.Tensor, dim: int | None = None) -> torch.Tensor:

@@ -2,8 +2,9 @@
 
 A package's `train.py` reads top to bottom and calls these for the parts that are the same
 everywhere: process set-up (`start_accelerator`), how many steps (`plan_steps`), the dry-run
-report, restoring a checkpoint, the clipped optimizer step that skips non-finite losses, saving,
-and the message after a stop signal.
+report, one step's micro-batches and their accumulated gradients (`micro_batches`,
+`accumulate_gradients`), restoring a checkpoint, the clipped optimizer step that skips
+non-finite losses, saving, and the message after a stop signal.
 """
 
 from __future__ import annotations
@@ -11,6 +12,7 @@ from __future__ import annotations
 import math
 import shutil
 import sys
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any, Literal
 
@@ -132,6 +134,52 @@ def plan_steps(loop: LoopConfig, num_rows: int, world: int) -> tuple[int, int]:
         )
     steps_per_epoch = math.ceil(num_rows / loop.batch_size)
     return micro, loop.max_steps or math.ceil(loop.epochs * steps_per_epoch)
+
+
+Batch = dict[str, torch.Tensor]  # one collated micro-batch: name -> tensor
+
+
+def micro_batches(
+    rows: list[int], size: int, collate: Callable[[list[int]], Batch]
+) -> list[tuple[list[int], Batch]]:
+    """This process's `rows` of one optimizer step in micro-batches of `size` rows: (the rows,
+    `collate(rows)`) each, collated up front (on the CPU) so a loss can be normalised over all."""
+    return [(rows[s : s + size], collate(rows[s : s + size])) for s in range(0, len(rows), size)]
+
+
+def accumulate_gradients(
+    engine: Engine,
+    model: torch.nn.Module,
+    batches: list[tuple[list[int], Batch]],
+    loss_of: Callable[[Batch, list[int]], tuple[torch.Tensor, dict[str, torch.Tensor]]],
+    *,
+    step_rows: int | None,
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """The forward and backward passes of one optimizer step, its micro-batches in turn.
+
+    Each batch moves to the device and `loss_of(batch, rows)` returns its (loss, metrics); the
+    gradients are reduced across processes after the last micro-batch only (`engine.grad_sync`).
+    With `step_rows` (the step's rows over all processes) a micro-batch's loss is a mean over its
+    rows and counts with weight len(rows) / step_rows, so the weighted sum over micro-batches and
+    processes is the mean over the step's rows, the one-big-batch loss; with None every loss is
+    already normalised over the whole step (weight 1, e.g. SFT's loss over the step's tokens).
+    DDP/FSDP average gradients over processes, so each backward is scaled by the process count to
+    make them sum. Returns the step's loss, summed over processes, and this process's weighted
+    metrics (reduce them over processes when logging)."""
+    accelerator = engine.accelerator
+    world = accelerator.num_processes
+    step_loss = torch.zeros((), device=accelerator.device)
+    metrics: dict[str, torch.Tensor] = {}
+    for i, (rows, batch) in enumerate(batches):
+        weight = 1.0 if step_rows is None else len(rows) / step_rows
+        batch = {k: v.to(accelerator.device) for k, v in batch.items()}
+        with engine.grad_sync(model, sync=i == len(batches) - 1):
+            loss, batch_metrics = loss_of(batch, rows)
+            accelerator.backward(loss * weight * world)
+        step_loss += loss.detach() * weight
+        for key, value in batch_metrics.items():
+            metrics[key] = metrics.get(key, 0.0) + value * weight
+    return accelerator.reduce(step_loss, reduction="sum"), metrics
 
 
 def print_dry_run(

@@ -1,7 +1,26 @@
-"""Packed rows: several sequences in one row, a shared prompt encoded once for its completions.
+"""Prompt sharing: a prompt encoded once for all its completions, the one owner of both ways.
 
-One layout serves SFT, DPO and reward-model batches. A *group* is a prefix (the prompt) and one
-or more *branches* (completions) that continue it:
+Two mechanisms, each where it is exact and fast:
+
+  packed rows (4D mask)    SFT examples, DPO / KTO pairs, a reward model's pairs: each batch is
+                           laid out once in the collate (`pack_groups`), prompts and completions
+                           in one forward. Needs an attention that reads a 4D mask (SDPA, eager:
+                           `supports_packing`).
+  shared prefix (KV cache) GRPO's groups (the G samples of a prompt, found by comparing the
+                           prompts: `shared_prompt_logprobs`) and a reward model's pairs under
+                           flash-attention 2 (no 4D mask): the distinct prompts run once, their
+                           keys and values are gathered for the rows that continue them, and
+                           the completions attend to them through the KV cache
+                           (`shared_prefix_forward`). Needs the cache, so not under activation
+                           checkpointing. The rows stay rows (no packing), which suits sampled
+                           completions of one length budget.
+
+Both give the log-probs (or scores) of the unshared rows up to float rounding, gradients
+included (tested in float64), and both run the LM head on the completion positions only
+(`rlhf_core.logprobs`' fused head).
+
+Packed rows. One layout serves SFT, DPO and reward-model batches. A *group* is a prefix (the
+prompt) and one or more *branches* (completions) that continue it:
 
     SFT example      (prompt, [completion])
     preference pair  (prompt, [chosen, rejected])        DPO, KTO, a reward model's pair
@@ -33,6 +52,9 @@ diagonal mask (SFT rows) but not a prefix shared by two branches, so a flash-att
 run unpacked here (a reward model shares its prompt through the KV cache instead). That varlen
 path is not used or tested by this library. On CPU SDPA computes the whole masked (L, L) score
 matrix, so rows are kept no longer than the batch's longest group.
+
+Shared prefix. `shared_prefix_forward(decoder, prefixes, rows)` is the forward both the policy
+log-probs (`shared_prompt_logprobs`) and the reward model (`reward_models.models`) run.
 """
 
 from __future__ import annotations
@@ -41,7 +63,14 @@ from collections.abc import Sequence
 
 import torch
 
-from rlhf_core.logprobs import causal_lm_logprobs_at
+from rlhf_core.distributed import run_as_root_forward
+from rlhf_core.logprobs import (
+    causal_lm_logprobs_at,
+    causal_lm_selected_logprobs,
+    decoder_and_head,
+    fused_head_logprobs,
+    scatter_selected,
+)
 from rlhf_core.policy_model import policy_logprobs
 
 Group = tuple[Sequence[int], Sequence[Sequence[int]]]  # (prefix ids, [branch ids, ...])
@@ -218,3 +247,119 @@ def unpacked_tokens(batch: dict[str, torch.Tensor]) -> int:
     not depend on packing."""
     prefix = batch["prefix_lengths"].repeat_interleave(batch["branches_per_group"])
     return int(prefix.sum() + batch["branch_lengths"].sum())
+
+
+# --- the shared prefix through the KV cache
+
+
+def _checkpointing(model: torch.nn.Module) -> bool:
+    """True when a module of `model` recomputes activations in training (transformers then drops
+    the KV cache, so a shared-prompt forward through the cache is impossible)."""
+    return model.training and any(
+        getattr(m, "gradient_checkpointing", False) is True for m in model.modules()
+    )
+
+
+def shared_prompt_logprobs(
+    model: torch.nn.Module,
+    prompt_ids: torch.Tensor,
+    prompt_mask: torch.Tensor,
+    completion_ids: torch.Tensor,
+    completion_mask: torch.Tensor,
+    *,
+    temperature: float = 1.0,
+    chunk_rows: int | None = None,
+    with_entropy: bool = False,
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    """Log-probs (B, T) of completions (B, T, right-padded, `completion_mask`) continuing
+    left-padded prompts (B, P), 0 off the mask; with `with_entropy` also the entropies. Rows whose
+    prompts are equal (GRPO's G samples of a group, wherever they sit in the batch) share one
+    encoding of the prompt: the U distinct prompts run once, their keys and values are gathered
+    for the B rows, and the completions attend to them through the KV cache; gradients flow
+    through the cache into the prompt's single forward, so they are the sum over the group, as
+    with B separate rows (tested against `causal_lm_selected_logprobs` on [prompt | completion]
+    rows in float64). The state that predicts a completion's first token is the prompt's last
+    one. Falls back to the flat rows where the decoder and head cannot run apart (see
+    `causal_lm_selected_logprobs`) or where activation checkpointing drops the cache."""
+    if prompt_ids.shape != prompt_mask.shape or completion_ids.shape != completion_mask.shape:
+        raise ValueError(
+            f"shared_prompt_logprobs: ids and masks must match, got prompt "
+            f"{tuple(prompt_ids.shape)} / {tuple(prompt_mask.shape)}, completion "
+            f"{tuple(completion_ids.shape)} / {tuple(completion_mask.shape)}"
+        )
+    if not bool(prompt_mask[:, -1].all()):
+        raise ValueError("shared_prompt_logprobs: prompts must be left-padded (last column real)")
+    parts = decoder_and_head(model)
+    if parts is None or _checkpointing(model):
+        ids = torch.cat([prompt_ids, completion_ids], 1)
+        mask = torch.cat([prompt_mask, completion_mask], 1)
+        target = torch.zeros(ids.shape[0], ids.shape[1] - 1, dtype=torch.bool, device=ids.device)
+        target[:, prompt_ids.shape[1] - 1 :] = completion_mask.bool()
+        out = causal_lm_selected_logprobs(
+            model, ids, mask, target, temperature=temperature, chunk_rows=chunk_rows,
+            with_entropy=with_entropy,
+        )  # fmt: skip
+        p = prompt_ids.shape[1] - 1
+        return tuple(x[:, p:] for x in out) if with_entropy else out[:, p:]
+    return run_as_root_forward(
+        model, _shared_prompt_fused, *parts, prompt_ids, prompt_mask, completion_ids,
+        completion_mask, temperature, chunk_rows, with_entropy,
+    )  # fmt: skip
+
+
+def _shared_prompt_fused(
+    decoder, head, prompt_ids, prompt_mask, completion_ids, completion_mask, temperature,
+    chunk_rows, with_entropy,
+):  # fmt: skip
+    """The distinct prompts once, the completions through their gathered KV cache, then the fused
+    head on the completion positions (see `shared_prompt_logprobs`)."""
+    width = prompt_ids.shape[1]
+    rows = torch.cat([prompt_ids.masked_fill(prompt_mask == 0, 0), prompt_mask.long()], 1)
+    distinct, inverse = torch.unique(rows, dim=0, return_inverse=True)
+    prompt_states, hidden = shared_prefix_forward(
+        decoder, distinct[:, :width], distinct[:, width:], completion_ids, completion_mask, inverse
+    )
+    # the state predicting completion token t: the prompt's last for t = 0, else completion t - 1
+    states = torch.cat([prompt_states[:, -1:][inverse], hidden[:, :-1]], 1)
+    select = completion_mask.bool()
+    picked = fused_head_logprobs(
+        head, states[select], completion_ids[select], temperature, chunk_rows, with_entropy
+    )
+    return scatter_selected(select, picked, with_entropy)
+
+
+def shared_prefix_forward(
+    decoder: torch.nn.Module,
+    prefix_ids: torch.Tensor,
+    prefix_mask: torch.Tensor,
+    input_ids: torch.Tensor,
+    attention_mask: torch.Tensor,
+    prefix_of: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rows that continue shared prefixes, through the prefixes' KV cache: the prefixes (U, P),
+    left-padded, run once; row b of `input_ids` / `attention_mask` (B, T), right-padded,
+    continues prefix `prefix_of[b]` and attends to its keys and values through the cache, so
+    gradients flow through the cache into the prefix's single forward (summed over its rows, as
+    with B separate rows). Returns the decoder's hidden states of the prefixes (U, P, H) and of
+    the continuations (B, T, H), equal up to float rounding to those of each prefix +
+    continuation as one row (tested). `decoder`: a transformers base model (no LM head)."""
+    prefix_mask, attention_mask = prefix_mask.long(), attention_mask.long()
+    # one embedding lookup for both passes: a second would add a second dense (vocab x hidden)
+    # embedding gradient in the backward
+    embed = decoder.get_input_embeddings()
+    both = embed(torch.cat([prefix_ids.reshape(-1), input_ids.reshape(-1)]))
+    n = prefix_ids.numel()
+    prefix = decoder(
+        inputs_embeds=both[:n].view(*prefix_ids.shape, -1), attention_mask=prefix_mask,
+        position_ids=(prefix_mask.cumsum(-1) - 1).clamp(min=0), use_cache=True,
+    )  # fmt: skip
+    cache = prefix.past_key_values
+    cache.batch_select_indices(prefix_of)
+    starts = prefix_mask.sum(-1, keepdim=True)[prefix_of]
+    hidden = decoder(
+        inputs_embeds=both[n:].view(*input_ids.shape, -1),
+        attention_mask=torch.cat([prefix_mask[prefix_of], attention_mask], 1),
+        position_ids=starts + (attention_mask.cumsum(-1) - 1).clamp(min=0),
+        past_key_values=cache, use_cache=True,
+    ).last_hidden_state  # fmt: skip
+    return prefix.last_hidden_state, hidden

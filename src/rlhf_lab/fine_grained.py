@@ -77,6 +77,7 @@ def evaluate_models(
 
     from policy_gradients.rollout import completion_logprobs, generate_rollouts, load_prompts
     from rlhf_core.data import DataSource
+    from rlhf_core.generation import Sampling
     from rlhf_core.kl import kl_estimate
     from rlhf_core.logprobs import masked_mean
     from rlhf_core.longform import error_rates, question_from_prompt
@@ -101,7 +102,7 @@ def evaluate_models(
             with torch.no_grad():
                 ro = generate_rollouts(
                     policy, tokenizer, [it["prompt"] for it in items], group_size=1,
-                    max_new_tokens=max_new_tokens, temperature=temperature,
+                    max_new_tokens=max_new_tokens, sampling=Sampling(temperature=temperature),
                     seeds=list(range(len(items))),
                 )  # fmt: skip
             rates = error_rates(list(zip(questions, ro.completions, strict=True)))

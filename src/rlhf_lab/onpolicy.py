@@ -45,6 +45,7 @@ from policy_gradients.rollout import generate_rollouts, load_prompts
 from rlhf_core.config import RunArgs, RunConfig, StrictModel, dump_config, parse_run_args
 from rlhf_core.data import DataSource
 from rlhf_core.errors import run_main
+from rlhf_core.generation import Sampling
 from rlhf_core.models import ModelConfig, load_policy, load_tokenizer
 from rlhf_core.rundir import default_run_dir
 
@@ -156,7 +157,8 @@ def build_pairs(cfg: PairsConfig, out_dir: Path) -> dict[str, dict[str, float]]:
                 items = prompts.items[start : start + cfg.batch_prompts]
                 ro = generate_rollouts(
                     model, tokenizer, [it["prompt"] for it in items], group_size=cfg.samples,
-                    max_new_tokens=cfg.max_new_tokens, temperature=cfg.temperature,
+                    max_new_tokens=cfg.max_new_tokens,
+                    sampling=Sampling(temperature=cfg.temperature),
                 )  # fmt: skip
                 texts = [t.strip() for t in ro.completions]
                 if judge_model is not None:

@@ -169,6 +169,7 @@ def quantize_policy(src: Path, q: QuantizationConfig, args, cfg) -> tuple[dict, 
     from policy_gradients.rewards import CombinedReward
     from policy_gradients.rollout import generate_rollouts, load_prompts
     from rlhf_core.data import DataSource
+    from rlhf_core.generation import Sampling
     from rlhf_core.models import ModelConfig, load_tokenizer
     from rlhf_core.quantization import quantized_load_kwargs
 
@@ -197,7 +198,8 @@ def quantize_policy(src: Path, q: QuantizationConfig, args, cfg) -> tuple[dict, 
     for start in range(0, len(prompts.items), 32):
         texts = [it["prompt"] for it in prompts.items[start : start + 32]]
         ro = generate_rollouts(original, tokenizer, texts, group_size=1,
-                               max_new_tokens=args.max_new_tokens, temperature=1.0)  # fmt: skip
+                               max_new_tokens=args.max_new_tokens,
+                               sampling=Sampling(temperature=1.0))  # fmt: skip
         kl = token_kl(original, quantized, ro.sequence_ids, ro.attention_mask,
                       ro.action_mask, ro.prompt_length)  # fmt: skip
         kl_sum += float(kl.sum())

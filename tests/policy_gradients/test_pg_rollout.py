@@ -19,6 +19,7 @@ from policy_gradients.rewards import (
 )
 from policy_gradients.rollout import RolloutLog, completion_logprobs, generate_rollouts
 from rlhf_core.data import ReasoningGymSource, reasoning_gym_dataset
+from rlhf_core.generation import Sampling
 from rlhf_core.logprobs import token_logprobs
 from rlhf_core.models import ModelConfig, load_policy, load_tokenizer
 
@@ -40,7 +41,9 @@ def test_generated_rollouts_mask_through_the_first_eos_and_flag_truncation():
         "<|user|>abc<|end|><|assistant|>",
         "<|user|>a much longer prompt<|end|><|assistant|>",
     ]
-    ro = generate_rollouts(model, tok, prompts, group_size=3, max_new_tokens=12, temperature=1.0)
+    ro = generate_rollouts(
+        model, tok, prompts, group_size=3, max_new_tokens=12, sampling=Sampling(temperature=1.0)
+    )
     assert (
         ro.sequence_ids.shape[0] == 6
         and ro.action_mask.shape[1] == ro.sequence_ids.shape[1] - ro.prompt_length
@@ -60,7 +63,9 @@ def test_completion_logprobs_are_those_of_the_tempered_distribution_per_row():
     model = load_policy(TINY)
     torch.manual_seed(1)
     prompts = ["<|user|>x<|end|><|assistant|>", "<|user|>longer one<|end|><|assistant|>"]
-    ro = generate_rollouts(model, tok, prompts, group_size=2, max_new_tokens=8, temperature=0.7)
+    ro = generate_rollouts(
+        model, tok, prompts, group_size=2, max_new_tokens=8, sampling=Sampling(temperature=0.7)
+    )
     batched = completion_logprobs(model, ro.sequence_ids, ro.attention_mask, ro.prompt_length,
                                   temperature=0.7)  # fmt: skip
     # with the action mask (training): each group's prompt encoded once, the same log-probs
@@ -206,7 +211,7 @@ def test_seeded_rollouts_do_not_depend_on_how_prompts_are_split():
     model = load_policy(TINY)
     prompts = [f"<|user|>{w}<|end|><|assistant|>" for w in ("ab", "a longer one", "xyz", "q")]
     seeds = [101, 202, 303, 404]
-    kwargs = {"group_size": 3, "max_new_tokens": 12, "temperature": 1.0}
+    kwargs = {"group_size": 3, "max_new_tokens": 12, "sampling": Sampling(temperature=1.0)}
     whole = generate_rollouts(model, tok, prompts, seeds=seeds, **kwargs)
     for rank in (0, 1):
         part = generate_rollouts(model, tok, prompts[rank::2], seeds=seeds[rank::2], **kwargs)

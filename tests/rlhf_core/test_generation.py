@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from rlhf_core.generation import decode, sample_from_logits, warp_logits
+from rlhf_core.generation import Sampling, decode, sample_from_logits
 from rlhf_core.models import ModelConfig, load_policy, load_tokenizer
 
 TINY = ModelConfig(name_or_path="tiny-qwen3")
@@ -39,7 +39,8 @@ def test_decode_stops_after_eos_and_pads(model_and_tokenizer):
     enc = tok(["<|user|>x<|end|><|assistant|>"] * 6, return_tensors="pt", add_special_tokens=False)
     torch.manual_seed(4)
     out = decode(model, enc["input_ids"], enc["attention_mask"], max_new_tokens=40,
-                 temperature=1.5, eos_token_id=tok.eos_token_id, pad_token_id=PAD)  # fmt: skip
+                 sampling=Sampling(temperature=1.5), eos_token_id=tok.eos_token_id,
+                 pad_token_id=PAD)  # fmt: skip
     new = out[:, enc["input_ids"].shape[1] :]
     for row in new.tolist():
         if tok.eos_token_id in row:
@@ -81,7 +82,7 @@ def test_warp_logits_follows_transformers_warpers():
             want = TopPLogitsWarper(kwargs["top_p"])(ids, want)
         if "min_p" in kwargs:
             want = MinPLogitsWarper(kwargs["min_p"])(ids, want)
-        got = warp_logits(logits, temperature=0.7, **kwargs)
+        got = Sampling(temperature=0.7, **kwargs).warp(logits)
         assert torch.equal(torch.isinf(got), torch.isinf(want)), kwargs
         keep = ~torch.isinf(want)
         torch.testing.assert_close(got[keep], want[keep])
@@ -103,7 +104,8 @@ def test_group_sampling_encodes_each_prompt_once_and_draws_what_repeated_prompts
     group = 4
     enc = tok(prompts, return_tensors="pt", padding=True, add_special_tokens=False)
     args = {"max_new_tokens": 16, "eos_token_id": tok.eos_token_id,
-            "pad_token_id": tok.pad_token_id, "temperature": temperature}  # fmt: skip
+            "pad_token_id": tok.pad_token_id,
+            "sampling": Sampling(temperature=temperature)}  # fmt: skip
     prefill_rows = []
     hook = model.register_forward_pre_hook(
         lambda _m, _a, kw: prefill_rows.append(kw["input_ids"].shape) if kw["input_ids"].shape[1]

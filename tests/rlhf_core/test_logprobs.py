@@ -487,7 +487,8 @@ def test_shared_prompt_logprobs_equal_flat_rows_in_float64():
     lengths and right-padded completions: encoding each distinct prompt once (its KV cache
     gathered for its rows) gives the flat [prompt | completion] rows' log-probs, entropies and
     gradients (float64; gradients to 1e-5 relative, see below)."""
-    from rlhf_core.logprobs import causal_lm_selected_logprobs, shared_prompt_logprobs
+    from rlhf_core.logprobs import causal_lm_selected_logprobs
+    from rlhf_core.packing import shared_prompt_logprobs
 
     torch.manual_seed(0)
     model = load_policy(ModelConfig(name_or_path="tiny-qwen3", attention="sdpa")).double()
@@ -545,7 +546,7 @@ def test_shared_prompt_logprobs_equal_flat_rows_in_float64():
 
 
 def test_shared_prompt_logprobs_rejects_right_padded_prompts():
-    from rlhf_core.logprobs import shared_prompt_logprobs
+    from rlhf_core.packing import shared_prompt_logprobs
 
     model = load_policy(ModelConfig(name_or_path="tiny-qwen3"))
     ids = torch.ones(2, 4, dtype=torch.long)

@@ -7,7 +7,7 @@ import copy
 import pytest
 import torch
 
-from rlhf_core.generation import decode
+from rlhf_core.generation import Sampling, decode
 from rlhf_core.models import LoraConfig, ModelConfig, ReferencePolicy, load_policy, load_tokenizer
 from rlhf_core.policy_model import is_encoder_decoder, policy_logprobs, split_rows
 
@@ -123,7 +123,7 @@ def test_seq2seq_sampled_decode_is_seeded_and_scores_its_own_tokens(t5):
     tok = load_tokenizer(T5, padding_side="left")
     enc = tok(PROMPTS, return_tensors="pt", padding=True, add_special_tokens=False)
     args = {"max_new_tokens": 12, "eos_token_id": tok.eos_token_id,
-            "pad_token_id": tok.pad_token_id, "temperature": 1.0}  # fmt: skip
+            "pad_token_id": tok.pad_token_id, "sampling": Sampling(temperature=1.0)}  # fmt: skip
     a = decode(model, **enc, generator=row_generators([1, 2, 3], "cpu"), **args)
     b = decode(model, **enc, generator=row_generators([1, 2, 3], "cpu"), **args)
     c = decode(model, **enc, generator=row_generators([4, 5, 6], "cpu"), **args)
@@ -160,7 +160,7 @@ def test_seq2seq_group_sampling_encodes_each_prompt_once(t5):
     tok = load_tokenizer(T5, padding_side="left")
     enc = tok(PROMPTS, return_tensors="pt", padding=True, add_special_tokens=False)
     args = {"max_new_tokens": 12, "eos_token_id": tok.eos_token_id,
-            "pad_token_id": tok.pad_token_id, "temperature": 1.0}  # fmt: skip
+            "pad_token_id": tok.pad_token_id, "sampling": Sampling(temperature=1.0)}  # fmt: skip
     seeds = list(range(3 * len(PROMPTS)))
     shared = decode(model, **enc, generator=row_generators(seeds, "cpu"), group_size=3, **args)
     repeated = decode(

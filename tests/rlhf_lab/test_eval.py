@@ -10,6 +10,7 @@ from rouge_score import rouge_scorer
 
 from policy_gradients.rollout import generate_rollouts
 from rlhf_core.chat import render_prompt
+from rlhf_core.generation import Sampling
 from rlhf_core.models import ModelConfig, load_policy, load_tokenizer
 from rlhf_core.scalar_head import ScalarHeadInfo, ScalarHeadModel
 from rlhf_lab.cli import main as cli
@@ -24,7 +25,7 @@ def test_eval_on_a_prompt_file_with_rm_and_reference(tmp_path):
     texts = [render_prompt(tokenizer, [{"role": "user", "content": q}]) for q in questions]
     greedy = generate_rollouts(
         load_policy(mcfg).eval(), tokenizer, texts, group_size=1, max_new_tokens=6,
-        temperature=0.0,
+        sampling=Sampling(temperature=0.0),
     ).completions  # fmt: skip
     # half the references are the model's own greedy answer: greedy exact match must be 0.5
     answers = [g if i % 2 == 0 else "a different answer" for i, g in enumerate(greedy)]
