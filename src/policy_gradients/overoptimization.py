@@ -93,7 +93,10 @@ def plot_overoptimization(series: dict[str, Any], png: Path) -> None:
         for axis, role, colours in roles:
             for k, label in enumerate(series[role]):
                 colour = colours[k % 3]
-                axis.plot(x, train[f"{role}/{label}"], color=colour, label=f"{role}: {label}")
+                # against the step a line; against the (noisy, non-monotone) KL a scatter
+                style = "-" if xlabel == "step" else "."
+                ys = train[f"{role}/{label}"]
+                axis.plot(x, ys, style, color=colour, label=f"{role}: {label}")
                 if xlabel == "step" and evals["step"]:
                     axis.plot(evals["step"], evals[f"{role}/{label}"], "o", color=colour,
                               label=f"{role}: {label} (held-out, sampled)")  # fmt: skip
