@@ -31,7 +31,7 @@ from policy_gradients.rollout import (
 )
 from rlhf_core.data import EpochSampler
 from rlhf_core.kl import kl_estimate
-from rlhf_core.logprobs import masked_mean
+from rlhf_core.logprobs import masked_mean, masked_sum
 from rlhf_core.models import ReferencePolicy
 
 if TYPE_CHECKING:
@@ -261,9 +261,11 @@ def collect_experience(
         sums["length/truncated"] = sums.get("length/truncated", 0.0) + float(
             ro.truncated[rows].sum()
         )
-        if ref is not None and old is not None:
-            sums["kl/k3"] = sums.get("kl/k3", 0.0) + float(
-                masked_mean(kl_estimate(old, ref, "k3"), mask, dim=-1).sum()
+        if ref is not None and old is not None:  # KL(pi || pi_ref): per token, per sequence
+            kl_tok = kl_estimate(old, ref, "k3")
+            sums["kl/k3"] = sums.get("kl/k3", 0.0) + float(masked_mean(kl_tok, mask, dim=-1).sum())
+            sums["kl/k3_sequence"] = sums.get("kl/k3_sequence", 0.0) + float(
+                masked_sum(kl_tok, mask)
             )
         done = kept_everywhere if alg.dynamic_sampling else counts["groups"] * world
         if done >= prompts_per_step:

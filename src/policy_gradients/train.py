@@ -28,6 +28,7 @@ from policy_gradients.config import PGConfig
 from policy_gradients.evaluate import evaluate_policy
 from policy_gradients.experience import ReplayBuffer
 from policy_gradients.losses import LOSSES, VALUE_LOSSES
+from policy_gradients.overoptimization import write_overoptimization
 from policy_gradients.rewards import CombinedReward
 from policy_gradients.rollout import (
     RolloutLog,
@@ -311,6 +312,8 @@ def train(cfg: PGConfig, run: RunArgs) -> int:
         "first_train_reward": first[0]["train/reward/total"] if first else None,
         "last_train_reward": first[-1]["train/reward/total"] if first else None,
     }, final_eval, engine_facts)  # fmt: skip
+    if is_main:  # a learned and a verifier reward: proxy vs gold (Gao et al. 2022)
+        write_overoptimization(run_dir, cfg.rewards)
     return 0
 
 

@@ -23,8 +23,11 @@ reward_models read (`prompt` = the question, `chosen`, `rejected`), plus `summar
 counts. For iterative DPO, alternate this command (`--set model.name_or_path=<last DPO final>`)
 with `python -m direct_alignment.train` on the new pairs.
 
-Not here: more than one pair per prompt, best-of-n against the reference, and a reward model's
-ties broken by length.
+`pairs_per_prompt` > 1 gives each prompt up to that many pairs, each with a different rejected
+completion, so a prompt with many distinct wrong answers teaches more contrasts while every prompt
+keeps the same cap (no prompt dominates the data).
+
+Not here: best-of-n against the reference, and a reward model's ties broken by length.
 """
 
 from __future__ import annotations
@@ -77,6 +80,13 @@ class PairsConfig(RunConfig):
     min_reward_gap: float = Field(
         0.0, ge=0, description="reward_model: keep a pair only if best - worst exceeds this"
     )
+    pairs_per_prompt: int = Field(
+        1,
+        ge=1,
+        description="at most this many pairs per prompt, each with a different rejected "
+        "completion (verifier: distinct wrong answers, each against a correct one in turn; "
+        "reward_model: the best against each of the worst); every prompt has the same cap",
+    )
 
     @model_validator(mode="after")
     def _judge_inputs(self) -> PairsConfig:
@@ -94,20 +104,31 @@ class PairsConfig(RunConfig):
 
 def _choose(
     texts: list[str], scores: list[float], cfg: PairsConfig, item: dict, rng: random.Random
-) -> tuple[str, str, bool] | None:
-    """(chosen, rejected, used the reference answer) for one prompt's samples, or None."""
+) -> list[tuple[str, str, bool]]:
+    """Up to `pairs_per_prompt` (chosen, rejected, used the reference answer) for one prompt's
+    samples; each pair has a different rejected completion."""
+    k = cfg.pairs_per_prompt
     if cfg.judge == "reward_model":
         order = sorted(range(len(texts)), key=lambda i: scores[i])
-        best, worst = order[-1], order[0]
-        if scores[best] - scores[worst] <= cfg.min_reward_gap or texts[best] == texts[worst]:
-            return None
-        return texts[best], texts[worst], False
+        best = order[-1]
+        pairs, seen = [], {texts[best]}
+        for worst in order[:-1]:
+            if len(pairs) < k and scores[best] - scores[worst] > cfg.min_reward_gap:
+                if texts[worst] not in seen:
+                    pairs.append((texts[best], texts[worst], False))
+                    seen.add(texts[worst])
+        return pairs
     good = [t for t, s in zip(texts, scores, strict=True) if s >= 1.0]
     bad = [t for t, s in zip(texts, scores, strict=True) if s < 1.0 and t]
     if not bad or not (good or cfg.reference_fallback):
-        return None
-    chosen = rng.choice(good) if good else item["entry"]["answer"]
-    return chosen, rng.choice(bad), not good
+        return []
+    if k == 1:  # (the draws of the one-pair recipe, kept as they were)
+        chosen = rng.choice(good) if good else item["entry"]["answer"]
+        return [(chosen, rng.choice(bad), not good)]
+    distinct = list(dict.fromkeys(bad))
+    rejected = rng.sample(distinct, min(k, len(distinct)))
+    chosen = rng.sample(good, len(good)) if good else [item["entry"]["answer"]]
+    return [(chosen[i % len(chosen)], r, not good) for i, r in enumerate(rejected)]
 
 
 @torch.no_grad()
@@ -129,7 +150,7 @@ def build_pairs(cfg: PairsConfig, out_dir: Path) -> dict[str, dict[str, float]]:
             where=f"splits.{name}.prompts",
         )  # fmt: skip
         rng = random.Random(split.seed)
-        rows, scored, score_sum, correct, fallback = [], 0, 0.0, 0, 0
+        rows, scored, score_sum, correct, fallback, paired = [], 0, 0.0, 0, 0, 0
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(split.seed)
             for start in range(0, len(prompts.items), cfg.batch_prompts):
@@ -150,20 +171,21 @@ def build_pairs(cfg: PairsConfig, out_dir: Path) -> dict[str, dict[str, float]]:
                     ]
                 for g, item in enumerate(items):
                     span = slice(g * cfg.samples, (g + 1) * cfg.samples)
-                    picked = _choose(texts[span], scores[span], cfg, item, rng)
                     scored += cfg.samples
                     score_sum += sum(scores[span])
                     correct += sum(s >= 1.0 for s in scores[span])
-                    if picked is not None:
-                        chosen, rejected, used_reference = picked
+                    entry = item["entry"]  # reasoning-gym row; file prompts: the user turn
+                    question = entry["question"] if entry else item["messages"][-1]["content"]
+                    picked = _choose(texts[span], scores[span], cfg, item, rng)
+                    paired += bool(picked)
+                    for chosen, rejected, used_reference in picked:
                         fallback += used_reference
-                        entry = item["entry"]  # reasoning-gym row; file prompts: the user turn
-                        question = entry["question"] if entry else item["messages"][-1]["content"]
                         rows.append({"prompt": question, "chosen": chosen, "rejected": rejected})
         path = out_dir / f"{name}.jsonl"
         path.write_text("".join(json.dumps(r) + "\n" for r in rows))
         stats[name] = {
-            "prompts": len(prompts.items), "pairs": len(rows), "reference_chosen": fallback,
+            "prompts": len(prompts.items), "paired_prompts": paired, "pairs": len(rows),
+            "reference_chosen": fallback,
             "mean_score": score_sum / max(1, scored),
             **({"sample_accuracy": correct / max(1, scored)} if judge_model is None else {}),
         }  # fmt: skip

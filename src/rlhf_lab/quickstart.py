@@ -141,6 +141,7 @@ def run_quickstart(
     rloo_over = [f"model.name_or_path={sft_final}", f"rewards.0.path={out / 'rm' / 'final'}"]
     rloo_cfg = _config("rloo_rm", PGConfig, rloo_over + (short["rloo_rm"] if fast else []))
     figures["rloo_rm"] = _run(train_pg, rloo_cfg, out / "rloo_rm", "rloo_rm")
+    figures["overoptimization"] = _overoptimization(out / "rloo_rm")
     times["rloo_rm"] = time.perf_counter() - t0
 
     t0 = stage("DPO on the on-policy pairs")
@@ -154,6 +155,19 @@ def run_quickstart(
     figures["times_s"] = times
     write_report(out, figures)
     return figures
+
+
+def _overoptimization(run_dir: Path) -> dict[str, Any] | None:
+    """The RLOO stage's proxy/gold/KL series (written by the trainer), for the report."""
+    path = run_dir / "overoptimization.json"
+    if not path.is_file():
+        return None
+    series = json.loads(path.read_text())
+    train = series["train"]
+    proxy, gold = train[f"proxy/{series['proxy'][0]}"], train[f"gold/{series['gold'][0]}"]
+    best = max(range(len(gold)), key=gold.__getitem__)
+    kl = [v if v is not None else math.nan for v in train["kl_sequence"]]
+    return {"proxy": proxy, "gold": gold, "kl": kl, "best_gold_step": train["step"][best]}
 
 
 def evaluate_checkpoints(
@@ -262,6 +276,18 @@ def write_report(out: Path, figures: dict[str, Any]) -> None:
         )
     lines.append(f"- reward model held-out pairwise accuracy: {_fmt(rm.get('eval/accuracy'))}")
     lines.append(f"- total wall time: {total:.0f} s (target <= 600 s on 2 CPU cores)")
+    over = figures.get("overoptimization")
+    if over:
+        lines += ["", "## Reward over-optimisation (RLOO against the learned reward model)", ""]
+        lines += [
+            f"Proxy = the learned RM's reward, gold = the verifier's exact match on the same "
+            f"training rollouts (weight 0: measured, not optimised), per step; KL = k3 estimate "
+            f"of KL(pi || SFT) per sequence (Gao et al. 2022). Proxy {_fmt(over['proxy'][0])} -> "
+            f"{_fmt(over['proxy'][-1])}, gold {_fmt(over['gold'][0])} -> "
+            f"{_fmt(over['gold'][-1])} (best {_fmt(max(over['gold']))} at step "
+            f"{over['best_gold_step']}), KL {_fmt(over['kl'][-1])} nats at the end.",
+            "", "![over-optimisation](rloo_rm/overoptimization.png)",
+        ]  # fmt: skip
     lines += ["", "![report](report.png)", ""]
     (out / "report.md").write_text("\n".join(lines) + "\n")
     (out / "figures.json").write_text(json.dumps(figures, indent=2, default=str) + "\n")
@@ -285,16 +311,24 @@ def _plot(out: Path, figures: dict[str, Any]) -> None:
     axes[0].set_xticks(list(xs), EVAL_STAGES)
     axes[0].set_title("held-out accuracy per stage")
     axes[0].legend(fontsize=7)
-    curves = (("grpo", "GRPO train reward"), ("rloo_rm", "RLOO learned reward"))
-    for ax, (stage, title) in zip(axes[1:], curves, strict=True):
-        key = "train/reward/total"
-        rows = [json.loads(x) for x in (out / stage / "metrics.jsonl").read_text().splitlines()]
-        pts = [
-            (r["step"], r[key]) for r in rows if r.get(key) is not None and math.isfinite(r[key])
-        ]
-        ax.plot([p[0] for p in pts], [p[1] for p in pts])
-        ax.set_title(title)
-        ax.set_xlabel("step")
+    key = "train/reward/total"
+    rows = [json.loads(x) for x in (out / "grpo" / "metrics.jsonl").read_text().splitlines()]
+    pts = [(r["step"], r[key]) for r in rows if r.get(key) is not None and math.isfinite(r[key])]
+    axes[1].plot([p[0] for p in pts], [p[1] for p in pts])
+    axes[1].set_title("GRPO train reward (verifier)")
+    axes[1].set_xlabel("step")
+    # RLOO against the learned RM: proxy (what it optimises) vs gold (the verifier, weight 0)
+    over = out / "rloo_rm" / "overoptimization.json"
+    ax = axes[2]
+    if over.is_file():
+        series = json.loads(over.read_text())
+        train, right = series["train"], ax.twinx()
+        for axis, role, colour in ((ax, "proxy", "C0"), (right, "gold", "C1")):
+            label = series[role][0]
+            axis.plot(train["step"], train[f"{role}/{label}"], color=colour, label=role)
+            axis.set_ylabel(f"{role}: {label}", color=colour)
+        ax.set_title("RLOO + learned RM: proxy vs gold reward")
+    ax.set_xlabel("step")
     fig.tight_layout()
     fig.savefig(out / "report.png", dpi=90)
     plt.close(fig)

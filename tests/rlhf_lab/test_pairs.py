@@ -56,10 +56,16 @@ def test_verifier_pairs(tmp_path):
     )
     task = reasoning_gym_dataset(cfg.splits["t"].prompts.reasoning_gym)
     by_question = {e["question"]: e for e in task}
+    rejected_by_prompt: dict[str, list[str]] = {}
     for row in train:
         entry = by_question[row["prompt"]]
         assert task.score_answer(row["chosen"], entry) == 1.0
         assert task.score_answer(row["rejected"], entry) < 1.0
+        rejected_by_prompt.setdefault(row["prompt"], []).append(row["rejected"])
+    # the shipped config: up to 3 pairs per prompt, each with a different wrong answer
+    assert max(len(r) for r in rejected_by_prompt.values()) == 3
+    assert all(len(set(r)) == len(r) for r in rejected_by_prompt.values())
+    assert summary["train"]["paired_prompts"] == len(rejected_by_prompt)
     assert (out / "eval.jsonl").is_file() and (out / "config.yaml").is_file()
 
 
@@ -89,7 +95,13 @@ def test_reward_model_judge_picks_best_and_worst(tmp_path):
     ]  # fmt: skip
     assert cli(argv) == 0
     rows = _rows(out / "train.jsonl")
-    assert len(rows) == 6  # distinct random samples always differ in score
+    # distinct random samples always differ in score: pairs_per_prompt (3) pairs per prompt,
+    # the best sample against each of the three worst
+    assert len(rows) == 18
+    for k in range(0, 18, 3):
+        group = rows[k : k + 3]
+        assert len({r["prompt"] for r in group}) == 1 and len({r["chosen"] for r in group}) == 1
+        assert len({r["rejected"] for r in group}) == 3
     judge = ScalarHeadModel.from_pretrained(tmp_path / "rm")
     messages = [[{"role": "user", "content": r["prompt"]}] for r in rows]
     chosen = judge.score(messages, [r["chosen"] for r in rows])

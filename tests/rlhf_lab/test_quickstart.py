@@ -53,6 +53,10 @@ def test_fast_quickstart_runs_every_stage_through_a_ctrl_c_and_resume(
     assert _finite(figures["eval"]) and _finite(figures["times_s"])
     assert figures["pairs"]["train"]["pairs"] > 0
     assert 0 <= figures["rm"]["eval/accuracy"] <= 1
+    # RLOO against the learned RM with the verifier as a weight-0 gold reward: proxy vs gold
+    assert len(figures["overoptimization"]["gold"]) == 3
+    assert (out / "rloo_rm" / "overoptimization.png").is_file()
+    assert "rloo_rm/overoptimization.png" in (out / "report.md").read_text()
     assert figures["eval"]["sft"]["eval/sampled_kl_k3"] == 0.0  # the SFT model against itself
     rows = [json.loads(x) for x in (out / "grpo" / "metrics.jsonl").read_text().splitlines()]
     reward = {r["step"]: r["train/reward/total"] for r in rows if "train/reward/total" in r}
