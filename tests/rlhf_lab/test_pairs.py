@@ -30,6 +30,7 @@ def test_verifier_pairs(tmp_path):
         "--set", "model.name_or_path=tiny-qwen3",
         "--set", "splits.train.prompts.reasoning_gym.size=24",
         "--set", "splits.eval.prompts.reasoning_gym.size=8",
+        "--set", "samples=8", "--set", "pairs_per_prompt=3",
     ]  # fmt: skip
     assert cli(argv) == 0
     summary = json.loads((out / "summary.json").read_text())
@@ -62,7 +63,7 @@ def test_verifier_pairs(tmp_path):
         assert task.score_answer(row["chosen"], entry) == 1.0
         assert task.score_answer(row["rejected"], entry) < 1.0
         rejected_by_prompt.setdefault(row["prompt"], []).append(row["rejected"])
-    # the shipped config: up to 3 pairs per prompt, each with a different wrong answer
+    # up to pairs_per_prompt (3) pairs per prompt, each with a different wrong answer
     assert max(len(r) for r in rejected_by_prompt.values()) == 3
     assert all(len(set(r)) == len(r) for r in rejected_by_prompt.values())
     assert summary["train"]["paired_prompts"] == len(rejected_by_prompt)
@@ -91,7 +92,7 @@ def test_reward_model_judge_picks_best_and_worst(tmp_path):
         "--set", "model.name_or_path=tiny-qwen3", "--set", "judge=reward_model",
         "--set", f"reward_model={tmp_path / 'rm'}",
         "--set", f"splits={{train: {{prompts: {{path: {prompts}}}, seed: 3}}}}",
-        "--set", "max_new_tokens=6",
+        "--set", "max_new_tokens=6", "--set", "samples=8", "--set", "pairs_per_prompt=3",
     ]  # fmt: skip
     assert cli(argv) == 0
     rows = _rows(out / "train.jsonl")
