@@ -40,6 +40,16 @@ def tiny_policy(attention: str) -> torch.nn.Module:
     return load_policy(cfg, "cpu").double().train()
 
 
+def assert_same_as(reference, chosen, rejected, grads) -> None:
+    """Log-probs to 1e-6 and every gradient to 1e-5 relative of the flat rows' `reference`."""
+    torch.testing.assert_close(chosen, reference[0], rtol=0, atol=1e-6)
+    torch.testing.assert_close(rejected, reference[1], rtol=0, atol=1e-6)
+    assert grads.keys() == reference[2].keys() and grads
+    for name, grad in grads.items():
+        relative = (grad - reference[2][name]).norm() / reference[2][name].norm()
+        assert relative <= 1e-5, (name, float(relative))
+
+
 def logps_and_grads(model, batch):
     model.zero_grad(set_to_none=True)
     chosen, rejected = pair_logps(model, batch)
@@ -67,12 +77,7 @@ def test_shared_prompt_dpo_log_probs_and_gradients_equal_the_two_row_forward(att
         assert packed["input_ids"].shape == (rows, 22)
         assert packed["lengths"].tolist() == full["lengths"].tolist()
         chosen, rejected, grads = logps_and_grads(model, packed)
-        torch.testing.assert_close(chosen, reference[0], rtol=0, atol=1e-6)
-        torch.testing.assert_close(rejected, reference[1], rtol=0, atol=1e-6)
-        assert grads.keys() == reference[2].keys() and grads
-        for name, grad in grads.items():
-            relative = (grad - reference[2][name]).norm() / reference[2][name].norm()
-            assert relative <= 1e-5, (name, float(relative))
+        assert_same_as(reference, chosen, rejected, grads)
 
 
 @pytest.mark.parametrize("attention", ["sdpa", "eager"])
@@ -102,12 +107,7 @@ def test_one_row_with_segmented_attention_equals_the_two_row_forward(attention, 
         assert model.config._attn_implementation == "sdpa"  # restored after the forward
     else:
         assert not query_lengths
-    torch.testing.assert_close(chosen, reference[0], rtol=0, atol=1e-6)
-    torch.testing.assert_close(rejected, reference[1], rtol=0, atol=1e-6)
-    assert grads.keys() == reference[2].keys() and grads
-    for name, grad in grads.items():
-        relative = (grad - reference[2][name]).norm() / reference[2][name].norm()
-        assert relative <= 1e-5, (name, float(relative))
+    assert_same_as(reference, chosen, rejected, grads)
 
 
 def test_segmented_attention_restores_the_model_after_an_error():
