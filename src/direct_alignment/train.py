@@ -51,8 +51,8 @@ from rlhf_core.loop import (
 from rlhf_core.models import load_policy, load_reference, load_tokenizer
 from rlhf_core.packing import (
     SEGMENTED_ROW_TOKENS,
+    segmented_rows_pay,
     supports_packing,
-    supports_segmented_attention,
 )
 from rlhf_core.registry import build_from_spec
 from rlhf_core.rundir import managed_run, open_run_dir
@@ -126,7 +126,7 @@ def train(cfg: DAConfig, run: RunArgs) -> int:
     # pairs as packed rows, each prompt encoded once, where the attention takes a 4D mask; on
     # CPU SDPA, rows with no padding and attention computed group by group
     collate = pack_pairs if t.packing and supports_packing(policy) else collate_pairs
-    if collate is pack_pairs and supports_segmented_attention(policy):
+    if collate is pack_pairs and segmented_rows_pay(policy):
         collate = partial(pack_pairs, row_tokens=SEGMENTED_ROW_TOKENS)
     reference, ref_cache = None, None
     if loss_fn.needs_reference:

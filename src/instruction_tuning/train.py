@@ -40,8 +40,8 @@ from rlhf_core.models import load_policy, load_tokenizer
 from rlhf_core.packing import (
     SEGMENTED_ROW_TOKENS,
     batch_logprobs,
+    segmented_rows_pay,
     supports_packing,
-    supports_segmented_attention,
 )
 from rlhf_core.registry import build_from_spec
 from rlhf_core.rundir import managed_run, open_run_dir
@@ -111,7 +111,7 @@ def train(cfg: SFTConfig, run: RunArgs) -> int:
     # --- the loop
     pad_id = tokenizer.pad_token_id
     batcher = pack if t.packing and supports_packing(model) else collate
-    if batcher is pack and supports_segmented_attention(model):  # CPU SDPA: rows not padded
+    if batcher is pack and segmented_rows_pay(model):  # CPU SDPA: rows not padded
         batcher = partial(pack, row_tokens=SEGMENTED_ROW_TOKENS)
     step_loss = torch.zeros(())
 

@@ -41,7 +41,7 @@ from rlhf_core.loop import (
 )
 from rlhf_core.models import load_tokenizer
 from rlhf_core.optim import maybe_embedding_grad_buffer
-from rlhf_core.packing import SEGMENTED_ROW_TOKENS, supports_segmented_attention
+from rlhf_core.packing import SEGMENTED_ROW_TOKENS, segmented_rows_pay
 from rlhf_core.registry import build_from_spec
 from rlhf_core.rundir import managed_run, open_run_dir
 from rlhf_core.runtime import seed_everything
@@ -56,7 +56,7 @@ def shared_prompt_collate(model: BaseRewardModel, gradient_checkpointing: bool):
     2D masks only; the cache is off under gradient checkpointing, so then no sharing: None)."""
     attention = getattr(model.backbone.config, "_attn_implementation", "sdpa")
     if attention in ("sdpa", "eager"):
-        if supports_segmented_attention(model.backbone):  # CPU SDPA: no padding, per pair
+        if segmented_rows_pay(model.backbone):  # CPU SDPA: no padding, per pair
             return partial(pack_pairs, row_tokens=SEGMENTED_ROW_TOKENS)
         return pack_pairs
     if not gradient_checkpointing:
