@@ -4,9 +4,10 @@ run, as in Gao et al. 2022, "Scaling Laws for Reward Model Overoptimization" (ar
 Optimising a learned reward model R_proxy raises R_proxy steadily, while the true objective
 R_gold first rises and then falls as the policy moves away from its start; Gao et al. plot both
 against d = sqrt(KL(pi || pi_init)) (nats, per sequence). Where the reward block of a run holds
-both a learned component (`reward_model`) and a verifier (`reasoning_gym`, `gsm8k`,
-`exact_match`), every step's rollouts already carry both scores (`train/reward/<label>` in
-metrics.jsonl): a verifier with `weight: 0.0` is measured without being trained on, e.g.
+both a learned component (`reward_model`, `implicit_reward_model`) and a verifier
+(`reasoning_gym`, `gsm8k`, `exact_match`), every step's rollouts already carry both scores
+(`train/reward/<label>` in metrics.jsonl): a verifier with `weight: 0.0` is measured without
+being trained on, e.g.
 
     rewards:
       - {name: reward_model, weight: 1.0, path: outputs/rm/final}
@@ -35,7 +36,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-LEARNED = ("reward_model",)
+LEARNED = ("reward_model", "implicit_reward_model")
 VERIFIERS = ("reasoning_gym", "gsm8k", "exact_match")
 FILES = ("overoptimization.json", "overoptimization.png")
 

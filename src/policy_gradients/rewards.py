@@ -23,6 +23,9 @@ Components:
   rouge          ROUGE-L (or -1/-2) F-measure against the reference answer (rouge-score)
   overlong       DAPO's soft overlong punishment (Yu et al. 2025, arXiv:2503.14476)
   reward_model   a reward model directory saved by `reward_models`, see `RewardModelReward`
+  implicit_reward_model
+                 a `direct_alignment` policy read as a reward model: SimPO's length-normalised
+                 log-likelihood, or DPO's log-ratio to a reference; see `ImplicitRewardModel`
   segment_reward_model
                  Fine-Grained RLHF: a token-level (segment) reward model saved by `reward_models`
                  judges every sentence or sub-sentence; each segment's reward lands on the policy
@@ -217,6 +220,91 @@ class RewardModelReward:
     def __call__(self, batch: RewardInput) -> torch.Tensor:
         prompts = [item["messages"] for item in batch.items]
         raw = self.model.score(prompts, batch.completions, batch_size=self.batch_size).float().cpu()
+        return (raw - self.mean) / self.std * self.scale + self.bias
+
+
+@REWARDS.register("implicit_reward_model")
+class ImplicitRewardModel:
+    """A causal LM trained on preference pairs, read as a reward model through its implicit
+    reward (no scalar head):
+
+        reference: null  SimPO's reward (Meng, Xia & Chen 2024, arXiv:2405.14734, eq. 4),
+                         r(x, y) = beta / |y| * log pi(y | x)
+        reference: DIR   DPO's implicit reward (Rafailov et al. 2023, arXiv:2305.18290, eq. 5,
+                         without the prompt-only term, which RLOO/GRPO baselines cancel),
+                         r(x, y) = beta * (log pi(y | x) - log pi_ref(y | x))
+
+    with |y| the completion's tokens through eos (`length_normalize` divides by it; default:
+    true without a reference, false with one). The model is a `direct_alignment` run's final/
+    (`loss: simpo` trains exactly the first reward; `dpo` the second), so its held-out
+    `rewards/accuracy` is this reward's pairwise accuracy. Prompt text and completion + eos are
+    tokenized with the model's tokenizer as that trainer did (`rlhf_core.encoding`); scores are
+    normalised as `reward_model`'s: (r - mean) / std * scale + bias."""
+
+    def __init__(
+        self,
+        *,
+        path: str,
+        beta: float = 1.0,
+        reference: str | None = None,
+        length_normalize: bool | None = None,
+        batch_size: int = 32,
+        mean: float = 0.0,
+        std: float = 1.0,
+        scale: float = 1.0,
+        bias: float = 0.0,
+        device: str = "auto",
+    ) -> None:
+        from rlhf_core.models import ModelConfig, load_policy, load_tokenizer
+
+        if std <= 0:
+            raise UserError(f"implicit_reward_model: std must be > 0, got {std}")
+        if device == "auto":
+            device = "cuda" if torch.cuda.is_available() else "cpu"
+        self.device = torch.device(device)
+
+        def load(name: str) -> torch.nn.Module:
+            return load_policy(ModelConfig(name_or_path=name), self.device).eval()
+
+        self.model = load(path).requires_grad_(False)
+        self.reference = load(reference).requires_grad_(False) if reference else None
+        self.tokenizer = load_tokenizer(ModelConfig(name_or_path=path), padding_side="right")
+        self.beta, self.batch_size = float(beta), batch_size
+        self.length_normalize = reference is None if length_normalize is None else length_normalize
+        self.mean, self.std, self.scale, self.bias = mean, std, scale, bias
+
+    @torch.no_grad()
+    def sequence_logps(
+        self, model: torch.nn.Module, prompts: list[str], completions: list[str]
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(summed log-prob of each completion + eos given its prompt, its token count), (B,)."""
+        from rlhf_core.encoding import encode_completions, pad_sequences
+        from rlhf_core.logprobs import causal_lm_token_logprobs
+
+        encoded = encode_completions(
+            self.tokenizer, prompts, completions, max_length=self.tokenizer.model_max_length
+        )
+        sums, lengths = [], []
+        for start in range(0, len(encoded), self.batch_size):
+            chunk = encoded[start : start + self.batch_size]
+            rows = [e.prompt_ids + e.completion_ids for e in chunk]
+            ids, mask = pad_sequences(rows, self.tokenizer.pad_token_id)
+            logps = causal_lm_token_logprobs(model, ids.to(self.device), mask.to(self.device))
+            for i, e in enumerate(chunk):  # logps[t] is the log-prob of token t + 1
+                first = len(e.prompt_ids) - 1
+                sums.append(logps[i, first : first + len(e.completion_ids)].sum().float().cpu())
+                lengths.append(len(e.completion_ids))
+        return torch.stack(sums), torch.tensor(lengths, dtype=torch.float32)
+
+    def raw(self, prompts: list[str], completions: list[str]) -> torch.Tensor:
+        """The implicit reward before normalisation, (B,)."""
+        logps, lengths = self.sequence_logps(self.model, prompts, completions)
+        if self.reference is not None:
+            logps = logps - self.sequence_logps(self.reference, prompts, completions)[0]
+        return self.beta * (logps / lengths if self.length_normalize else logps)
+
+    def __call__(self, batch: RewardInput) -> torch.Tensor:
+        raw = self.raw(batch.prompts, batch.completions)
         return (raw - self.mean) / self.std * self.scale + self.bias
 
 

@@ -220,3 +220,45 @@ def test_seeded_rollouts_do_not_depend_on_how_prompts_are_split():
     assert len(set(whole.completions)) > 4  # really sampled, not greedy
     again = generate_rollouts(model, tok, prompts, seeds=[s + 1 for s in seeds], **kwargs)
     assert again.completions != whole.completions
+
+
+def test_implicit_reward_model_is_simpo_and_dpo_reward_of_a_saved_policy(tmp_path):
+    """SimPO's beta/|y| log pi(y|x) and DPO's beta (log pi - log pi_ref), checked against a plain
+    forward of the whole sequence (float64) on prompts and completions of different lengths."""
+    from policy_gradients.rewards import ImplicitRewardModel
+
+    tok = load_tokenizer(TINY, padding_side="right")
+    torch.manual_seed(0)
+    for name in ("policy", "ref"):
+        model = load_policy(TINY)
+        if name == "ref":  # another model, so that log pi - log pi_ref is not 0
+            with torch.no_grad():
+                for param in model.parameters():
+                    param.add_(0.05 * torch.randn_like(param))
+        model.save_pretrained(tmp_path / name)
+        tok.save_pretrained(tmp_path / name)
+    prompts = ["<|user|>abc<|end|><|assistant|>", "<|user|>a longer prompt<|end|><|assistant|>"]
+    completions = ["cba", "a much longer completion"]
+
+    def summed(path):  # log p(completion + eos | prompt), one sequence at a time, float64
+        model = load_policy(ModelConfig(name_or_path=str(path))).double().eval()
+        out = []
+        for p, c in zip(prompts, completions, strict=True):
+            p_ids = tok(p, add_special_tokens=False)["input_ids"]
+            c_ids = tok(c, add_special_tokens=False)["input_ids"] + [tok.eos_token_id]
+            ids = torch.tensor([p_ids + c_ids])
+            logps = model(ids).logits[0, :-1].log_softmax(-1).gather(-1, ids[0, 1:, None])[:, 0]
+            out.append((logps[len(p_ids) - 1 :].sum().item(), len(c_ids)))
+        return torch.tensor(out, dtype=torch.float64)
+
+    pi, ref = summed(tmp_path / "policy"), summed(tmp_path / "ref")
+    batch = RewardInput(prompts, completions, [{}, {}], torch.tensor([4, 6]),
+                        torch.ones(2, 6, dtype=torch.long))  # fmt: skip
+    simpo = ImplicitRewardModel(path=str(tmp_path / "policy"), beta=2.0, batch_size=1)
+    torch.testing.assert_close(simpo(batch).double(), 2.0 * pi[:, 0] / pi[:, 1], atol=1e-4, rtol=0)
+    dpo = ImplicitRewardModel(
+        path=str(tmp_path / "policy"), reference=str(tmp_path / "ref"), beta=0.5, std=2.0
+    )
+    expected = 0.5 * (pi[:, 0] - ref[:, 0]) / 2.0
+    assert expected.abs().min() > 1e-2
+    torch.testing.assert_close(dpo(batch).double(), expected, atol=1e-4, rtol=0)
