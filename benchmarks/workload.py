@@ -77,6 +77,9 @@ class JsonDataclass:
 class Workload(JsonDataclass):
     model: str = "tiny"  # one of MODEL_CHOICES: "tiny" (preset tiny-qwen3-gpt2), "small", "real"
     batch_size: int = 4
+    # ours (DPO): the step's pairs in micro-batches of this many, gradients accumulated (same
+    # effective batch and loss); None = one forward per step, like the TRL arm
+    micro_batch_size: int | None = None
     steps: int = 8
     warmup_steps: int = 1  # steps before the timed window
     max_length: int = 256
