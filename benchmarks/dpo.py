@@ -84,11 +84,8 @@ from benchmarks.workload import (
 # ----------------------------------------------------------------------------- the two workers
 
 
-def run_ours(w: Workload, workdir: Path) -> dict[str, Any]:
-    """Our trainer as shipped."""
-    memory = PeakRSS()
-
-    import direct_alignment.train as da_train
+def our_config(w: Workload, workdir: Path) -> Any:
+    """Our DAConfig for the workload (the run's pairs in `workdir`, written by `prepare`)."""
     from direct_alignment.config import DAConfig, DATrainConfig, PreferenceDataConfig
     from rlhf_core.checkpoint import CheckpointConfig
     from rlhf_core.data import DataSource
@@ -96,9 +93,7 @@ def run_ours(w: Workload, workdir: Path) -> dict[str, Any]:
     from rlhf_core.optim import OptimConfig
     from rlhf_core.tracking import TrackingConfig
 
-    after_imports = rss_mb()
-    clock = StepClock(w.warmup_steps, memory)
-    cfg = DAConfig(
+    return DAConfig(
         name="bench",
         seed=w.seed,
         model=ModelConfig(name_or_path=str(model_dir(w.model)), dtype="fp32", attention="sdpa"),
@@ -116,6 +111,17 @@ def run_ours(w: Workload, workdir: Path) -> dict[str, Any]:
         checkpoint=CheckpointConfig(save_every=0, save_final=False),
         tracking=TrackingConfig(log_every=w.log_every),
     )  # fmt: skip
+
+
+def run_ours(w: Workload, workdir: Path) -> dict[str, Any]:
+    """Our trainer as shipped."""
+    memory = PeakRSS()
+
+    import direct_alignment.train as da_train
+
+    after_imports = rss_mb()
+    clock = StepClock(w.warmup_steps, memory)
+    cfg = our_config(w, workdir)
 
     original_logps = da_train.pair_logps
 
