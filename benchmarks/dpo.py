@@ -75,6 +75,7 @@ from benchmarks.workload import (
     model_dir,
     prepare,
     run_our_trainer,
+    start_trl_arm,
     trl_arguments,
     trl_clock,
     trl_inputs,
@@ -141,17 +142,9 @@ def run_ours(w: Workload, workdir: Path) -> dict[str, Any]:
 
 
 def run_trl(w: Workload, workdir: Path) -> dict[str, Any]:
-    memory = PeakRSS()
-    import torch
-
-    torch.set_num_threads(w.threads)
-    # loaded before the after-imports RSS is read (trl_inputs uses them)
-    from datasets import Dataset  # noqa: F401
-    from transformers import AutoTokenizer  # noqa: F401
-    from trl import DPOConfig, DPOTrainer
-
-    after_imports = rss_mb()
-    clock = StepClock(w.warmup_steps, memory)
+    memory, clock, after_imports, (DPOConfig, DPOTrainer) = start_trl_arm(
+        w, "DPOConfig", "DPOTrainer"
+    )
     path, tokenizer, dataset, out_dir = trl_inputs(w, workdir, "trl_rows.jsonl")
     args = DPOConfig(**trl_arguments(w, out_dir, beta=w.beta, loss_type=["sigmoid"]))
 

@@ -58,6 +58,7 @@ from benchmarks.workload import (
     run_checks,
     run_our_trainer,
     run_rounds,
+    start_trl_arm,
     trl_arguments,
     trl_clock,
     trl_inputs,
@@ -117,17 +118,9 @@ def run_ours(w: Workload, workdir: Path, *, share_prompt: bool = True) -> dict[s
 
 
 def run_trl(w: Workload, workdir: Path) -> dict[str, Any]:
-    memory = PeakRSS()
-    import torch
-
-    torch.set_num_threads(w.threads)
-    # loaded before the after-imports RSS is read (trl_inputs uses them)
-    from datasets import Dataset  # noqa: F401
-    from transformers import AutoTokenizer  # noqa: F401
-    from trl import RewardConfig, RewardTrainer
-
-    after_imports = rss_mb()
-    clock = StepClock(w.warmup_steps, memory)
+    memory, clock, after_imports, (RewardConfig, RewardTrainer) = start_trl_arm(
+        w, "RewardConfig", "RewardTrainer"
+    )
     path, tokenizer, dataset, out_dir = trl_inputs(w, workdir, "trl_rows.jsonl")
     args = RewardConfig(**trl_arguments(w, out_dir))
 

@@ -64,6 +64,7 @@ from benchmarks.workload import (
     run_checks,
     run_our_trainer,
     run_rounds,
+    start_trl_arm,
     trl_arguments,
     trl_clock,
     trl_inputs,
@@ -150,17 +151,9 @@ def run_ours(w: Workload, workdir: Path) -> dict[str, Any]:
 
 
 def run_trl(w: Workload, workdir: Path, *, padding_free: bool = False) -> dict[str, Any]:
-    memory = PeakRSS()
-    import torch
-
-    torch.set_num_threads(w.threads)
-    # loaded before the after-imports RSS is read (trl_inputs uses them)
-    from datasets import Dataset  # noqa: F401
-    from transformers import AutoTokenizer  # noqa: F401
-    from trl import SFTConfig, SFTTrainer
-
-    after_imports = rss_mb()
-    clock = StepClock(w.warmup_steps, memory)
+    memory, clock, after_imports, (SFTConfig, SFTTrainer) = start_trl_arm(
+        w, "SFTConfig", "SFTTrainer"
+    )
     path, tokenizer, dataset, out_dir = trl_inputs(w, workdir, "sft_trl.jsonl")
     # padding-free without packing refuses a max_length; the rows already fit it (prepare)
     args = SFTConfig(**trl_arguments(

@@ -32,7 +32,15 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-from benchmarks.measure import REPO_ROOT, PeakRSS, median, peak_rss_mb, run_worker, spread
+from benchmarks.measure import (
+    REPO_ROOT,
+    PeakRSS,
+    median,
+    peak_rss_mb,
+    rss_mb,
+    run_worker,
+    spread,
+)
 
 HH_PATH = REPO_ROOT / "data" / "hh-rlhf" / "harmless-base-test.jsonl.gz"
 
@@ -379,6 +387,24 @@ def run_our_trainer(trainer: Any, cfg: Any, workdir: Path, config_path: str) -> 
     metrics = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
     shutil.rmtree(run_dir, ignore_errors=True)
     return metrics
+
+
+def start_trl_arm(w: Any, *names: str) -> tuple[PeakRSS, StepClock, float, list[Any]]:
+    """The start of a TRL arm: the peak-RSS sampler, torch's threads, then the imports the arm
+    pays for (datasets and transformers, which `trl_inputs` uses, and the named `trl` classes)
+    before the after-imports RSS is read, then the step clock. Returns (memory, clock, RSS after
+    the imports in MiB, the classes in the order named)."""
+    memory = PeakRSS()
+    import torch
+
+    torch.set_num_threads(w.threads)
+    import datasets  # noqa: F401
+    import transformers  # noqa: F401
+    import trl
+
+    classes = [getattr(trl, name) for name in names]
+    after_imports = rss_mb()
+    return memory, StepClock(w.warmup_steps, memory), after_imports, classes
 
 
 def trl_inputs(w: Any, workdir: Path, rows_file: str) -> tuple[str, Any, Any, Path]:

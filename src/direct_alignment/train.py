@@ -42,19 +42,17 @@ from rlhf_core.config import RunArgs, parse_run_args
 from rlhf_core.errors import UserError, run_main
 from rlhf_core.loop import (
     accumulate_gradients,
-    check_engine_accumulation,
-    micro_batches,
     optimizer_step,
     plan_steps,
     print_dry_run,
     start_engine,
+    start_optimizer,
 )
 from rlhf_core.models import load_policy, load_reference, load_tokenizer
-from rlhf_core.optim import build_optimizer, build_scheduler
 from rlhf_core.packing import (
     SEGMENTED_ROW_TOKENS,
+    segmented_rows_pay,
     supports_packing,
-    supports_segmented_attention,
 )
 from rlhf_core.registry import build_from_spec
 from rlhf_core.rundir import managed_run, open_run_dir
@@ -89,7 +87,7 @@ def train(cfg: DAConfig, run: RunArgs) -> int:
     """Train one policy (cfg.model); returns the exit code (0, or 130/143 after a signal)."""
     assert cfg.model is not None
     accelerator, engine, threads = start_engine(cfg.train)
-    device, rank, world = accelerator.device, accelerator.process_index, accelerator.num_processes
+    device = accelerator.device
     is_main = accelerator.is_main_process
 
     # --- tokenizer and data
@@ -104,8 +102,7 @@ def train(cfg: DAConfig, run: RunArgs) -> int:
     eval_data = None
     if d.eval is not None and t.evaluate:
         eval_data = build(d.eval, tokenizer, where="data.eval", limit=t.eval_size, **lengths)
-    micro, total_steps = plan_steps(t, len(train_data.pairs), world)
-    check_engine_accumulation(accelerator, t.batch_size // (micro * world))
+    micro, total_steps = plan_steps(t, len(train_data.pairs), accelerator)
     loss_fn = build_from_spec(LOSSES, cfg.loss)
     if loss_fn.unpaired:
         warn_kto_weights(loss_fn, train_data.pairs)
@@ -129,7 +126,7 @@ def train(cfg: DAConfig, run: RunArgs) -> int:
     # pairs as packed rows, each prompt encoded once, where the attention takes a 4D mask; on
     # CPU SDPA, rows with no padding and attention computed group by group
     collate = pack_pairs if t.packing and supports_packing(policy) else collate_pairs
-    if collate is pack_pairs and supports_segmented_attention(policy):
+    if collate is pack_pairs and segmented_rows_pay(policy):
         collate = partial(pack_pairs, row_tokens=SEGMENTED_ROW_TOKENS)
     reference, ref_cache = None, None
     if loss_fn.needs_reference:
@@ -160,16 +157,15 @@ def train(cfg: DAConfig, run: RunArgs) -> int:
             return reference_pair_logps(reference, batch)
         return None, None
 
-    optimizer = engine.prepare_optimizer(build_optimizer(policy, cfg.optim))
-    scheduler = build_scheduler(optimizer, cfg.optim, total_steps)
+    optimizer, scheduler = start_optimizer(engine, policy, cfg.optim, total_steps)
     # data position, skipped steps, best model, tracker: fresh, or resumed from ckpt
     book = start_bookkeeping(
         cfg, run, package=PACKAGE, accelerator=accelerator, threads=threads, run_dir=run_dir,
         ckpt=ckpt, num_rows=len(train_data.pairs), total_steps=total_steps,
-        periodic_eval=bool(t.eval_every) and eval_data is not None,
+        has_eval=eval_data is not None,
         model=policy, tokenizer=tokenizer, optimizer=optimizer, scheduler=scheduler,
     )  # fmt: skip
-    step, sampler, skips = book.start_step, book.sampler, book.skips
+    step, skips = book.start_step, book.skips
 
     engine_facts = engine.announce(
         [policy, *([reference.own_model] if reference and reference.own_model else [])],
@@ -196,9 +192,8 @@ def train(cfg: DAConfig, run: RunArgs) -> int:
     metrics: dict[str, torch.Tensor] = {}
     with StopSignal() as stop:
         while step < total_steps:
-            indices = sampler.next_batch(t.batch_size)[rank::world]
-            batches = micro_batches(
-                indices, micro, lambda rows: collate([train_data.pairs[j] for j in rows], pad_id)
+            batches = book.next_micro_batches(
+                micro, lambda rows: collate([train_data.pairs[j] for j in rows], pad_id)
             )
             # each micro-batch's loss counts with its share of the step's pairs
             step_loss, metrics = accumulate_gradients(
@@ -210,9 +205,7 @@ def train(cfg: DAConfig, run: RunArgs) -> int:
             )  # fmt: skip
             step += 1
 
-            if book.log_due(step):  # the step's metrics, summed over processes
-                reduced = {k: accelerator.reduce(v, "sum").item() for k, v in metrics.items()}
-                book.log_step(step, step_loss, grad_norm, reduced)
+            book.log_step(step, step_loss, grad_norm, metrics)  # every tracking.log_every steps
             if book.evaluate(step, run_eval):  # every train.eval_every steps
                 break  # early stop: the final evaluation and final/ follow
             if t.samples_every and step % t.samples_every == 0 and eval_data:

@@ -30,20 +30,18 @@ from rlhf_core.config import RunArgs, parse_run_args
 from rlhf_core.errors import run_main
 from rlhf_core.loop import (
     accumulate_gradients,
-    check_engine_accumulation,
-    micro_batches,
     optimizer_step,
     plan_steps,
     print_dry_run,
     start_engine,
+    start_optimizer,
 )
 from rlhf_core.models import load_policy, load_tokenizer
-from rlhf_core.optim import build_optimizer, build_scheduler
 from rlhf_core.packing import (
     SEGMENTED_ROW_TOKENS,
     batch_logprobs,
+    segmented_rows_pay,
     supports_packing,
-    supports_segmented_attention,
 )
 from rlhf_core.registry import build_from_spec
 from rlhf_core.rundir import managed_run, open_run_dir
@@ -72,8 +70,7 @@ def train(cfg: SFTConfig, run: RunArgs) -> int:
             max_prompt_length=d.max_prompt_length, where="data.eval", limit=t.eval_size,
             exclude_prompts={e.prompt_text for e in train_data.examples}, overlong=d.overlong,
         )  # fmt: skip
-    micro, total_steps = plan_steps(t, len(train_data.examples), world)
-    check_engine_accumulation(accelerator, t.batch_size // (micro * world))
+    micro, total_steps = plan_steps(t, len(train_data.examples), accelerator)
     run_dir, ckpt = open_run_dir(accelerator, run, package=PACKAGE, name=cfg.name)
 
     if run.dry_run:
@@ -89,16 +86,15 @@ def train(cfg: SFTConfig, run: RunArgs) -> int:
     model = load_policy(cfg.model, device, weights_from=ckpt)
     model.train()
     model = engine.prepare(model)  # sharded (fsdp2) or DDP-wrapped; the optimizer comes after
-    optimizer = engine.prepare_optimizer(build_optimizer(model, cfg.optim))
-    scheduler = build_scheduler(optimizer, cfg.optim, total_steps)
+    optimizer, scheduler = start_optimizer(engine, model, cfg.optim, total_steps)
     # data position, skipped steps, best model, tracker: fresh, or resumed from ckpt
     book = start_bookkeeping(
         cfg, run, package=PACKAGE, accelerator=accelerator, threads=threads, run_dir=run_dir,
         ckpt=ckpt, num_rows=len(train_data.examples), total_steps=total_steps,
-        periodic_eval=bool(t.eval_every) and eval_data is not None,
+        has_eval=eval_data is not None,
         model=model, tokenizer=tokenizer, optimizer=optimizer, scheduler=scheduler,
     )  # fmt: skip
-    step, sampler, skips = book.start_step, book.sampler, book.skips
+    step, skips = book.start_step, book.skips
     loss_fn = build_from_spec(LOSSES, cfg.loss)
     engine_facts = engine.announce([model], [optimizer])
 
@@ -115,7 +111,7 @@ def train(cfg: SFTConfig, run: RunArgs) -> int:
     # --- the loop
     pad_id = tokenizer.pad_token_id
     batcher = pack if t.packing and supports_packing(model) else collate
-    if batcher is pack and supports_segmented_attention(model):  # CPU SDPA: rows not padded
+    if batcher is pack and segmented_rows_pay(model):  # CPU SDPA: rows not padded
         batcher = partial(pack, row_tokens=SEGMENTED_ROW_TOKENS)
     step_loss = torch.zeros(())
 
@@ -124,9 +120,8 @@ def train(cfg: SFTConfig, run: RunArgs) -> int:
 
     with StopSignal() as stop:
         while step < total_steps:
-            indices = sampler.next_batch(t.batch_size)[rank::world]
-            batches = micro_batches(
-                indices, micro, lambda rows: batcher([train_data.examples[i] for i in rows], pad_id)
+            batches = book.next_micro_batches(
+                micro, lambda rows: batcher([train_data.examples[i] for i in rows], pad_id)
             )
             # the loss is normalised by the step's completion tokens over all processes
             local_tokens = sum(b["loss_mask"].sum() for _, b in batches).to(device)
@@ -138,8 +133,7 @@ def train(cfg: SFTConfig, run: RunArgs) -> int:
             )  # fmt: skip
             step += 1
 
-            if book.log_due(step):
-                book.log_step(step, step_loss, grad_norm, {"tokens": num_tokens.item()})
+            book.log_step(step, step_loss, grad_norm, {"tokens": num_tokens.item()})
             if book.evaluate(step, run_eval):  # every train.eval_every steps
                 break  # early stop: the final evaluation and final/ follow
             if (exit_code := book.checkpoint(step, stop)) is not None:

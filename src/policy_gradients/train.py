@@ -40,9 +40,14 @@ from rlhf_core.bookkeeping import start_bookkeeping
 from rlhf_core.checkpoint import StopSignal
 from rlhf_core.config import RunArgs, parse_run_args
 from rlhf_core.errors import UserError, run_main
-from rlhf_core.loop import check_engine_accumulation, optimizer_step, print_dry_run, start_engine
+from rlhf_core.loop import (
+    check_engine_accumulation,
+    optimizer_step,
+    print_dry_run,
+    start_engine,
+    start_optimizer,
+)
 from rlhf_core.models import load_policy, load_reference, load_tokenizer
-from rlhf_core.optim import build_optimizer, build_scheduler
 from rlhf_core.registry import build_from_spec
 from rlhf_core.rundir import managed_run, open_run_dir
 from rlhf_core.runtime import seed_everything
@@ -152,16 +157,14 @@ def train(cfg: PGConfig, run: RunArgs) -> int:
         value_model = engine.prepare(value_model)
     updates_per_step = alg.ppo_epochs * alg.mini_batches
     total_updates = t.max_steps * updates_per_step
-    optimizer = engine.prepare_optimizer(build_optimizer(policy, cfg.optim))
-    scheduler = build_scheduler(optimizer, cfg.optim, total_updates)
+    optimizer, scheduler = start_optimizer(engine, policy, cfg.optim, total_updates)
     if value_model is not None:
-        value_opt = engine.prepare_optimizer(build_optimizer(value_model, cfg.optim))
-        value_sched = build_scheduler(value_opt, cfg.optim, total_updates)
+        value_opt, value_sched = start_optimizer(engine, value_model, cfg.optim, total_updates)
     # data position, skipped steps, best model, tracker: fresh, or resumed from ckpt
     book = start_bookkeeping(
         cfg, run, package=PACKAGE, accelerator=accelerator, threads=threads, run_dir=run_dir,
         ckpt=ckpt, num_rows=len(train_prompts.items), total_steps=t.max_steps,
-        periodic_eval=bool(t.eval_every) and cfg.data.eval is not None,
+        has_eval=cfg.data.eval is not None,
         model=policy, tokenizer=tokenizer, optimizer=optimizer, scheduler=scheduler,
         extra={"value": (value_model, value_opt)} if value_model is not None else None,
     )  # fmt: skip

@@ -33,16 +33,15 @@ from rlhf_core.config import RunArgs, parse_run_args
 from rlhf_core.errors import UserError, run_main
 from rlhf_core.loop import (
     accumulate_gradients,
-    check_engine_accumulation,
-    micro_batches,
     optimizer_step,
     plan_steps,
     print_dry_run,
     start_engine,
+    start_optimizer,
 )
 from rlhf_core.models import load_tokenizer
-from rlhf_core.optim import build_optimizer, build_scheduler, maybe_embedding_grad_buffer
-from rlhf_core.packing import SEGMENTED_ROW_TOKENS, supports_segmented_attention
+from rlhf_core.optim import maybe_embedding_grad_buffer
+from rlhf_core.packing import SEGMENTED_ROW_TOKENS, segmented_rows_pay
 from rlhf_core.registry import build_from_spec
 from rlhf_core.rundir import managed_run, open_run_dir
 from rlhf_core.runtime import seed_everything
@@ -57,7 +56,7 @@ def shared_prompt_collate(model: BaseRewardModel, gradient_checkpointing: bool):
     2D masks only; the cache is off under gradient checkpointing, so then no sharing: None)."""
     attention = getattr(model.backbone.config, "_attn_implementation", "sdpa")
     if attention in ("sdpa", "eager"):
-        if supports_segmented_attention(model.backbone):  # CPU SDPA: no padding, per pair
+        if segmented_rows_pay(model.backbone):  # CPU SDPA: no padding, per pair
             return partial(pack_pairs, row_tokens=SEGMENTED_ROW_TOKENS)
         return pack_pairs
     if not gradient_checkpointing:
@@ -78,7 +77,7 @@ def train(cfg: RMConfig, run: RunArgs) -> int:
             "train.export_sequence_classification under engine fsdp2 exports from final/: "
             "set checkpoint.save_final: true"
         )
-    device, rank, world = accelerator.device, accelerator.process_index, accelerator.num_processes
+    device, world = accelerator.device, accelerator.num_processes
     is_main = accelerator.is_main_process
 
     # --- loss, tokenizer and data
@@ -98,8 +97,7 @@ def train(cfg: RMConfig, run: RunArgs) -> int:
             d.eval, tokenizer, kind=kind, data_cfg=d, num_classes=classes, where="data.eval",
             limit=t.eval_size,
         )  # fmt: skip
-    micro, total_steps = plan_steps(t, len(train_data.examples), world)
-    check_engine_accumulation(accelerator, t.batch_size // (micro * world))
+    micro, total_steps = plan_steps(t, len(train_data.examples), accelerator)
     run_dir, ckpt = open_run_dir(accelerator, run, package=PACKAGE, name=cfg.name)
 
     if run.dry_run:
@@ -123,16 +121,15 @@ def train(cfg: RMConfig, run: RunArgs) -> int:
         model.backbone, enabled=t.sparse_embedding_grad, processes=world
     )
     model = engine.prepare(model)  # sharded (fsdp2) or DDP-wrapped; the optimizer comes after
-    optimizer = engine.prepare_optimizer(build_optimizer(model, cfg.optim))
-    scheduler = build_scheduler(optimizer, cfg.optim, total_steps)
+    optimizer, scheduler = start_optimizer(engine, model, cfg.optim, total_steps)
     # data position, skipped steps, best model, tracker: fresh, or resumed from ckpt
     book = start_bookkeeping(
         cfg, run, package=PACKAGE, accelerator=accelerator, threads=threads, run_dir=run_dir,
         ckpt=ckpt, num_rows=len(train_data.examples), total_steps=total_steps,
-        periodic_eval=bool(t.eval_every) and eval_data is not None,
+        has_eval=eval_data is not None,
         model=model, tokenizer=tokenizer, optimizer=optimizer, scheduler=scheduler,
     )  # fmt: skip
-    step, sampler, skips = book.start_step, book.sampler, book.skips
+    step, skips = book.start_step, book.skips
     pad_id = tokenizer.pad_token_id
     engine_facts = engine.announce([model], [optimizer])
 
@@ -151,9 +148,8 @@ def train(cfg: RMConfig, run: RunArgs) -> int:
     step_loss = torch.zeros(())
     with StopSignal() as stop:
         while step < total_steps:
-            indices = sampler.next_batch(t.batch_size)[rank::world]
-            batches = micro_batches(
-                indices, micro, lambda rows: collate([train_data.examples[j] for j in rows], pad_id)
+            batches = book.next_micro_batches(
+                micro, lambda rows: collate([train_data.examples[j] for j in rows], pad_id)
             )
             # each micro-batch's loss counts with its share of the step's examples
             step_loss, metrics = accumulate_gradients(
@@ -166,9 +162,7 @@ def train(cfg: RMConfig, run: RunArgs) -> int:
             )  # fmt: skip
             step += 1
 
-            if book.log_due(step):  # the step's metrics, summed over processes
-                reduced = {k: accelerator.reduce(v, "sum").item() for k, v in metrics.items()}
-                book.log_step(step, step_loss, grad_norm, reduced)
+            book.log_step(step, step_loss, grad_norm, metrics)  # every tracking.log_every steps
             if book.evaluate(step, run_eval):  # every train.eval_every steps
                 break  # early stop: the final evaluation and final/ follow
             if (exit_code := book.checkpoint(step, stop)) is not None:

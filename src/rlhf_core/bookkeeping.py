@@ -7,7 +7,8 @@ A package's `train()` keeps its own loop, read top to bottom: batches, forward, 
     `optim:`, `checkpoint:`, `tracking:`);
   - `start_bookkeeping`: the data position (`EpochSampler`), the skipped-step count, best-model
     selection (`ModelSelector`) and the `Tracker`, resumed together from a checkpoint;
-  - after each step: `log_due` / `log_step` (what every trainer logs), `evaluate` (every
+  - each step: `next_micro_batches` (this process's rows, in micro-batches); after it
+    `log_step` (what every trainer logs, every `tracking.log_every` steps), `evaluate` (every
     `train.eval_every` steps; True = stop early), `checkpoint` (the checkpoint schedule and
     the stop after SIGINT/SIGTERM; or its parts `save_due`, `save`, `stopped`);
   - at the end: `finish` (the final evaluation logged, best/ and `final/`, `summary.json`),
@@ -18,6 +19,7 @@ Not here: anything a trainer does differently (its models, batches, losses and m
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -30,8 +32,10 @@ from rlhf_core.checkpoint import CheckpointConfig, StopSignal
 from rlhf_core.config import RunArgs, RunConfig
 from rlhf_core.data import EpochSampler
 from rlhf_core.loop import (
+    Batch,
     SkippedSteps,
     announce_stop,
+    micro_batches,
     restore_checkpoint,
     save_final,
     save_training_state,
@@ -108,6 +112,16 @@ class Bookkeeping:
             extra_optimizers={k: o for k, (_, o) in self.extra.items() if o is not None},
         )  # fmt: skip
 
+    def next_micro_batches(
+        self, size: int, collate: Callable[[list[int]], Batch]
+    ) -> list[tuple[list[int], Batch]]:
+        """This process's share of the next step's `train.batch_size` rows (the seeded
+        sampler's order, split across processes) in micro-batches of `size`, each with
+        `collate(rows)` (`rlhf_core.loop.micro_batches`)."""
+        rank, world = self.accelerator.process_index, self.accelerator.num_processes
+        rows = self.sampler.next_batch(self.cfg.train.batch_size)[rank::world]
+        return micro_batches(rows, size, collate)
+
     def log_due(self, step: int) -> bool:
         """True every `tracking.log_every` steps and at the last step."""
         return step % self.cfg.tracking.log_every == 0 or step == self.total_steps
@@ -115,8 +129,16 @@ class Bookkeeping:
     def log_step(
         self, step: int, loss: torch.Tensor, grad_norm: float, metrics: dict[str, Any]
     ) -> None:
-        """Log what every supervised trainer logs after an optimizer step (loss, gradient norm,
-        learning rate, epoch, skipped steps), then `metrics` (numbers), each as `train/<key>`."""
+        """When `log_due(step)`: log what every supervised trainer logs after an optimizer step
+        (loss, gradient norm, learning rate, epoch, skipped steps), then `metrics`, each as
+        `train/<key>`: a tensor is this process's share, summed over processes here (every
+        process calls this), a number is logged as it is."""
+        if not self.log_due(step):
+            return
+        metrics = {
+            k: self.accelerator.reduce(v, "sum").item() if isinstance(v, torch.Tensor) else v
+            for k, v in metrics.items()
+        }
         self.tracker.log(step, {
             "train/loss": loss.item(), "train/grad_norm": grad_norm,
             "train/lr": self.scheduler.get_last_lr()[0],
@@ -192,7 +214,7 @@ def start_bookkeeping(
     threads: int,
     num_rows: int,
     total_steps: int,
-    periodic_eval: bool,
+    has_eval: bool,
     model: torch.nn.Module,
     tokenizer: Any,
     optimizer: torch.optim.Optimizer,
@@ -202,10 +224,11 @@ def start_bookkeeping(
     """A fresh `Bookkeeping` for `num_rows` training rows (seeded sampler), or, with `ckpt`,
     one resumed from it: optimizer, scheduler, RNGs, data position, skipped steps and the
     selector restored (`start_step` and `restored`, the loop state read, say where).
-    `periodic_eval`: whether held-out evaluation runs every `train.eval_every` steps (best-model
-    selection needs it)."""
+    `has_eval`: whether the run has held-out data; with `train.eval_every` it evaluates
+    periodically, which best-model selection needs."""
     sampler = EpochSampler(num_rows, cfg.seed)
     skips = SkippedSteps(cfg.optim.max_consecutive_skips)
+    periodic_eval = has_eval and bool(cfg.train.eval_every)
     selector = ModelSelector(cfg.checkpoint.best, run_dir, accelerator, periodic_eval=periodic_eval)
     step, restored = 0, {}
     if ckpt is not None:

@@ -1,10 +1,11 @@
 """Steps every training loop shares, as plain functions (there is no Trainer class).
 
 A package's `train.py` reads top to bottom and calls these for the parts that are the same
-everywhere: process set-up (`start_accelerator`), how many steps (`plan_steps`), the dry-run
-report, one step's micro-batches and their accumulated gradients (`micro_batches`,
-`accumulate_gradients`), restoring a checkpoint, the clipped optimizer step that skips
-non-finite losses, saving, and the message after a stop signal.
+everywhere: process set-up (`start_accelerator`), how many steps (`plan_steps`), the optimizer
+and its schedule (`start_optimizer`), the dry-run report, one step's micro-batches and their
+accumulated gradients (`micro_batches`, `accumulate_gradients`), restoring a checkpoint, the
+clipped optimizer step that skips non-finite losses, saving, and the message after a stop
+signal.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ import torch
 from accelerate import Accelerator
 from accelerate.utils import DistributedType
 from pydantic import BaseModel, Field
+from torch.optim.lr_scheduler import LambdaLR
 
 from rlhf_core.checkpoint import (
     SHARDED_DIR,
@@ -37,7 +39,7 @@ from rlhf_core.data import EpochSampler
 from rlhf_core.distributed import Engine, EngineSettings, is_sharded, local_tensor
 from rlhf_core.errors import UserError
 from rlhf_core.models import resolve_model_path
-from rlhf_core.optim import EmbeddingGradBuffer
+from rlhf_core.optim import EmbeddingGradBuffer, OptimConfig, build_optimizer, build_scheduler
 from rlhf_core.runtime import configure_threads, quiet_libraries
 
 
@@ -124,16 +126,27 @@ def check_engine_accumulation(accelerator: Accelerator, micro_batches_per_step: 
         )
 
 
-def plan_steps(loop: LoopConfig, num_rows: int, world: int) -> tuple[int, int]:
-    """(micro_batch_size, total optimizer steps); checks the batch splits evenly."""
-    micro = loop.micro_batch_size or loop.batch_size
+def plan_steps(loop: LoopConfig, num_rows: int, accelerator: Accelerator) -> tuple[int, int]:
+    """(micro_batch_size, total optimizer steps); checks the batch splits evenly over the
+    micro-batches and processes, and that the engine lets the loop accumulate them."""
+    micro, world = loop.micro_batch_size or loop.batch_size, accelerator.num_processes
     if loop.batch_size % (micro * world):
         raise UserError(
             f"train.batch_size ({loop.batch_size}) must be a multiple of micro_batch_size "
             f"({micro}) x processes ({world})"
         )
+    check_engine_accumulation(accelerator, loop.batch_size // (micro * world))
     steps_per_epoch = math.ceil(num_rows / loop.batch_size)
     return micro, loop.max_steps or math.ceil(loop.epochs * steps_per_epoch)
+
+
+def start_optimizer(
+    engine: Engine, model: torch.nn.Module, optim: OptimConfig, total_steps: int
+) -> tuple[torch.optim.Optimizer, LambdaLR]:
+    """AdamW over `model`'s trainable parameters, prepared for the engine (after the model was),
+    and its learning-rate schedule over `total_steps` (rlhf_core.optim)."""
+    optimizer = engine.prepare_optimizer(build_optimizer(model, optim))
+    return optimizer, build_scheduler(optimizer, optim, total_steps)
 
 
 Batch = dict[str, torch.Tensor]  # one collated micro-batch: name -> tensor

@@ -37,6 +37,7 @@ from rlhf_core.quantization import (
     QuantizationConfig,
     keep_backward_through_4bit,
     quantized_load_kwargs,
+    release_checkpoint_pages,
 )
 from rlhf_core.tiny import is_preset, preset_dir
 
@@ -230,6 +231,8 @@ def load_pretrained(auto, cfg: ModelConfig, path: str, device: torch.device) -> 
     )
     if not getattr(model, "is_quantized", False):  # a k-bit model is placed while loading
         model = model.to(device)
+    else:  # its full-precision tensors out of the checkpoint's file mapping (CPU)
+        release_checkpoint_pages(model)
     if cfg.quantization is not None and cfg.lora is not None:  # QLoRA training
         keep_backward_through_4bit(model)
     if cfg.gradient_checkpointing:

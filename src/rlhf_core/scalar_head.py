@@ -82,6 +82,7 @@ from rlhf_core.models import (
 from rlhf_core.quantization import (
     QuantizationConfig,
     quantized_load_kwargs,
+    release_checkpoint_pages,
 )
 
 KINDS = ("preference", "orm", "prm", "segment", "value")
@@ -302,6 +303,8 @@ class ScalarHeadModel(nn.Module):
         )  # fmt: skip
         if not getattr(seq, "is_quantized", False):
             seq = seq.to(device)
+        else:  # its full-precision tensors out of the checkpoint's file mapping (CPU)
+            release_checkpoint_pages(seq)
         if getattr(seq.score, "bias", None) is not None:
             raise ValueError(f"{path}: a score head with a bias is not supported")
         tokenizer = load_tokenizer(cfg, padding_side="right")

@@ -31,6 +31,34 @@ def test_qlora_model_has_4bit_base_and_trainable_adapter_only():
     assert not torch.allclose(model(ids).logits, base)
 
 
+def _mapped_ranges(path: Path) -> list[tuple[int, int]]:
+    """The address ranges at which this process maps `path` (/proc/self/maps)."""
+    ranges = []
+    for line in Path("/proc/self/maps").read_text().splitlines():
+        if line.endswith(str(path)):
+            start, end = line.split()[0].split("-")
+            ranges.append((int(start, 16), int(end, 16)))
+    return ranges
+
+
+def test_qlora_model_holds_no_view_of_the_checkpoint_file():
+    """The full-precision tensors bitsandbytes leaves (embedding, norms) are copied out of the
+    memory-mapped checkpoint, so the mapping (every page of which quantising read) can close."""
+    from rlhf_core.models import resolve_model_path
+
+    checkpoint = Path(resolve_model_path("tiny-qwen3")).resolve() / "model.safetensors"
+    plain = load_policy(ModelConfig(name_or_path="tiny-qwen3"))  # fp32: views of the file
+    ranges = _mapped_ranges(checkpoint)
+    inside = [n for n, p in plain.named_parameters()
+              if any(a <= p.data_ptr() < b for a, b in ranges)]  # fmt: skip
+    assert inside, "fp32 load no longer memory-maps the checkpoint: this test checks nothing"
+    model = load_policy(ModelConfig(**QLORA))
+    ranges = _mapped_ranges(checkpoint)
+    inside = [n for n, p in model.named_parameters()
+              if any(a <= p.data_ptr() < b for a, b in ranges)]  # fmt: skip
+    assert inside == []
+
+
 def test_quantization_without_lora_is_refused():
     with pytest.raises(ValueError, match="set model.lora too"):
         ModelConfig(name_or_path="tiny-qwen3", quantization={"bits": 4})
