@@ -85,11 +85,8 @@ from benchmarks.workload import (
 # ----------------------------------------------------------------------------- the two workers
 
 
-def run_ours(w: Workload, workdir: Path) -> dict[str, Any]:
-    """Our trainer as shipped."""
-    memory = PeakRSS()
-
-    import direct_alignment.train as da_train
+def our_config(w: Workload, workdir: Path) -> Any:
+    """Our DAConfig for the workload (the run's pairs in `workdir`, written by `prepare`)."""
     from direct_alignment.config import DAConfig, DATrainConfig, PreferenceDataConfig
     from rlhf_core.checkpoint import CheckpointConfig
     from rlhf_core.data import DataSource
@@ -97,9 +94,7 @@ def run_ours(w: Workload, workdir: Path) -> dict[str, Any]:
     from rlhf_core.optim import OptimConfig
     from rlhf_core.tracking import TrackingConfig
 
-    after_imports = rss_mb()
-    clock = StepClock(w.warmup_steps, memory)
-    cfg = DAConfig(
+    return DAConfig(
         name="bench",
         seed=w.seed,
         model=ModelConfig(name_or_path=str(model_dir(w.model)), dtype="fp32", attention="sdpa"),
@@ -110,13 +105,24 @@ def run_ours(w: Workload, workdir: Path) -> dict[str, Any]:
         loss={"name": "dpo", "beta": w.beta},
         reference={"mode": "model"},
         train=DATrainConfig(
-            batch_size=w.batch_size, max_steps=w.steps, threads=w.threads, device="cpu",
-            eval_every=0, samples_every=0,
+            batch_size=w.batch_size, micro_batch_size=w.micro_batch_size, max_steps=w.steps,
+            threads=w.threads, device="cpu", eval_every=0, samples_every=0,
         ),
         optim=OptimConfig(lr=w.lr, schedule="cosine", warmup_steps=0, max_grad_norm=1.0),
         checkpoint=CheckpointConfig(save_every=0, save_final=False),
         tracking=TrackingConfig(log_every=w.log_every),
     )  # fmt: skip
+
+
+def run_ours(w: Workload, workdir: Path) -> dict[str, Any]:
+    """Our trainer as shipped."""
+    memory = PeakRSS()
+
+    import direct_alignment.train as da_train
+
+    after_imports = rss_mb()
+    clock = StepClock(w.warmup_steps, memory)
+    cfg = our_config(w, workdir)
 
     original_logps = da_train.pair_logps
 
@@ -249,6 +255,17 @@ def summarize(prep: dict[str, Any], runs: list[dict[str, Any]]) -> dict[str, Any
     return out
 
 
+def micro_note(w: dict[str, Any]) -> str:
+    """What the table says about ours' micro-batches (absent in results from before the option)."""
+    micro = w.get("micro_batch_size")
+    if micro is None or micro == w["batch_size"]:
+        return " (one forward per step in both arms)"
+    return (
+        f" (ours: micro-batches of {micro} pairs, gradients accumulated, same effective batch "
+        "and loss; TRL: one forward per step)"
+    )
+
+
 def markdown(result: dict[str, Any]) -> str:
     """The result table (also printed and written to results/latest.md)."""
     w, s, p = result["workload"], result["summary"], result["prepare"]
@@ -265,8 +282,9 @@ def markdown(result: dict[str, Any]) -> str:
         f"Model `{w['model']}`: Qwen3 from config, {m['parameters'] / 1e6:.1f}M parameters (hidden "
         f"{m['hidden_size']}, {m['layers']} layers, MLP {m['intermediate_size']}), GPT-2 "
         f"tokenizer (vocab {m['vocab_size']}). {p['pairs']} HH harmless-base pairs, batch "
-        f"{w['batch_size']} pairs, {w['steps']} optimizer steps ({w['steps'] - w['warmup_steps']} "
-        f"timed), max_length {w['max_length']}, max_prompt_length {w['max_prompt_length']}, fp32, "
+        f"{w['batch_size']} pairs{micro_note(w)}, {w['steps']} optimizer steps "
+        f"({w['steps'] - w['warmup_steps']} timed), max_length {w['max_length']}, "
+        f"max_prompt_length {w['max_prompt_length']}, fp32, "
         f"{w['threads']} torch threads, CPU ({result['machine']['cpu']}, "
         f"{result['machine']['cores_available']} cores). Medians of {rounds} rounds, one fresh "
         "process per run, arm order rotating per round; min-max in brackets; ratios are medians "

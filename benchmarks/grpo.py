@@ -220,7 +220,7 @@ def run_trl(w: Workload, workdir: Path) -> dict[str, Any]:
     original_compute_loss = trainer.compute_loss
 
     def counted_loss(model, inputs, *rest, **kwargs):
-        clock.tokens.append(int(inputs["prompt_mask"].sum() + inputs["completion_mask"].sum()))
+        clock.add(int(inputs["prompt_mask"].sum() + inputs["completion_mask"].sum()))
         return original_compute_loss(model, inputs, *rest, **kwargs)
 
     trainer.compute_loss = counted_loss

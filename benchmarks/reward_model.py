@@ -103,7 +103,7 @@ def run_ours(w: Workload, workdir: Path, *, share_prompt: bool = True) -> dict[s
 
     def counted_loss(model, loss_fn, batch):
         # the full rows' non-pad tokens: a shared prompt counts once per completion reading it
-        clock.tokens.append(batch_tokens(batch))
+        clock.add(batch_tokens(batch))
         return original_loss(model, loss_fn, batch)
 
     clock_steps(rm_train, clock)

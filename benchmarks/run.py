@@ -42,6 +42,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--rounds", type=int, default=3, help="alternating rounds per comparison")
     parser.add_argument("--model", choices=MODEL_CHOICES, default=defaults.model)
     parser.add_argument("--batch-size", type=int, default=defaults.batch_size, help="pairs")
+    parser.add_argument(
+        "--micro-batch-size",
+        type=int,
+        default=None,
+        help="DPO, ours: pairs per forward/backward, gradients accumulated over the step's "
+        "batch (same effective batch and loss; the TRL arm runs the batch in one forward)",
+    )
     parser.add_argument("--steps", type=int, default=defaults.steps, help="optimizer steps")
     parser.add_argument("--max-length", type=int, default=defaults.max_length)
     parser.add_argument("--max-prompt-length", type=int, default=defaults.max_prompt_length)
@@ -51,6 +58,7 @@ def main(argv: list[str] | None = None) -> int:
         parser.error("--rounds must be >= 1")
     workload = dataclasses.replace(
         defaults, model=args.model, batch_size=args.batch_size, steps=args.steps,
+        micro_batch_size=args.micro_batch_size,
         max_length=args.max_length, max_prompt_length=args.max_prompt_length,
         threads=args.threads,
     )  # fmt: skip

@@ -85,6 +85,9 @@ class JsonDataclass:
 class Workload(JsonDataclass):
     model: str = "tiny"  # one of MODEL_CHOICES: "tiny" (preset tiny-qwen3-gpt2), "small", "real"
     batch_size: int = 4
+    # ours (DPO): the step's pairs in micro-batches of this many, gradients accumulated (same
+    # effective batch and loss); None = one forward per step, like the TRL arm
+    micro_batch_size: int | None = None
     steps: int = 8
     warmup_steps: int = 1  # steps before the timed window
     max_length: int = 256
@@ -271,17 +274,24 @@ class StepClock:
     def __init__(self, warmup_steps: int, memory: PeakRSS) -> None:
         self.warmup_steps = warmup_steps
         self.memory = memory
-        self.tokens: list[int] = []  # per forward call (one per step here)
+        self.tokens: list[int] = []  # per optimizer step (all its forwards: micro-batches)
+        self._pending = 0
         self.ends: list[float] = []
         self.cpu: list[tuple[float, float]] = []  # (user, system) CPU seconds, all threads
         self.start = time.perf_counter()
 
     def count(self, attention_mask) -> None:
-        self.tokens.append(int(attention_mask.sum()))
+        self.add(int(attention_mask.sum()))
+
+    def add(self, tokens: int) -> None:
+        """Count `tokens` towards the current optimizer step."""
+        self._pending += tokens
 
     def step_done(self) -> None:
         if len(self.ends) + 1 == self.warmup_steps:
             self.memory.phase("setup_and_warmup")
+        self.tokens.append(self._pending)
+        self._pending = 0
         cpu = os.times()
         self.cpu.append((cpu.user, cpu.system))
         self.ends.append(time.perf_counter())
@@ -360,7 +370,7 @@ def count_batch_tokens(clock: StepClock, batch: dict[str, Any]) -> None:
     from rlhf_core.packing import is_packed, unpacked_tokens
 
     if is_packed(batch):
-        clock.tokens.append(unpacked_tokens(batch))
+        clock.add(unpacked_tokens(batch))
     else:
         clock.count(batch["attention_mask"])
 
@@ -419,7 +429,7 @@ def count_trl_tokens(trainer: Any, clock: StepClock) -> None:
         if "attention_mask" in inputs:
             clock.count(inputs["attention_mask"])
         else:  # padding-free: one flat row, every position a real token
-            clock.tokens.append(int(inputs["input_ids"].numel()))
+            clock.add(int(inputs["input_ids"].numel()))
         return original_training_step(model, inputs, *rest, **kwargs)
 
     trainer.training_step = counted_training_step

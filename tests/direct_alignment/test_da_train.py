@@ -45,6 +45,23 @@ def test_dpo_on_32_pairs_reaches_high_train_reward_accuracy(tiny_dpo_dict, tmp_p
         assert not torch.equal(value, start[name]), f"{name} did not change"
 
 
+def test_micro_batches_train_as_one_forward_per_step(tiny_dpo_dict, tmp_path):
+    """A step's pairs in micro-batches (less activation memory, as in the real-proportions
+    benchmark) give the one-forward step: the same losses and the same weights."""
+    tiny_dpo_dict["train"]["max_steps"] = 2
+    tiny_dpo_dict["data"]["eval"] = None
+    assert run_cfg(tiny_dpo_dict, tmp_path / "one") == 0
+    tiny_dpo_dict["train"]["micro_batch_size"] = 2  # 8 pairs: 4 micro-batches
+    assert run_cfg(tiny_dpo_dict, tmp_path / "micro") == 0
+    one, micro = (metric_series(tmp_path / r, "train/loss") for r in ("one", "micro"))
+    assert one.keys() == micro.keys() == {1, 2}
+    for step in one:
+        assert abs(one[step] - micro[step]) < 1e-6
+    a, b = (load_file(tmp_path / r / "final" / "model.safetensors") for r in ("one", "micro"))
+    for name in a:
+        torch.testing.assert_close(a[name], b[name], rtol=1e-4, atol=1e-5)  # fp32 sums
+
+
 @pytest.mark.parametrize("loss", ["ipo", "simpo", "orpo", "kto", "robust", "hinge"])
 def test_other_losses_run_and_change_the_policy(tiny_dpo_dict, tmp_path, loss):
     tiny_dpo_dict["loss"] = {"name": loss}
