@@ -184,8 +184,28 @@ class OverlongReward:
         )
 
 
+class LearnedReward:
+    """What the learned rewards share: the device (`auto` = cuda if available) and the
+    normalisation of their raw scores, (score - mean) / std * scale + bias."""
+
+    name = "learned reward"  # the registry sets each subclass's name
+
+    def _learned_setup(
+        self, *, mean: float, std: float, scale: float, bias: float, device: str
+    ) -> torch.device:
+        if std <= 0:
+            raise UserError(f"{self.name}: std must be > 0, got {std}")
+        self.mean, self.std, self.scale, self.bias = mean, std, scale, bias
+        if device == "auto":
+            device = "cuda" if torch.cuda.is_available() else "cpu"
+        return torch.device(device)
+
+    def normalize(self, raw: torch.Tensor) -> torch.Tensor:
+        return (raw - self.mean) / self.std * self.scale + self.bias
+
+
 @REWARDS.register("reward_model")
-class RewardModelReward:
+class RewardModelReward(LearnedReward):
     """A learned reward: a directory saved by `reward_models` (or any transformers
     `...ForSequenceClassification` directory), loaded through `rlhf_core.scalar_head` so this
     package never imports `reward_models`. Scores prompt + completion as the model was trained
@@ -204,27 +224,18 @@ class RewardModelReward:
     ) -> None:
         from rlhf_core.scalar_head import ScalarHeadModel
 
-        if std <= 0:
-            raise UserError(f"reward_model: std must be > 0, got {std}")
-        if device == "auto":
-            device = "cuda" if torch.cuda.is_available() else "cpu"
-        self.model = ScalarHeadModel.from_pretrained(path, device=device)
-        self.batch_size, self.mean, self.std, self.scale, self.bias = (
-            batch_size,
-            mean,
-            std,
-            scale,
-            bias,
-        )
+        device_ = self._learned_setup(mean=mean, std=std, scale=scale, bias=bias, device=device)
+        self.model = ScalarHeadModel.from_pretrained(path, device=device_)
+        self.batch_size = batch_size
 
     def __call__(self, batch: RewardInput) -> torch.Tensor:
         prompts = [item["messages"] for item in batch.items]
         raw = self.model.score(prompts, batch.completions, batch_size=self.batch_size).float().cpu()
-        return (raw - self.mean) / self.std * self.scale + self.bias
+        return self.normalize(raw)
 
 
 @REWARDS.register("implicit_reward_model")
-class ImplicitRewardModel:
+class ImplicitRewardModel(LearnedReward):
     """A causal LM trained on preference pairs, read as a reward model through its implicit
     reward (no scalar head):
 
@@ -257,11 +268,7 @@ class ImplicitRewardModel:
     ) -> None:
         from rlhf_core.models import ModelConfig, load_policy, load_tokenizer
 
-        if std <= 0:
-            raise UserError(f"implicit_reward_model: std must be > 0, got {std}")
-        if device == "auto":
-            device = "cuda" if torch.cuda.is_available() else "cpu"
-        self.device = torch.device(device)
+        self.device = self._learned_setup(mean=mean, std=std, scale=scale, bias=bias, device=device)
 
         def load(name: str) -> torch.nn.Module:
             return load_policy(ModelConfig(name_or_path=name), self.device).eval()
@@ -271,7 +278,6 @@ class ImplicitRewardModel:
         self.tokenizer = load_tokenizer(ModelConfig(name_or_path=path), padding_side="right")
         self.beta, self.batch_size = float(beta), batch_size
         self.length_normalize = reference is None if length_normalize is None else length_normalize
-        self.mean, self.std, self.scale, self.bias = mean, std, scale, bias
 
     @torch.no_grad()
     def sequence_logps(
@@ -304,8 +310,7 @@ class ImplicitRewardModel:
         return self.beta * (logps / lengths if self.length_normalize else logps)
 
     def __call__(self, batch: RewardInput) -> torch.Tensor:
-        raw = self.raw(batch.prompts, batch.completions)
-        return (raw - self.mean) / self.std * self.scale + self.bias
+        return self.normalize(self.raw(batch.prompts, batch.completions))
 
 
 @REWARDS.register("segment_reward_model")
