@@ -114,6 +114,13 @@ class RMConfig(TrainerConfig):
     name: str = run_name("reward_model")
     model: ModelConfig = Field(description="the backbone: tiny preset, local dir or hub id")
     freeze_backbone: bool = Field(False, description="train the head only (not with LoRA)")
+    pooling: Literal["last", "mean", "sum"] = Field(
+        "last",
+        description="preference: which of the head's per-token scores make the reward: the last "
+        "token's (eos; what transformers' sequence classifiers read), or the mean or the sum "
+        "over the completion's tokens (a token-level reward pooled; the prompt never counts). "
+        "Recorded in scalar_head.json, so `score` and the RL rewards pool the same way",
+    )
     data: RMDataConfig = Field(description="training and held-out rows")
     loss: LossSpec = Field(
         default_factory=lambda: {"name": "bradley_terry"},
@@ -148,4 +155,15 @@ class RMConfig(TrainerConfig):
             raise UserError("freeze_backbone with model.lora: choose one (LoRA freezes the base)")
         if self.train.export_sequence_classification and kind != "preference":
             raise UserError("train.export_sequence_classification is for preference models only")
+        if self.pooling != "last" and kind != "preference":
+            raise UserError(
+                f"pooling {self.pooling!r} is for preference models (loss bradley_terry); a "
+                f"{kind} model reads its scores where its labels are"
+            )
+        if self.pooling != "last" and self.train.export_sequence_classification:
+            raise UserError(
+                f"pooling {self.pooling!r} with train.export_sequence_classification: "
+                "transformers' sequence classifiers read the last token only, so the export "
+                "would score differently; use pooling: last or turn the export off"
+            )
         return self

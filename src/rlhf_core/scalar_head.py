@@ -7,6 +7,8 @@ never imports `reward_models`.
 
     model(input_ids, attention_mask)          -> scores (B, T, head_dim), one per token
     pool_last_token(scores, attention_mask)   -> (B, head_dim) at each row's last non-pad token
+    pool_completion(scores, mask, pooling)    -> (B, head_dim): last, mean or sum over the
+                                                 completion tokens `mask` marks
 
 The backbone is the causal LM's base model (`AutoModel`: no LM head), loaded per `ModelConfig`
 (tiny preset, local directory or hub id; dtype; attention; LoRA; gradient checkpointing), and may
@@ -33,7 +35,11 @@ Text is scored exactly as it was trained on (`rlhf_core.encoding`: `encode_compl
 a PRM completion is its steps, each followed by the one-token step separator, and is scored at
 the separators. What `score` returns per row:
 
-    preference, value   the head's scalar at the last token
+    preference, value   the head's scalar at the last token; a preference model trained with
+                        `pooling: mean` or `sum` (recorded in scalar_head.json) reads the mean
+                        or the sum of the head's scalars over the completion tokens (eos
+                        included) instead: a token-level reward summed (or averaged) over the
+                        completion, the same number its training loss saw
     orm                 P(correct) = sigmoid(the logit at the last token)
     prm                 min (or prod, or last) over steps of P(step is not an error), where
                         P(not an error) = 1 - softmax(step logits)[0] (class 0 = negative)
@@ -85,6 +91,7 @@ from rlhf_core.quantization import (
 )
 
 KINDS = ("preference", "orm", "prm", "segment", "value")
+POOLINGS = ("last", "mean", "sum")
 HEAD_WEIGHTS = "scalar_head.safetensors"
 HEAD_CONFIG = "scalar_head.json"
 FORMAT = "rlhf-lab scalar head v1"
@@ -105,6 +112,24 @@ def pool_last_token(values: torch.Tensor, attention_mask: torch.Tensor) -> torch
     return values[rows, last_token_index(attention_mask).to(values.device)]
 
 
+def pool_completion(values: torch.Tensor, mask: torch.Tensor, pooling: str) -> torch.Tensor:
+    """values (B, T, ...) pooled over the positions `mask` (B, T) marks -> (B, ...): the last
+    marked position, or the mean or sum over the marked positions (a row with none: 0 for sum,
+    nan for mean, an error for last). Unmarked positions (padding: garbage) never enter."""
+    if pooling == "last":
+        return pool_last_token(values, mask)
+    if pooling not in POOLINGS:
+        raise ValueError(f"pooling {pooling!r}: expected one of {POOLINGS}")
+    if values.shape[:2] != mask.shape:
+        raise ValueError(
+            f"pool_completion: values {tuple(values.shape)} must start with the mask's shape "
+            f"{tuple(mask.shape)}"
+        )
+    keep = mask.bool().view(*mask.shape, *([1] * (values.dim() - 2)))
+    total = torch.where(keep, values, torch.zeros((), dtype=values.dtype)).sum(1)
+    return total / keep.sum(1).to(values.dtype) if pooling == "mean" else total
+
+
 # ----------------------------------------------------------------------------- the model
 
 
@@ -120,10 +145,18 @@ class ScalarHeadInfo:
     step_separator: str | None = None  # PRM: the one-token text that ends every step
     segment_level: str | None = None  # segment: "sentence" or "subsentence"
     base_model: str | None = None  # LoRA: the model the adapter applies to (name_or_path)
+    pooling: str = "last"  # preference: one of POOLINGS (the completion's tokens for mean/sum)
 
     def __post_init__(self) -> None:
         if self.kind not in KINDS:
             raise ValueError(f"scalar head kind {self.kind!r}: expected one of {KINDS}")
+        if self.pooling not in POOLINGS:
+            raise ValueError(f"scalar head pooling {self.pooling!r}: expected one of {POOLINGS}")
+        if self.pooling != "last" and self.kind != "preference":
+            raise ValueError(
+                f"scalar head pooling {self.pooling!r} is for preference models only "
+                f"(kind {self.kind!r} reads the last token)"
+            )
         if self.head_dim < 1:
             raise ValueError(f"scalar head: head_dim must be >= 1, got {self.head_dim}")
         if self.kind == "prm" and (self.step_separator is None or self.head_dim < 2):
@@ -390,12 +423,19 @@ class ScalarHeadModel(nn.Module):
     def pooled_scores(
         self, prompts: list[str | Messages], completions: list[str], *, batch_size: int = 16
     ) -> torch.Tensor:
-        """The head's raw output at each sequence's last token, (B, head_dim)."""
+        """The head's raw output at each sequence's last token, (B, head_dim); with
+        `info.pooling` mean or sum, its mean or sum over the completion's tokens."""
         encoded = self._encode(prompts, completions)
         scores = self._run([e.prompt_ids + e.completion_ids for e in encoded], batch_size)
         if not scores:
             return torch.zeros(0, self.info.head_dim)
-        return torch.stack([s[-1] for s in scores])
+        if self.info.pooling == "last":
+            return torch.stack([s[-1] for s in scores])
+        return torch.stack([
+            pool_completion(s[None, len(e.prompt_ids) :], torch.ones(1, len(s) - len(e.prompt_ids)),
+                            self.info.pooling)[0]
+            for s, e in zip(scores, encoded, strict=True)
+        ])  # fmt: skip
 
     def token_scores(
         self, prompts: list[str | Messages], completions: list[str], *, batch_size: int = 16
@@ -521,6 +561,12 @@ def export_sequence_classification(
 
     tokenizer = tokenizer if tokenizer is not None else model.tokenizer
     check_sequence_classification_export(tokenizer)
+    if model.info.pooling != "last":
+        raise UserError(
+            f"export_sequence_classification: this reward model pools {model.info.pooling!r} "
+            "over the completion's tokens; transformers' sequence classifiers read the last "
+            "token only, so the export would score differently. Use pooling: last to export."
+        )
     backbone = model.backbone
     if is_peft_model(backbone):
         backbone = copy.deepcopy(backbone).merge_and_unload()
