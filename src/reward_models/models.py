@@ -96,7 +96,17 @@ class BaseRewardModel(ScalarHeadModel):
                 input_ids=input_ids, attention_mask=additive_mask(allowed, dtype),
                 position_ids=position_ids, use_cache=False,
             ).last_hidden_state  # fmt: skip
-        return self.head(hidden.to(self.head.weight.dtype))
+        scores = self.head(hidden.to(self.head.weight.dtype))
+        if self.info.lm_likelihood:  # a token is predicted from the last key before it it sees
+            length = allowed.shape[-1]
+            before = torch.ones(length, length, dtype=torch.bool, device=allowed.device).tril(-1)
+            keys = torch.arange(length, device=allowed.device)
+            source = torch.where(allowed[:, 0] & before, keys, -1).amax(-1)  # (R, L)
+            previous = hidden.gather(
+                1, source.clamp(min=0)[..., None].expand(-1, -1, hidden.shape[-1])
+            )
+            scores = self.add_lm_likelihood(scores, previous, input_ids, source >= 0)
+        return scores
 
     def _shared_prefix_forward(
         self,
@@ -112,12 +122,17 @@ class BaseRewardModel(ScalarHeadModel):
             )
         repeats = input_ids.shape[0] // prefix_ids.shape[0]
         prefix_of = torch.arange(prefix_ids.shape[0], device=input_ids.device)
+        prefix_of = prefix_of.repeat_interleave(repeats)
         with self._grad_context():
-            _, hidden = shared_prefix_forward(
-                self.backbone, prefix_ids, prefix_mask, input_ids, attention_mask,
-                prefix_of.repeat_interleave(repeats),
-            )  # fmt: skip
-        return self.head(hidden.to(self.head.weight.dtype))
+            prefix_hidden, hidden = shared_prefix_forward(
+                self.backbone, prefix_ids, prefix_mask, input_ids, attention_mask, prefix_of
+            )
+        scores = self.head(hidden.to(self.head.weight.dtype))
+        if self.info.lm_likelihood:  # the first token is predicted from its prefix's last one
+            previous = torch.cat([prefix_hidden[prefix_of, -1:], hidden[:, :-1]], 1)
+            predicted = torch.ones_like(input_ids, dtype=torch.bool)
+            scores = self.add_lm_likelihood(scores, previous, input_ids, predicted)
+        return scores
 
     @classmethod
     def for_config(
@@ -139,11 +154,16 @@ class BaseRewardModel(ScalarHeadModel):
             step_separator=cfg.data.step_separator if loss_fn.kind == "prm" else None,
             segment_level=cfg.data.segment_level if loss_fn.kind == "segment" else None,
             pooling=cfg.pooling,
+            lm_likelihood=cfg.lm_likelihood is not None,
         )
-        return cls.from_config(
+        model = cls.from_config(
             cfg.model, info, device, weights_from=weights_from,
             freeze_backbone=cfg.freeze_backbone,
         )  # fmt: skip
+        if cfg.lm_likelihood is not None and weights_from is None:
+            with torch.no_grad():
+                model.likelihood_weight.fill_(cfg.lm_likelihood)
+        return model
 
     def export_sequence_classification(self, out_dir: str | Path, *, tokenizer: Any = None) -> Path:
         """Write a transformers `AutoModelForSequenceClassification` directory (preference only);

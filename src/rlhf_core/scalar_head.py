@@ -146,6 +146,7 @@ class ScalarHeadInfo:
     segment_level: str | None = None  # segment: "sentence" or "subsentence"
     base_model: str | None = None  # LoRA: the model the adapter applies to (name_or_path)
     pooling: str = "last"  # preference: one of POOLINGS (the completion's tokens for mean/sum)
+    lm_likelihood: bool = False  # preference: each token's score adds w * log p_LM(token)
 
     def __post_init__(self) -> None:
         if self.kind not in KINDS:
@@ -156,6 +157,12 @@ class ScalarHeadInfo:
             raise ValueError(
                 f"scalar head pooling {self.pooling!r} is for preference models only "
                 f"(kind {self.kind!r} reads the last token)"
+            )
+        if self.lm_likelihood and (self.kind != "preference" or self.pooling == "last"):
+            raise ValueError(
+                "scalar head lm_likelihood is for preference models with pooling mean or sum "
+                f"(the completion's log-likelihood); got kind {self.kind!r}, pooling "
+                f"{self.pooling!r}"
             )
         if self.head_dim < 1:
             raise ValueError(f"scalar head: head_dim must be >= 1, got {self.head_dim}")
@@ -206,6 +213,17 @@ class ScalarHeadModel(nn.Module):
         device = next(backbone.parameters()).device
         self.head = nn.Linear(hidden, info.head_dim, bias=False, device=device)
         nn.init.normal_(self.head.weight, std=HEAD_INIT_STD)
+        if info.lm_likelihood:  # w of w * log p_LM(token); set by the trainer or load_head
+            text_config = backbone.config.get_text_config()
+            if not getattr(text_config, "tie_word_embeddings", False):
+                raise ValueError(
+                    f"lm_likelihood reads the backbone's language model through its input "
+                    f"embeddings (tied LM head); {text_config.model_type} "
+                    f"{getattr(text_config, '_name_or_path', '')!r} unties them"
+                )
+            if backbone.config.is_encoder_decoder:
+                raise ValueError("lm_likelihood: decoder-only backbones only")
+            self.likelihood_weight = nn.Parameter(torch.zeros((), device=device))
 
     # --- building and saving
 
@@ -240,7 +258,13 @@ class ScalarHeadModel(nn.Module):
         path = Path(directory) / HEAD_WEIGHTS
         if not path.is_file():
             raise FileNotFoundError(f"no scalar head weights at {path}")
-        weight = load_file(str(path))["weight"]
+        tensors = load_file(str(path))
+        weight = tensors["weight"]
+        if self.info.lm_likelihood:
+            if "likelihood_weight" not in tensors:
+                raise ValueError(f"{path}: lm_likelihood model without 'likelihood_weight'")
+            with torch.no_grad():
+                self.likelihood_weight.copy_(tensors["likelihood_weight"])
         if weight.shape != self.head.weight.shape:
             raise ValueError(
                 f"{path}: head weight is {tuple(weight.shape)}, this model needs "
@@ -264,17 +288,21 @@ class ScalarHeadModel(nn.Module):
         path = Path(path)
         path.mkdir(parents=True, exist_ok=True)
         backbone_state, head = None, self.head.weight
+        likelihood = getattr(self, "likelihood_weight", None)
         if state_dict is not None:
             backbone_state = {
                 k.removeprefix("backbone."): v for k, v in state_dict.items()
                 if k.startswith("backbone.")
             }  # fmt: skip
             head = state_dict["head.weight"]
+            likelihood = state_dict.get("likelihood_weight", likelihood)
         self.backbone.save_pretrained(
             path, safe_serialization=safe_serialization, state_dict=backbone_state
         )
-        weight = head.detach().to("cpu", torch.float32).contiguous()
-        save_file({"weight": weight}, str(path / HEAD_WEIGHTS))
+        tensors = {"weight": head.detach().to("cpu", torch.float32).contiguous()}
+        if likelihood is not None:
+            tensors["likelihood_weight"] = likelihood.detach().to("cpu", torch.float32)
+        save_file(tensors, str(path / HEAD_WEIGHTS))
         meta = {"format": FORMAT, "backbone": "adapter" if self.is_adapter else "full"}
         (path / HEAD_CONFIG).write_text(json.dumps({**meta, **asdict(self.info)}, indent=2) + "\n")
         if self.tokenizer is not None:
@@ -377,7 +405,36 @@ class ScalarHeadModel(nn.Module):
             hidden = self.backbone(
                 input_ids=input_ids, attention_mask=attention_mask, use_cache=False, **extra
             ).last_hidden_state
-        return self.head(hidden.to(self.head.weight.dtype))
+        scores = self.head(hidden.to(self.head.weight.dtype))
+        if self.info.lm_likelihood:  # each token is predicted from the position before it
+            previous = torch.cat([torch.zeros_like(hidden[:, :1]), hidden[:, :-1]], 1)
+            first = torch.arange(input_ids.shape[1], device=input_ids.device) == 0
+            scores = self.add_lm_likelihood(
+                scores, previous, input_ids, ~first.expand_as(input_ids)
+            )
+        return scores
+
+    def add_lm_likelihood(
+        self,
+        scores: torch.Tensor,
+        previous: torch.Tensor,
+        input_ids: torch.Tensor,
+        predicted: torch.Tensor,
+    ) -> torch.Tensor:
+        """scores (B, T, 1) + w * log p(input_ids | previous): `previous` (B, T, H) is the hidden
+        state each token is predicted from (the position before it in its own sequence), read
+        through the backbone's tied LM head (its input embeddings), at the positions `predicted`
+        (B, T) marks (elsewhere 0: a sequence's first token). Fused: no (B, T, V) logits."""
+        from types import SimpleNamespace
+
+        from rlhf_core.logprobs import linear_token_logprobs
+
+        embedding = self.backbone.get_input_embeddings().weight
+        lm_head = SimpleNamespace(weight=embedding, bias=None)  # the tied LM head
+        logps = torch.zeros(input_ids.shape, dtype=scores.dtype, device=scores.device)
+        picked = linear_token_logprobs(previous[predicted], lm_head, input_ids[predicted])
+        logps = logps.masked_scatter(predicted, picked.to(scores.dtype))
+        return scores + self.likelihood_weight * logps[..., None]
 
     def _grad_context(self) -> Any:
         """No autograd graph through a frozen backbone (only the head trains)."""

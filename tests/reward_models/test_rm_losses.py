@@ -251,3 +251,6 @@ def test_pooling_is_checked_in_the_config():
     with pytest.raises(ConfigError, match="sequence classifiers read the last token only"):
         validate_config(RMConfig, {**base, "pooling": "sum",
                                    "train": {"export_sequence_classification": True}})  # fmt: skip
+    with pytest.raises(ConfigError, match="lm_likelihood needs pooling: mean or sum"):
+        validate_config(RMConfig, {**base, "lm_likelihood": 1.0})
+    assert validate_config(RMConfig, {**base, "pooling": "sum", "lm_likelihood": 1.0})

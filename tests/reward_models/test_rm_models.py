@@ -129,11 +129,27 @@ def test_a_pooled_model_scores_text_as_it_was_trained_and_saves_its_pooling(tok,
         model.export_sequence_classification(tmp_path / "seqcls")
 
 
+def test_an_lm_likelihood_model_saves_its_weight_and_scores_the_same_after_loading(tok, tmp_path):
+    model = make(tok, pooling="sum", lm_likelihood=True)
+    with torch.no_grad():
+        model.likelihood_weight.fill_(0.7)
+    before = model.score(PROMPTS, COMPLETIONS, batch_size=2)
+    model.save_pretrained(tmp_path / "rm")
+    loaded = ScalarHeadModel.from_pretrained(tmp_path / "rm")
+    assert loaded.info.lm_likelihood and loaded.likelihood_weight.item() == pytest.approx(0.7)
+    assert torch.equal(loaded.score(PROMPTS, COMPLETIONS, batch_size=2), before)
+    with torch.no_grad():  # the feature really counts: w = 0 scores differently
+        loaded.likelihood_weight.zero_()
+    assert not torch.allclose(loaded.score(PROMPTS, COMPLETIONS), before)
+
+
 def test_pooling_is_for_preference_models_only():
     with pytest.raises(ValueError, match="pooling 'sum' is for preference models only"):
         ScalarHeadInfo(kind="orm", pooling="sum")
     with pytest.raises(ValueError, match="pooling 'max'"):
         ScalarHeadInfo(kind="preference", pooling="max")
+    with pytest.raises(ValueError, match="lm_likelihood is for preference models with pooling"):
+        ScalarHeadInfo(kind="preference", lm_likelihood=True)
 
 
 def test_frozen_backbone_trains_only_the_head(tok):

@@ -22,13 +22,19 @@ def random_pairs(lengths, seed=0):
     return [PreferencePair(ids(p), ids(c), ids(r)) for p, c, r in lengths]
 
 
-def build_model(attention: str = "sdpa", pooling: str = "last") -> BaseRewardModel:
+def build_model(
+    attention: str = "sdpa", pooling: str = "last", lm_likelihood: bool = False
+) -> BaseRewardModel:
     torch.manual_seed(0)
-    return BaseRewardModel.from_config(
+    model = BaseRewardModel.from_config(
         ModelConfig(name_or_path="tiny-qwen3", attention=attention),
-        ScalarHeadInfo(kind="preference", pooling=pooling),
+        ScalarHeadInfo(kind="preference", pooling=pooling, lm_likelihood=lm_likelihood),
         "cpu",
     )
+    if lm_likelihood:
+        with torch.no_grad():
+            model.likelihood_weight.fill_(0.5)
+    return model
 
 
 @pytest.fixture(scope="module")
@@ -44,10 +50,11 @@ def model():
     [("cache", "sdpa", "last"), ("packed", "sdpa", "last"), ("packed", "eager", "last"),
      ("one_row", "sdpa", "last"), ("one_row", "eager", "last"),
      ("cache", "sdpa", "sum"), ("packed", "sdpa", "mean"), ("one_row", "sdpa", "sum"),
-     ("packed", "eager", "sum")],
+     ("packed", "eager", "sum"), ("cache", "sdpa", "sum+lm"), ("packed", "sdpa", "mean+lm"),
+     ("one_row", "sdpa", "sum+lm"), ("packed", "eager", "sum+lm")],
 )  # fmt: skip
 def test_shared_prompt_gives_the_same_rewards_and_gradients(layout, attention, pooling):
-    model = build_model(attention, pooling)
+    model = build_model(attention, pooling.removesuffix("+lm"), pooling.endswith("+lm"))
     # ragged prompts (left-padded as prefixes) and ragged completions (right-padded); packed,
     # the 6 pairs (15, 14, 14, 22, 5, 4 tokens) fill 4 rows of 22: [22] [15, 5] [14, 4] [14]
     pairs = random_pairs([(5, 3, 7), (9, 1, 4), (2, 6, 6), (12, 8, 2), (1, 2, 2), (2, 1, 1)])
@@ -159,3 +166,33 @@ def test_a_4d_mask_needs_position_ids(model):
     ids = torch.ones(1, 3, dtype=torch.long)
     with pytest.raises(ValueError, match="needs explicit position_ids"):
         model(ids, torch.ones(1, 1, 3, 3, dtype=torch.bool))
+
+
+def test_lm_likelihood_is_the_backbones_own_log_likelihood_of_the_completion():
+    """With the head at zero and w = 1, a sum-pooled lm_likelihood reward is log p(completion |
+    prompt) under the same weights loaded as transformers' causal LM, in every layout."""
+    from transformers import AutoModelForCausalLM
+
+    from rlhf_core.models import resolve_model_path
+
+    model = build_model(pooling="sum", lm_likelihood=True)
+    with torch.no_grad():
+        model.head.weight.zero_()
+        model.likelihood_weight.fill_(1.0)
+    lm = AutoModelForCausalLM.from_pretrained(
+        resolve_model_path("tiny-qwen3"), dtype=torch.float64
+    ).eval()
+    pairs = random_pairs([(5, 3, 7), (9, 1, 4), (2, 6, 6)])
+    expected = []
+    with torch.no_grad():
+        for side in ("chosen_ids", "rejected_ids"):
+            for p in pairs:
+                ids = torch.tensor([p.prompt_ids + getattr(p, side)])
+                logps = lm(ids).logits[0, :-1].log_softmax(-1).gather(-1, ids[0, 1:, None])[:, 0]
+                expected.append(logps[len(p.prompt_ids) - 1 :].sum())
+        expected = torch.stack(expected).float()
+        for batch in (collate_pairs(pairs, 0), collate_pairs(pairs, 0, share_prompt=True),
+                      pack_pairs(pairs, 0), pack_pairs(pairs, 0, row_tokens=64)):  # fmt: skip
+            chosen, rejected = preference_rewards(model, batch)
+            torch.testing.assert_close(torch.cat([chosen, rejected]), expected,
+                                       rtol=1e-4, atol=1e-4)  # fmt: skip
