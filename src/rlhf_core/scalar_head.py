@@ -39,7 +39,9 @@ the separators. What `score` returns per row:
                         `pooling: mean` or `sum` (recorded in scalar_head.json) reads the mean
                         or the sum of the head's scalars over the completion tokens (eos
                         included) instead: a token-level reward summed (or averaged) over the
-                        completion, the same number its training loss saw
+                        completion, the same number its training loss saw; with `lm_likelihood`
+                        each token's score also adds w * log p(token | what precedes it) under
+                        the backbone's own tied LM head (w learned, saved as likelihood_weight)
     orm                 P(correct) = sigmoid(the logit at the last token)
     prm                 min (or prod, or last) over steps of P(step is not an error), where
                         P(not an error) = 1 - softmax(step logits)[0] (class 0 = negative)
