@@ -114,6 +114,22 @@ class RMConfig(TrainerConfig):
     name: str = run_name("reward_model")
     model: ModelConfig = Field(description="the backbone: tiny preset, local dir or hub id")
     freeze_backbone: bool = Field(False, description="train the head only (not with LoRA)")
+    pooling: Literal["last", "mean", "sum"] = Field(
+        "last",
+        description="preference: which of the head's per-token scores make the reward: the last "
+        "token's (eos; what transformers' sequence classifiers read), or the mean or the sum "
+        "over the completion's tokens (a token-level reward pooled; the prompt never counts). "
+        "Recorded in scalar_head.json, so `score` and the RL rewards pool the same way",
+    )
+    lm_likelihood: float | None = Field(
+        None,
+        description="preference, pooling mean or sum: each completion token's score also adds "
+        "w * log p(token | prompt, earlier tokens) under the backbone's own language model (its "
+        "hidden state before the token through its tied input embeddings), w a learned scalar "
+        "starting at this value; the reward then holds w * the completion's summed (or mean) "
+        "log-likelihood. Initialised from an SFT policy it starts as that policy's likelihood, "
+        "so RL against it also sharpens the policy toward its SFT modes. null = off",
+    )
     data: RMDataConfig = Field(description="training and held-out rows")
     loss: LossSpec = Field(
         default_factory=lambda: {"name": "bradley_terry"},
@@ -148,4 +164,20 @@ class RMConfig(TrainerConfig):
             raise UserError("freeze_backbone with model.lora: choose one (LoRA freezes the base)")
         if self.train.export_sequence_classification and kind != "preference":
             raise UserError("train.export_sequence_classification is for preference models only")
+        if self.pooling != "last" and kind != "preference":
+            raise UserError(
+                f"pooling {self.pooling!r} is for preference models (loss bradley_terry); a "
+                f"{kind} model reads its scores where its labels are"
+            )
+        if self.lm_likelihood is not None and self.pooling == "last":
+            raise UserError(
+                "lm_likelihood needs pooling: mean or sum (it adds each completion token's "
+                "log-likelihood to that token's score; the last token alone is one token's)"
+            )
+        if self.pooling != "last" and self.train.export_sequence_classification:
+            raise UserError(
+                f"pooling {self.pooling!r} with train.export_sequence_classification: "
+                "transformers' sequence classifiers read the last token only, so the export "
+                "would score differently; use pooling: last or turn the export off"
+            )
         return self

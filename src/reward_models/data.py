@@ -398,8 +398,9 @@ def _segment_examples(tokenizer, prompts, parsed, lengths, level) -> RewardData:
 def collate_pairs(
     pairs: list[PreferencePair], pad_id: int, *, share_prompt: bool = False
 ) -> dict[str, torch.Tensor]:
-    """One right-padded batch of 2B rows, the B chosen sequences then the B rejected ones, and
-    `margins` (B,) when the pairs carry them.
+    """One right-padded batch of 2B rows, the B chosen sequences then the B rejected ones, their
+    `completion_mask` (2B, T) (True on the completion's tokens), and `margins` (B,) when the
+    pairs carry them.
 
     With `share_prompt`, the prompt is kept apart so the model encodes it once for both
     completions (`ScalarHeadModel.forward`'s shared prefix): `prompt_ids` / `prompt_mask` (B, P)
@@ -417,7 +418,12 @@ def collate_pairs(
             p.prompt_ids + p.rejected_ids for p in pairs
         ]
         input_ids, attention_mask = pad_sequences(seqs, pad_id)
-        batch = {"input_ids": input_ids, "attention_mask": attention_mask}
+        prompts = torch.tensor([len(p.prompt_ids) for p in pairs] * 2)
+        completion_mask = attention_mask.bool() & (
+            torch.arange(input_ids.shape[1])[None] >= prompts[:, None]
+        )
+        batch = {"input_ids": input_ids, "attention_mask": attention_mask,
+                 "completion_mask": completion_mask}  # fmt: skip
     if pairs and all(p.margin is not None for p in pairs):
         batch["margins"] = torch.tensor([p.margin for p in pairs], dtype=torch.float32)
     return batch

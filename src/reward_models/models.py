@@ -11,7 +11,9 @@ through it into the loss of its kind (`compute_loss`), and the sequence-classifi
 preference models.
 
     kind         head_dim      read at                       trained by
-    preference   1             the last token (eos)          bradley_terry
+    preference   1             the last token (eos), or the  bradley_terry
+                               mean / sum over the
+                               completion (`pooling`)
     orm          1             every completion token        orm_bce
     prm          2 or 3        each step's separator token   prm_ce
     segment      >= 2          each segment's last token     segment_ce
@@ -31,7 +33,7 @@ from rlhf_core.scalar_head import (
     ScalarHeadInfo,
     ScalarHeadModel,
     export_sequence_classification,
-    pool_last_token,
+    pool_completion,
 )
 
 
@@ -94,7 +96,17 @@ class BaseRewardModel(ScalarHeadModel):
                 input_ids=input_ids, attention_mask=additive_mask(allowed, dtype),
                 position_ids=position_ids, use_cache=False,
             ).last_hidden_state  # fmt: skip
-        return self.head(hidden.to(self.head.weight.dtype))
+        scores = self.head(hidden.to(self.head.weight.dtype))
+        if self.info.lm_likelihood:  # a token is predicted from the last key before it it sees
+            length = allowed.shape[-1]
+            before = torch.ones(length, length, dtype=torch.bool, device=allowed.device).tril(-1)
+            keys = torch.arange(length, device=allowed.device)
+            source = torch.where(allowed[:, 0] & before, keys, -1).amax(-1)  # (R, L)
+            previous = hidden.gather(
+                1, source.clamp(min=0)[..., None].expand(-1, -1, hidden.shape[-1])
+            )
+            scores = self.add_lm_likelihood(scores, previous, input_ids, source >= 0)
+        return scores
 
     def _shared_prefix_forward(
         self,
@@ -110,12 +122,17 @@ class BaseRewardModel(ScalarHeadModel):
             )
         repeats = input_ids.shape[0] // prefix_ids.shape[0]
         prefix_of = torch.arange(prefix_ids.shape[0], device=input_ids.device)
+        prefix_of = prefix_of.repeat_interleave(repeats)
         with self._grad_context():
-            _, hidden = shared_prefix_forward(
-                self.backbone, prefix_ids, prefix_mask, input_ids, attention_mask,
-                prefix_of.repeat_interleave(repeats),
-            )  # fmt: skip
-        return self.head(hidden.to(self.head.weight.dtype))
+            prefix_hidden, hidden = shared_prefix_forward(
+                self.backbone, prefix_ids, prefix_mask, input_ids, attention_mask, prefix_of
+            )
+        scores = self.head(hidden.to(self.head.weight.dtype))
+        if self.info.lm_likelihood:  # the first token is predicted from its prefix's last one
+            previous = torch.cat([prefix_hidden[prefix_of, -1:], hidden[:, :-1]], 1)
+            predicted = torch.ones_like(input_ids, dtype=torch.bool)
+            scores = self.add_lm_likelihood(scores, previous, input_ids, predicted)
+        return scores
 
     @classmethod
     def for_config(
@@ -136,11 +153,17 @@ class BaseRewardModel(ScalarHeadModel):
             max_prompt_length=cfg.data.max_prompt_length,
             step_separator=cfg.data.step_separator if loss_fn.kind == "prm" else None,
             segment_level=cfg.data.segment_level if loss_fn.kind == "segment" else None,
+            pooling=cfg.pooling,
+            lm_likelihood=cfg.lm_likelihood is not None,
         )
-        return cls.from_config(
+        model = cls.from_config(
             cfg.model, info, device, weights_from=weights_from,
             freeze_backbone=cfg.freeze_backbone,
         )  # fmt: skip
+        if cfg.lm_likelihood is not None and weights_from is None:
+            with torch.no_grad():
+                model.likelihood_weight.fill_(cfg.lm_likelihood)
+        return model
 
     def export_sequence_classification(self, out_dir: str | Path, *, tokenizer: Any = None) -> Path:
         """Write a transformers `AutoModelForSequenceClassification` directory (preference only);
@@ -155,20 +178,35 @@ def preference_rewards(
     model: torch.nn.Module, batch: dict[str, torch.Tensor]
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(chosen, rejected) rewards (B,) of a `collate_pairs` batch, from one forward of 2B rows
-    (or, with a shared prompt, one forward of the B prompts and one of the 2B completions)."""
+    (or, with a shared prompt, one forward of the B prompts and one of the 2B completions).
+
+    The model's `info.pooling` says which scores make a reward: the last token's (eos), or the
+    mean or sum over the completion's tokens (eos included, the prompt never). Every layout
+    pools the same tokens, so the rewards do not depend on it (tested)."""
+    pooling = getattr(model, "module", model).info.pooling  # DDP wraps the model in .module
     if "ends" in batch:  # pairs packed as [prompt | chosen | rejected] segments (`pack_pairs`)
         scores = model(batch["input_ids"], batch["attention_mask"],
                        position_ids=batch["position_ids"],
                        segments=batch.get("segments"))[..., 0]  # fmt: skip
-        picked = scores.reshape(-1)[batch["ends"]]  # ends: flat indices, (B, 2)
+        ends = batch["ends"]  # flat indices, (B, 2); a completion's tokens end there
+        if pooling == "last":
+            picked = scores.reshape(-1)[ends]
+        else:  # each completion's tokens lie contiguously before its end
+            lengths = batch["lengths"][:, 1:]  # (B, 2) chosen, rejected
+            back = torch.arange(int(lengths.max()), device=ends.device)
+            spans = (ends.reshape(-1, 1) - back).clamp(min=0)
+            picked = pool_completion(
+                scores.reshape(-1)[spans], back < lengths.reshape(-1, 1), pooling
+            ).view(-1, 2)
         return picked[:, 0], picked[:, 1]
     if "prompt_ids" in batch:  # completions interleaved chosen_0, rejected_0, chosen_1, ...
         prefix = {"prefix_ids": batch["prompt_ids"], "prefix_mask": batch["prompt_mask"]}
         scores = model(batch["input_ids"], batch["attention_mask"], **prefix)[..., 0]
-        rewards = pool_last_token(scores, batch["attention_mask"])
+        rewards = pool_completion(scores, batch["attention_mask"], pooling)  # completions only
         return rewards[0::2], rewards[1::2]
     scores = model(batch["input_ids"], batch["attention_mask"])[..., 0]
-    rewards = pool_last_token(scores, batch["attention_mask"])
+    mask = batch["attention_mask"] if pooling == "last" else batch["completion_mask"]
+    rewards = pool_completion(scores, mask, pooling)
     half = rewards.shape[0] // 2
     return rewards[:half], rewards[half:]
 

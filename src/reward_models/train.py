@@ -77,6 +77,11 @@ def train(cfg: RMConfig, run: RunArgs) -> int:
             "train.export_sequence_classification under engine fsdp2 exports from final/: "
             "set checkpoint.save_final: true"
         )
+    if engine.sharded and cfg.lm_likelihood is not None:
+        raise UserError(
+            "lm_likelihood reads the tied LM head (the input embeddings) outside the backbone's "
+            "forward, which engine fsdp2 shards; use engine single or ddp"
+        )
     device, world = accelerator.device, accelerator.num_processes
     is_main = accelerator.is_main_process
 

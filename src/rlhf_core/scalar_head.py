@@ -7,6 +7,8 @@ never imports `reward_models`.
 
     model(input_ids, attention_mask)          -> scores (B, T, head_dim), one per token
     pool_last_token(scores, attention_mask)   -> (B, head_dim) at each row's last non-pad token
+    pool_completion(scores, mask, pooling)    -> (B, head_dim): last, mean or sum over the
+                                                 completion tokens `mask` marks
 
 The backbone is the causal LM's base model (`AutoModel`: no LM head), loaded per `ModelConfig`
 (tiny preset, local directory or hub id; dtype; attention; LoRA; gradient checkpointing), and may
@@ -33,7 +35,13 @@ Text is scored exactly as it was trained on (`rlhf_core.encoding`: `encode_compl
 a PRM completion is its steps, each followed by the one-token step separator, and is scored at
 the separators. What `score` returns per row:
 
-    preference, value   the head's scalar at the last token
+    preference, value   the head's scalar at the last token; a preference model trained with
+                        `pooling: mean` or `sum` (recorded in scalar_head.json) reads the mean
+                        or the sum of the head's scalars over the completion tokens (eos
+                        included) instead: a token-level reward summed (or averaged) over the
+                        completion, the same number its training loss saw; with `lm_likelihood`
+                        each token's score also adds w * log p(token | what precedes it) under
+                        the backbone's own tied LM head (w learned, saved as likelihood_weight)
     orm                 P(correct) = sigmoid(the logit at the last token)
     prm                 min (or prod, or last) over steps of P(step is not an error), where
                         P(not an error) = 1 - softmax(step logits)[0] (class 0 = negative)
@@ -86,6 +94,7 @@ from rlhf_core.quantization import (
 )
 
 KINDS = ("preference", "orm", "prm", "segment", "value")
+POOLINGS = ("last", "mean", "sum")
 HEAD_WEIGHTS = "scalar_head.safetensors"
 HEAD_CONFIG = "scalar_head.json"
 FORMAT = "rlhf-lab scalar head v1"
@@ -106,6 +115,24 @@ def pool_last_token(values: torch.Tensor, attention_mask: torch.Tensor) -> torch
     return values[rows, last_token_index(attention_mask).to(values.device)]
 
 
+def pool_completion(values: torch.Tensor, mask: torch.Tensor, pooling: str) -> torch.Tensor:
+    """values (B, T, ...) pooled over the positions `mask` (B, T) marks -> (B, ...): the last
+    marked position, or the mean or sum over the marked positions (a row with none: 0 for sum,
+    nan for mean, an error for last). Unmarked positions (padding: garbage) never enter."""
+    if pooling == "last":
+        return pool_last_token(values, mask)
+    if pooling not in POOLINGS:
+        raise ValueError(f"pooling {pooling!r}: expected one of {POOLINGS}")
+    if values.shape[:2] != mask.shape:
+        raise ValueError(
+            f"pool_completion: values {tuple(values.shape)} must start with the mask's shape "
+            f"{tuple(mask.shape)}"
+        )
+    keep = mask.bool().view(*mask.shape, *([1] * (values.dim() - 2)))
+    total = torch.where(keep, values, torch.zeros((), dtype=values.dtype)).sum(1)
+    return total / keep.sum(1).to(values.dtype) if pooling == "mean" else total
+
+
 # ----------------------------------------------------------------------------- the model
 
 
@@ -121,10 +148,25 @@ class ScalarHeadInfo:
     step_separator: str | None = None  # PRM: the one-token text that ends every step
     segment_level: str | None = None  # segment: "sentence" or "subsentence"
     base_model: str | None = None  # LoRA: the model the adapter applies to (name_or_path)
+    pooling: str = "last"  # preference: one of POOLINGS (the completion's tokens for mean/sum)
+    lm_likelihood: bool = False  # preference: each token's score adds w * log p_LM(token)
 
     def __post_init__(self) -> None:
         if self.kind not in KINDS:
             raise ValueError(f"scalar head kind {self.kind!r}: expected one of {KINDS}")
+        if self.pooling not in POOLINGS:
+            raise ValueError(f"scalar head pooling {self.pooling!r}: expected one of {POOLINGS}")
+        if self.pooling != "last" and self.kind != "preference":
+            raise ValueError(
+                f"scalar head pooling {self.pooling!r} is for preference models only "
+                f"(kind {self.kind!r} reads the last token)"
+            )
+        if self.lm_likelihood and (self.kind != "preference" or self.pooling == "last"):
+            raise ValueError(
+                "scalar head lm_likelihood is for preference models with pooling mean or sum "
+                f"(the completion's log-likelihood); got kind {self.kind!r}, pooling "
+                f"{self.pooling!r}"
+            )
         if self.head_dim < 1:
             raise ValueError(f"scalar head: head_dim must be >= 1, got {self.head_dim}")
         if self.kind == "prm" and (self.step_separator is None or self.head_dim < 2):
@@ -174,6 +216,17 @@ class ScalarHeadModel(nn.Module):
         device = next(backbone.parameters()).device
         self.head = nn.Linear(hidden, info.head_dim, bias=False, device=device)
         nn.init.normal_(self.head.weight, std=HEAD_INIT_STD)
+        if info.lm_likelihood:  # w of w * log p_LM(token); set by the trainer or load_head
+            text_config = backbone.config.get_text_config()
+            if not getattr(text_config, "tie_word_embeddings", False):
+                raise ValueError(
+                    f"lm_likelihood reads the backbone's language model through its input "
+                    f"embeddings (tied LM head); {text_config.model_type} "
+                    f"{getattr(text_config, '_name_or_path', '')!r} unties them"
+                )
+            if backbone.config.is_encoder_decoder:
+                raise ValueError("lm_likelihood: decoder-only backbones only")
+            self.likelihood_weight = nn.Parameter(torch.zeros((), device=device))
 
     # --- building and saving
 
@@ -208,7 +261,13 @@ class ScalarHeadModel(nn.Module):
         path = Path(directory) / HEAD_WEIGHTS
         if not path.is_file():
             raise FileNotFoundError(f"no scalar head weights at {path}")
-        weight = load_file(str(path))["weight"]
+        tensors = load_file(str(path))
+        weight = tensors["weight"]
+        if self.info.lm_likelihood:
+            if "likelihood_weight" not in tensors:
+                raise ValueError(f"{path}: lm_likelihood model without 'likelihood_weight'")
+            with torch.no_grad():
+                self.likelihood_weight.copy_(tensors["likelihood_weight"])
         if weight.shape != self.head.weight.shape:
             raise ValueError(
                 f"{path}: head weight is {tuple(weight.shape)}, this model needs "
@@ -232,17 +291,21 @@ class ScalarHeadModel(nn.Module):
         path = Path(path)
         path.mkdir(parents=True, exist_ok=True)
         backbone_state, head = None, self.head.weight
+        likelihood = getattr(self, "likelihood_weight", None)
         if state_dict is not None:
             backbone_state = {
                 k.removeprefix("backbone."): v for k, v in state_dict.items()
                 if k.startswith("backbone.")
             }  # fmt: skip
             head = state_dict["head.weight"]
+            likelihood = state_dict.get("likelihood_weight", likelihood)
         self.backbone.save_pretrained(
             path, safe_serialization=safe_serialization, state_dict=backbone_state
         )
-        weight = head.detach().to("cpu", torch.float32).contiguous()
-        save_file({"weight": weight}, str(path / HEAD_WEIGHTS))
+        tensors = {"weight": head.detach().to("cpu", torch.float32).contiguous()}
+        if likelihood is not None:
+            tensors["likelihood_weight"] = likelihood.detach().to("cpu", torch.float32)
+        save_file(tensors, str(path / HEAD_WEIGHTS))
         meta = {"format": FORMAT, "backbone": "adapter" if self.is_adapter else "full"}
         (path / HEAD_CONFIG).write_text(json.dumps({**meta, **asdict(self.info)}, indent=2) + "\n")
         if self.tokenizer is not None:
@@ -347,7 +410,36 @@ class ScalarHeadModel(nn.Module):
             hidden = self.backbone(
                 input_ids=input_ids, attention_mask=attention_mask, use_cache=False, **extra
             ).last_hidden_state
-        return self.head(hidden.to(self.head.weight.dtype))
+        scores = self.head(hidden.to(self.head.weight.dtype))
+        if self.info.lm_likelihood:  # each token is predicted from the position before it
+            previous = torch.cat([torch.zeros_like(hidden[:, :1]), hidden[:, :-1]], 1)
+            first = torch.arange(input_ids.shape[1], device=input_ids.device) == 0
+            scores = self.add_lm_likelihood(
+                scores, previous, input_ids, ~first.expand_as(input_ids)
+            )
+        return scores
+
+    def add_lm_likelihood(
+        self,
+        scores: torch.Tensor,
+        previous: torch.Tensor,
+        input_ids: torch.Tensor,
+        predicted: torch.Tensor,
+    ) -> torch.Tensor:
+        """scores (B, T, 1) + w * log p(input_ids | previous): `previous` (B, T, H) is the hidden
+        state each token is predicted from (the position before it in its own sequence), read
+        through the backbone's tied LM head (its input embeddings), at the positions `predicted`
+        (B, T) marks (elsewhere 0: a sequence's first token). Fused: no (B, T, V) logits."""
+        from types import SimpleNamespace
+
+        from rlhf_core.logprobs import linear_token_logprobs
+
+        embedding = self.backbone.get_input_embeddings().weight
+        lm_head = SimpleNamespace(weight=embedding, bias=None)  # the tied LM head
+        logps = torch.zeros(input_ids.shape, dtype=scores.dtype, device=scores.device)
+        picked = linear_token_logprobs(previous[predicted], lm_head, input_ids[predicted])
+        logps = logps.masked_scatter(predicted, picked.to(scores.dtype))
+        return scores + self.likelihood_weight * logps[..., None]
 
     def _grad_context(self) -> Any:
         """No autograd graph through a frozen backbone (only the head trains)."""
@@ -393,12 +485,19 @@ class ScalarHeadModel(nn.Module):
     def pooled_scores(
         self, prompts: list[str | Messages], completions: list[str], *, batch_size: int = 16
     ) -> torch.Tensor:
-        """The head's raw output at each sequence's last token, (B, head_dim)."""
+        """The head's raw output at each sequence's last token, (B, head_dim); with
+        `info.pooling` mean or sum, its mean or sum over the completion's tokens."""
         encoded = self._encode(prompts, completions)
         scores = self._run([e.prompt_ids + e.completion_ids for e in encoded], batch_size)
         if not scores:
             return torch.zeros(0, self.info.head_dim)
-        return torch.stack([s[-1] for s in scores])
+        if self.info.pooling == "last":
+            return torch.stack([s[-1] for s in scores])
+        return torch.stack([
+            pool_completion(s[None, len(e.prompt_ids) :], torch.ones(1, len(s) - len(e.prompt_ids)),
+                            self.info.pooling)[0]
+            for s, e in zip(scores, encoded, strict=True)
+        ])  # fmt: skip
 
     def token_scores(
         self, prompts: list[str | Messages], completions: list[str], *, batch_size: int = 16
@@ -524,6 +623,12 @@ def export_sequence_classification(
 
     tokenizer = tokenizer if tokenizer is not None else model.tokenizer
     check_sequence_classification_export(tokenizer)
+    if model.info.pooling != "last":
+        raise UserError(
+            f"export_sequence_classification: this reward model pools {model.info.pooling!r} "
+            "over the completion's tokens; transformers' sequence classifiers read the last "
+            "token only, so the export would score differently. Use pooling: last to export."
+        )
     backbone = model.backbone
     if is_peft_model(backbone):
         backbone = copy.deepcopy(backbone).merge_and_unload()

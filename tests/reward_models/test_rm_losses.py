@@ -241,3 +241,16 @@ def test_loss_spec_is_validated_in_the_config():
     assert cfg.loss == {"name": "prm_ce", "num_classes": 3} and cfg.kind == "prm"
     with pytest.raises(ConfigError, match=r"unknown key\(s\) beta for reward model loss"):
         validate_config(RMConfig, {**base, "loss": {"name": "bradley_terry", "beta": 1}})
+
+
+def test_pooling_is_checked_in_the_config():
+    base = {"model": {"name_or_path": "tiny-qwen3"}, "data": {"train": {"path": "x.jsonl"}}}
+    assert validate_config(RMConfig, {**base, "pooling": "sum"}).pooling == "sum"
+    with pytest.raises(ConfigError, match="pooling 'mean' is for preference models"):
+        validate_config(RMConfig, {**base, "pooling": "mean", "loss": {"name": "orm_bce"}})
+    with pytest.raises(ConfigError, match="sequence classifiers read the last token only"):
+        validate_config(RMConfig, {**base, "pooling": "sum",
+                                   "train": {"export_sequence_classification": True}})  # fmt: skip
+    with pytest.raises(ConfigError, match="lm_likelihood needs pooling: mean or sum"):
+        validate_config(RMConfig, {**base, "lm_likelihood": 1.0})
+    assert validate_config(RMConfig, {**base, "pooling": "sum", "lm_likelihood": 1.0})

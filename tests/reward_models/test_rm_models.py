@@ -11,6 +11,7 @@ from transformers import AutoModel, AutoModelForSequenceClassification
 
 from reward_models.models import BaseRewardModel
 from rlhf_core.encoding import last_token_index, pad_sequences
+from rlhf_core.errors import UserError
 from rlhf_core.models import LoraConfig, ModelConfig, load_tokenizer
 from rlhf_core.scalar_head import HEAD_CONFIG, ScalarHeadInfo, ScalarHeadModel, pool_last_token
 
@@ -104,6 +105,51 @@ def test_export_refuses_what_it_cannot_export_faithfully(tok, tmp_path):
         gpt2 = load_tokenizer(ModelConfig(name_or_path="tiny-qwen3-gpt2"), padding_side="right")
     with pytest.raises(ValueError, match="pad = eos"):
         make(tok).export_sequence_classification(tmp_path / "y", tokenizer=gpt2)
+
+
+@pytest.mark.parametrize("pooling", ["mean", "sum"])
+def test_a_pooled_model_scores_text_as_it_was_trained_and_saves_its_pooling(tok, tmp_path, pooling):
+    model = make(tok, pooling=pooling)
+    encoded = model._encode(PROMPTS, COMPLETIONS)
+    with torch.no_grad():  # each completion's token scores, alone in its row, pooled
+        expected = []
+        for e in encoded:
+            ids = torch.tensor([e.prompt_ids + e.completion_ids])
+            tokens = model(ids, torch.ones_like(ids))[0, len(e.prompt_ids) :, 0]
+            expected.append(tokens.mean() if pooling == "mean" else tokens.sum())
+    score = model.score(PROMPTS, COMPLETIONS, batch_size=2)
+    torch.testing.assert_close(score, torch.stack(expected), rtol=0, atol=1e-5)
+    model.save_pretrained(tmp_path / "rm")
+    assert json.loads((tmp_path / "rm" / HEAD_CONFIG).read_text())["pooling"] == pooling
+    loaded = ScalarHeadModel.from_pretrained(tmp_path / "rm")
+    assert loaded.info.pooling == pooling
+    assert torch.equal(loaded.score(PROMPTS, COMPLETIONS, batch_size=2), score)
+    # transformers' sequence classifiers read the last token: an export would score differently
+    with pytest.raises(UserError, match="pools .* over the completion"):
+        model.export_sequence_classification(tmp_path / "seqcls")
+
+
+def test_an_lm_likelihood_model_saves_its_weight_and_scores_the_same_after_loading(tok, tmp_path):
+    model = make(tok, pooling="sum", lm_likelihood=True)
+    with torch.no_grad():
+        model.likelihood_weight.fill_(0.7)
+    before = model.score(PROMPTS, COMPLETIONS, batch_size=2)
+    model.save_pretrained(tmp_path / "rm")
+    loaded = ScalarHeadModel.from_pretrained(tmp_path / "rm")
+    assert loaded.info.lm_likelihood and loaded.likelihood_weight.item() == pytest.approx(0.7)
+    assert torch.equal(loaded.score(PROMPTS, COMPLETIONS, batch_size=2), before)
+    with torch.no_grad():  # the feature really counts: w = 0 scores differently
+        loaded.likelihood_weight.zero_()
+    assert not torch.allclose(loaded.score(PROMPTS, COMPLETIONS), before)
+
+
+def test_pooling_is_for_preference_models_only():
+    with pytest.raises(ValueError, match="pooling 'sum' is for preference models only"):
+        ScalarHeadInfo(kind="orm", pooling="sum")
+    with pytest.raises(ValueError, match="pooling 'max'"):
+        ScalarHeadInfo(kind="preference", pooling="max")
+    with pytest.raises(ValueError, match="lm_likelihood is for preference models with pooling"):
+        ScalarHeadInfo(kind="preference", lm_likelihood=True)
 
 
 def test_frozen_backbone_trains_only_the_head(tok):

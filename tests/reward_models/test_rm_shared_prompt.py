@@ -22,13 +22,19 @@ def random_pairs(lengths, seed=0):
     return [PreferencePair(ids(p), ids(c), ids(r)) for p, c, r in lengths]
 
 
-def build_model(attention: str = "sdpa") -> BaseRewardModel:
+def build_model(
+    attention: str = "sdpa", pooling: str = "last", lm_likelihood: bool = False
+) -> BaseRewardModel:
     torch.manual_seed(0)
-    return BaseRewardModel.from_config(
+    model = BaseRewardModel.from_config(
         ModelConfig(name_or_path="tiny-qwen3", attention=attention),
-        ScalarHeadInfo(kind="preference"),
+        ScalarHeadInfo(kind="preference", pooling=pooling, lm_likelihood=lm_likelihood),
         "cpu",
     )
+    if lm_likelihood:
+        with torch.no_grad():
+            model.likelihood_weight.fill_(0.5)
+    return model
 
 
 @pytest.fixture(scope="module")
@@ -37,14 +43,18 @@ def model():
 
 
 # eager attention adds the mask to the scores: a boolean 4D mask there once gave wrong rewards;
-# one_row: all pairs in one row, no padding (under CPU SDPA attention runs pair by pair)
+# one_row: all pairs in one row, no padding (under CPU SDPA attention runs pair by pair);
+# pooling mean / sum: every layout pools exactly the completion's tokens
 @pytest.mark.parametrize(
-    ("layout", "attention"),
-    [("cache", "sdpa"), ("packed", "sdpa"), ("packed", "eager"), ("one_row", "sdpa"),
-     ("one_row", "eager")],
+    ("layout", "attention", "pooling"),
+    [("cache", "sdpa", "last"), ("packed", "sdpa", "last"), ("packed", "eager", "last"),
+     ("one_row", "sdpa", "last"), ("one_row", "eager", "last"),
+     ("cache", "sdpa", "sum"), ("packed", "sdpa", "mean"), ("one_row", "sdpa", "sum"),
+     ("packed", "eager", "sum"), ("cache", "sdpa", "sum+lm"), ("packed", "sdpa", "mean+lm"),
+     ("one_row", "sdpa", "sum+lm"), ("packed", "eager", "sum+lm")],
 )  # fmt: skip
-def test_shared_prompt_gives_the_same_rewards_and_gradients(layout, attention):
-    model = build_model(attention)
+def test_shared_prompt_gives_the_same_rewards_and_gradients(layout, attention, pooling):
+    model = build_model(attention, pooling.removesuffix("+lm"), pooling.endswith("+lm"))
     # ragged prompts (left-padded as prefixes) and ragged completions (right-padded); packed,
     # the 6 pairs (15, 14, 14, 22, 5, 4 tokens) fill 4 rows of 22: [22] [15, 5] [14, 4] [14]
     pairs = random_pairs([(5, 3, 7), (9, 1, 4), (2, 6, 6), (12, 8, 2), (1, 2, 2), (2, 1, 1)])
@@ -75,6 +85,42 @@ def test_shared_prompt_gives_the_same_rewards_and_gradients(layout, attention):
     assert len(grads_full) == len(grads_shared) > 0
     for a, b in zip(grads_full, grads_shared, strict=True):
         torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize("pooling", ["mean", "sum"])
+def test_pooled_rewards_are_the_per_token_scores_of_the_completion_pooled(pooling):
+    """The reward is the mean / sum of the head's scores at the completion's tokens of the
+    prompt + completion row scored alone (the prompt's scores never count), in every layout."""
+    model = build_model(pooling=pooling)
+    pairs = random_pairs([(5, 3, 7), (9, 1, 4), (2, 6, 6)])
+    expected = []
+    with torch.no_grad():
+        for side in ("chosen_ids", "rejected_ids"):
+            for p in pairs:
+                completion = getattr(p, side)
+                ids = torch.tensor([p.prompt_ids + completion])
+                scores = model(ids, torch.ones_like(ids))[0, len(p.prompt_ids) :, 0].double()
+                expected.append(scores.mean() if pooling == "mean" else scores.sum())
+        expected = torch.stack(expected).float()
+        for batch in (collate_pairs(pairs, 0), collate_pairs(pairs, 0, share_prompt=True),
+                      pack_pairs(pairs, 0), pack_pairs(pairs, 0, row_tokens=64)):  # fmt: skip
+            chosen, rejected = preference_rewards(model, batch)
+            torch.testing.assert_close(torch.cat([chosen, rejected]), expected,
+                                       rtol=1e-5, atol=1e-5)  # fmt: skip
+
+
+def test_pooled_rewards_differ_from_the_last_token_reward():
+    """mean and sum are not the last token's score under another name."""
+    pairs = random_pairs([(5, 3, 7), (9, 2, 4)])
+    with torch.no_grad():
+        rewards = {
+            pooling: torch.cat(
+                preference_rewards(build_model(pooling=pooling), pack_pairs(pairs, 0))
+            )
+            for pooling in ("last", "mean", "sum")
+        }
+    assert not torch.allclose(rewards["last"], rewards["mean"])
+    assert not torch.allclose(rewards["mean"], rewards["sum"])
 
 
 def test_a_batch_with_an_empty_prompt_is_collated_without_sharing():
@@ -120,3 +166,33 @@ def test_a_4d_mask_needs_position_ids(model):
     ids = torch.ones(1, 3, dtype=torch.long)
     with pytest.raises(ValueError, match="needs explicit position_ids"):
         model(ids, torch.ones(1, 1, 3, 3, dtype=torch.bool))
+
+
+def test_lm_likelihood_is_the_backbones_own_log_likelihood_of_the_completion():
+    """With the head at zero and w = 1, a sum-pooled lm_likelihood reward is log p(completion |
+    prompt) under the same weights loaded as transformers' causal LM, in every layout."""
+    from transformers import AutoModelForCausalLM
+
+    from rlhf_core.models import resolve_model_path
+
+    model = build_model(pooling="sum", lm_likelihood=True)
+    with torch.no_grad():
+        model.head.weight.zero_()
+        model.likelihood_weight.fill_(1.0)
+    lm = AutoModelForCausalLM.from_pretrained(
+        resolve_model_path("tiny-qwen3"), dtype=torch.float64
+    ).eval()
+    pairs = random_pairs([(5, 3, 7), (9, 1, 4), (2, 6, 6)])
+    expected = []
+    with torch.no_grad():
+        for side in ("chosen_ids", "rejected_ids"):
+            for p in pairs:
+                ids = torch.tensor([p.prompt_ids + getattr(p, side)])
+                logps = lm(ids).logits[0, :-1].log_softmax(-1).gather(-1, ids[0, 1:, None])[:, 0]
+                expected.append(logps[len(p.prompt_ids) - 1 :].sum())
+        expected = torch.stack(expected).float()
+        for batch in (collate_pairs(pairs, 0), collate_pairs(pairs, 0, share_prompt=True),
+                      pack_pairs(pairs, 0), pack_pairs(pairs, 0, row_tokens=64)):  # fmt: skip
+            chosen, rejected = preference_rewards(model, batch)
+            torch.testing.assert_close(torch.cat([chosen, rejected]), expected,
+                                       rtol=1e-4, atol=1e-4)  # fmt: skip
