@@ -56,7 +56,10 @@ def test_fast_quickstart_runs_every_stage_through_a_ctrl_c_and_resume(
     # RLOO against the learned RM with the verifier as a weight-0 gold reward: proxy vs gold
     assert len(figures["overoptimization"]["gold"]) == 3
     assert (out / "rloo_rm" / "overoptimization.png").is_file()
-    assert "rloo_rm/overoptimization.png" in (out / "report.md").read_text()
+    report = (out / "report.md").read_text()
+    assert "rloo_rm/overoptimization.png" in report
+    # the report states every target next to its figure (met or not)
+    assert "(target +10)" in report and "(target +5)" in report and "(target >= 0.80)" in report
     assert figures["eval"]["sft"]["eval/sampled_kl_k3"] == 0.0  # the SFT model against itself
     rows = [json.loads(x) for x in (out / "grpo" / "metrics.jsonl").read_text().splitlines()]
     reward = {r["step"]: r["train/reward/total"] for r in rows if "train/reward/total" in r}
