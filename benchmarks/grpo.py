@@ -16,10 +16,13 @@ The workload (the same for both):
               `rewards: [{name: reasoning_gym, extract: full}]`; TRL: a reward function calling
               the same dataset's `score_answer` on the same entry)
   algorithm   GRPO advantages (group mean / std), clipped ratio loss eps 0.2, no KL (beta 0),
-              one optimizer step per rollout batch, the whole batch in one micro-batch (ours
-              `ppo_epochs: 1, micro_batch_size: 64`; TRL `num_iterations=1,
+              one optimizer step per rollout batch, by default the whole batch in one
+              micro-batch (ours `ppo_epochs: 1, micro_batch_size: 64`; TRL `num_iterations=1,
               per_device_train_batch_size=64, generation_batch_size=64,
-              gradient_accumulation_steps=1`), aggregation seq-mean-token-mean (TRL
+              gradient_accumulation_steps=1`); `--micro-batch 32` gives both arms two
+              micro-batches of 32 rows per step (ours `micro_batch_size: 32`; TRL
+              `per_device_train_batch_size=32, gradient_accumulation_steps=2`, still one
+              generation of 64 per step), aggregation seq-mean-token-mean (TRL
               `loss_type="grpo"`), AdamW lr 1e-6 constant, no warmup, clip 1.0, no eval, no
               checkpoints, logging every step
 
@@ -89,10 +92,17 @@ class Workload(JsonDataclass):
     dataset_size: int = 512
     dataset_seed: int = 1
     seed: int = 0
+    micro_batch: int = 0  # rows per forward/backward in both arms; 0 = the whole batch at once
 
     @property
     def batch(self) -> int:
         return self.prompts_per_step * self.group_size
+
+    @property
+    def micro(self) -> int:
+        if self.micro_batch and self.batch % self.micro_batch:
+            raise SystemExit(f"--micro-batch {self.micro_batch} must divide the batch {self.batch}")
+        return self.micro_batch or self.batch
 
 
 def _rg_source(w: Workload) -> dict[str, Any]:
@@ -137,7 +147,7 @@ def run_ours(w: Workload, workdir: Path) -> dict[str, Any]:
         },
         "rollout": {"prompts_per_step": w.prompts_per_step, "group_size": w.group_size,
                     "max_new_tokens": w.max_new_tokens, "temperature": w.temperature},
-        "train": {"max_steps": w.steps, "micro_batch_size": w.batch, "threads": w.threads,
+        "train": {"max_steps": w.steps, "micro_batch_size": w.micro, "threads": w.threads,
                   "device": "cpu", "eval_every": 0},
         "optim": {"lr": w.lr, "schedule": "constant", "warmup_steps": 0, "weight_decay": 0.0,
                   "max_grad_norm": 1.0},
@@ -200,8 +210,8 @@ def run_trl(w: Workload, workdir: Path) -> dict[str, Any]:
 
     out_dir = workdir / f"trl-run-{time.time_ns()}"
     args = GRPOConfig(
-        output_dir=str(out_dir), per_device_train_batch_size=w.batch,
-        generation_batch_size=w.batch, gradient_accumulation_steps=1,
+        output_dir=str(out_dir), per_device_train_batch_size=w.micro,
+        generation_batch_size=w.batch, gradient_accumulation_steps=w.batch // w.micro,
         num_generations=w.group_size, num_iterations=1, max_completion_length=w.max_new_tokens,
         temperature=w.temperature, top_p=1.0, top_k=0, beta=0.0, loss_type="grpo",
         scale_rewards="group", epsilon=0.2, max_steps=w.steps, learning_rate=w.lr,
@@ -290,13 +300,16 @@ def compare(w: Workload, rounds: int, timeout: float = 600) -> dict[str, Any]:
 def markdown(result: dict[str, Any]) -> str:
     w, s, m = result["workload"], result["summary"], result["prepare"]["model"]
     rounds = len({r["round"] for r in result["runs"]})
+    batch = w["prompts_per_step"] * w["group_size"]
+    micro_batches = batch // (w.get("micro_batch") or batch)
     lines = [
         f"### GRPO: ours vs `trl.GRPOTrainer` {result['machine']['versions']['trl']} (no vLLM)",
         "",
         f"Model `{m['name']}` ({m['parameters'] / 1e6:.1f}M parameters), reasoning-gym "
         f"spell_backward, {w['prompts_per_step']} prompts x {w['group_size']} completions per "
         f"step, {w['max_new_tokens']} max new tokens, temperature {w['temperature']}, no KL, one "
-        f"update per batch, fp32, CPU, {w['threads']} thread(s); {w['steps']} steps "
+        f"update per batch in {micro_batches} micro-batch(es) in both arms, fp32, CPU, "
+        f"{w['threads']} thread(s); {w['steps']} steps "
         f"({w['steps'] - w['warmup_steps']} timed), {rounds} rounds; "
         f"load average {s['load_average_range']}.",
         "",
@@ -338,7 +351,10 @@ def main(argv: list[str] | None = None) -> int:
         default="tiny",
         help="benchmark model (real: Qwen3-0.6B proportions, the headline)",
     )
-    fields = ("model", "prompts_per_step", "group_size", "max_new_tokens", "steps", "threads")
+    fields = (
+        "model", "prompts_per_step", "group_size", "max_new_tokens", "steps", "threads",
+        "micro_batch",
+    )  # fmt: skip
     defaults = Workload()
     for field in fields[1:]:
         value = getattr(defaults, field)
