@@ -146,7 +146,13 @@ def run_trl(w: Workload, workdir: Path) -> dict[str, Any]:
         w, "DPOConfig", "DPOTrainer"
     )
     path, tokenizer, dataset, out_dir = trl_inputs(w, workdir, "trl_rows.jsonl")
-    args = DPOConfig(**trl_arguments(w, out_dir, beta=w.beta, loss_type=["sigmoid"]))
+    accumulate = {}
+    if w.trl_micro_batches and w.micro_batch_size:  # the same micro-batches as ours
+        accumulate = {
+            "per_device_train_batch_size": w.micro_batch_size,
+            "gradient_accumulation_steps": w.batch_size // w.micro_batch_size,
+        }
+    args = DPOConfig(**trl_arguments(w, out_dir, beta=w.beta, loss_type=["sigmoid"], **accumulate))
 
     trainer = DPOTrainer(
         path, ref_model=None, args=args, train_dataset=dataset, processing_class=tokenizer,
@@ -260,9 +266,14 @@ def micro_note(w: dict[str, Any]) -> str:
     micro = w.get("micro_batch_size")
     if micro is None or micro == w["batch_size"]:
         return " (one forward per step in both arms)"
+    trl = (
+        f"TRL: the same (`per_device_train_batch_size={micro}`, gradient accumulation)"
+        if w.get("trl_micro_batches")
+        else "TRL: one forward per step"
+    )
     return (
         f" (ours: micro-batches of {micro} pairs, gradients accumulated, same effective batch "
-        "and loss; TRL: one forward per step)"
+        f"and loss; {trl})"
     )
 
 

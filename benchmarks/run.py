@@ -47,7 +47,14 @@ def main(argv: list[str] | None = None) -> int:
         type=int,
         default=None,
         help="DPO, ours: pairs per forward/backward, gradients accumulated over the step's "
-        "batch (same effective batch and loss; the TRL arm runs the batch in one forward)",
+        "batch (same effective batch and loss; the TRL arm runs the batch in one forward "
+        "unless --trl-micro-batches)",
+    )
+    parser.add_argument(
+        "--trl-micro-batches",
+        action="store_true",
+        help="DPO, with --micro-batch-size: give the TRL arm the same micro-batches "
+        "(per_device_train_batch_size and gradient accumulation), like for like",
     )
     parser.add_argument("--steps", type=int, default=defaults.steps, help="optimizer steps")
     parser.add_argument("--max-length", type=int, default=defaults.max_length)
@@ -58,7 +65,7 @@ def main(argv: list[str] | None = None) -> int:
         parser.error("--rounds must be >= 1")
     workload = dataclasses.replace(
         defaults, model=args.model, batch_size=args.batch_size, steps=args.steps,
-        micro_batch_size=args.micro_batch_size,
+        micro_batch_size=args.micro_batch_size, trl_micro_batches=args.trl_micro_batches,
         max_length=args.max_length, max_prompt_length=args.max_prompt_length,
         threads=args.threads,
     )  # fmt: skip

@@ -88,6 +88,9 @@ class Workload(JsonDataclass):
     # ours (DPO): the step's pairs in micro-batches of this many, gradients accumulated (same
     # effective batch and loss); None = one forward per step, like the TRL arm
     micro_batch_size: int | None = None
+    # with micro_batch_size: TRL's DPO arm gets the same micro-batches (per_device_train_batch_size
+    # = micro_batch_size, gradient accumulation over the step), like for like
+    trl_micro_batches: bool = False
     steps: int = 8
     warmup_steps: int = 1  # steps before the timed window
     max_length: int = 256
