@@ -553,3 +553,44 @@ def test_shared_prompt_logprobs_rejects_right_padded_prompts():
     mask = torch.tensor([[1, 1, 1, 1], [1, 1, 0, 0]])
     with pytest.raises(ValueError, match="left-padded"):
         shared_prompt_logprobs(model, ids, mask, ids, torch.ones_like(ids))
+
+
+def test_shared_prompt_gradients_are_bitwise_reproducible_on_two_threads():
+    """The G rows of a group, shuffled over the batch, gather their prompt's keys, values and last
+    state. An accumulating `index_put_` (the backward of `keys[index]`) adds a group's gradients
+    on CPU in whatever order its threads finish, which made seeded GRPO runs differ; the gathers
+    are `index_select`s, so repeated backward passes give identical gradients (fails with
+    transformers' `batch_select_indices`)."""
+    from rlhf_core.packing import shared_prompt_logprobs
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        torch.manual_seed(0)
+        model = load_policy(ModelConfig(name_or_path="tiny-qwen3", attention="sdpa"))
+        g = torch.Generator().manual_seed(3)
+        prompts, group, width, t_len = 8, 8, 24, 16
+        p_ids = torch.randint(6, 100, (prompts, width), generator=g)
+        p_mask = torch.ones_like(p_ids)
+        for i in range(prompts):  # left padding of several lengths
+            p_mask[i, : int(torch.randint(0, width - 4, (1,), generator=g))] = 0
+        order = torch.randperm(prompts * group, generator=g)  # groups spread over the threads
+        p_ids, p_mask = (
+            p_ids.repeat_interleave(group, 0)[order],
+            p_mask.repeat_interleave(group, 0)[order],
+        )
+        p_ids = p_ids.masked_fill(p_mask == 0, 0)
+        c_ids = torch.randint(6, 100, (prompts * group, t_len), generator=g)
+        c_mask = torch.ones_like(c_ids)
+        for row in range(prompts * group):
+            c_mask[row, int(torch.randint(1, t_len + 1, (1,), generator=g)) :] = 0
+        grads = []
+        for _ in range(4):
+            model.zero_grad()
+            lp, h = shared_prompt_logprobs(model, p_ids, p_mask, c_ids, c_mask, with_entropy=True)
+            (lp.sum() + 0.1 * h.sum()).backward()
+            grads.append([p.grad.clone() for p in model.parameters()])
+    finally:
+        torch.set_num_threads(threads)
+    for other in grads[1:]:
+        assert all(torch.equal(a, b) for a, b in zip(grads[0], other, strict=True))
