@@ -65,11 +65,13 @@ def _run(trainer: Any, cfg: Any, out: Path, config_name: str) -> dict[str, Any]:
 
 
 def run_quickstart(
-    out: Path, *, fast: bool = False, sft_from: Path | None = None
+    out: Path, *, fast: bool = False, sft_from: Path | None = None, stop: Any = None
 ) -> dict[str, Any]:
     """Run every stage into `out`; returns the report's figures. `fast` shortens every stage
     (a CI smoke run of a minute or two: the figures are then not meaningful). `sft_from` reuses
-    an SFT model directory instead of training stage 1."""
+    an SFT model directory instead of training stage 1. `stop`: the caller's
+    `rlhf_core.checkpoint.StopSignal`; a signal it caught ends the run at the next stage (a
+    trainer running then stops at its next step, after a checkpoint)."""
     from direct_alignment.config import DAConfig
     from direct_alignment.train import train as train_dpo
     from instruction_tuning.config import SFTConfig
@@ -85,6 +87,8 @@ def run_quickstart(
     figures: dict[str, Any] = {"run_dir": str(out), "fast": fast}
 
     def stage(name: str):
+        if stop is not None and stop.requested:
+            raise StageInterrupted(name, stop.exit_code)
         print(f"\n=== quickstart stage: {name} ===", file=sys.stderr, flush=True)
         return time.perf_counter()
 
@@ -341,6 +345,7 @@ def _plot(out: Path, figures: dict[str, Any]) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
+    from rlhf_core.checkpoint import StopSignal
     from rlhf_core.errors import UserError
     from rlhf_core.rundir import locked_run
     from rlhf_core.tracking import timestamp
@@ -374,11 +379,13 @@ def main(argv: list[str] | None = None) -> int:
     with locked_run(out, package="quickstart", resume=args.resume is not None) as outcome:
         (out / "quickstart.json").write_text(json.dumps(options) + "\n")
         try:
-            run_quickstart(
-                out,
-                fast=options["fast"],
-                sft_from=Path(options["sft_from"]) if options["sft_from"] else None,
-            )
+            with StopSignal() as stop:  # Ctrl-C: the stage running stops at a checkpoint
+                run_quickstart(
+                    out,
+                    fast=options["fast"],
+                    sft_from=Path(options["sft_from"]) if options["sft_from"] else None,
+                    stop=stop,
+                )  # a signal during the evaluation or the report: they finish, exit 0
         except (StageInterrupted, KeyboardInterrupt) as exc:
             outcome.exit_code = exc.code if isinstance(exc, StageInterrupted) else 130
             print(f"\nquickstart interrupted; continue it with:\n  rlhf-lab quickstart "

@@ -315,3 +315,20 @@ def test_second_signal_kills_the_process():
     assert "first signal caught" in proc.stdout
     assert "survived" not in proc.stdout
     assert proc.returncode == -signal.SIGINT
+
+
+def test_nested_stop_signals_hand_a_pending_signal_in_and_out():
+    """A pipeline's StopSignal around a trainer's: a Ctrl-C that came before the trainer's block
+    starts it stopped, and one inside the trainer's block reaches the pipeline's after it; the
+    process is never interrupted by KeyboardInterrupt meanwhile."""
+    with StopSignal() as outer:
+        os.kill(os.getpid(), signal.SIGINT)  # between stages: caught by the pipeline's
+        assert outer.requested
+        with StopSignal() as inner:
+            assert inner.requested and inner.exit_code == 130
+    with StopSignal() as outer:
+        with StopSignal() as inner:
+            assert not inner.requested
+            os.kill(os.getpid(), signal.SIGTERM)
+            assert inner.requested and not outer.requested
+        assert outer.requested and outer.exit_code == 143
