@@ -345,7 +345,8 @@ class StopSignal:
     it runs), it starts with the outer one's pending signal and hands its own back on exit, so a
     Ctrl-C is never lost between or inside stages. (Python's default handler raises
     KeyboardInterrupt wherever the main thread is, and one raised inside a `__del__`, such as a
-    progress bar's while weights load, is printed as "Exception ignored" and dropped.)
+    progress bar's while weights load, is printed as "Exception ignored" and dropped: the likely
+    way the quickstart test once saw a Ctrl-C lost and the run exit 0.)
     """
 
     def __init__(self) -> None:
