@@ -100,8 +100,6 @@ class Workload(JsonDataclass):
 
     @property
     def micro(self) -> int:
-        if self.micro_batch and self.batch % self.micro_batch:
-            raise SystemExit(f"--micro-batch {self.micro_batch} must divide the batch {self.batch}")
         return self.micro_batch or self.batch
 
 
@@ -366,6 +364,8 @@ def main(argv: list[str] | None = None) -> int:
         write_result_file(args.result, worker(w, args.workdir))
         return 0
     w = replace(defaults, **{f: getattr(args, f) for f in fields})
+    if w.micro_batch < 0 or (w.micro_batch and w.batch % w.micro_batch):
+        parser.error(f"--micro-batch {w.micro_batch} must divide the batch of {w.batch} rows")
     print(f"GRPO vs TRL: {w}, {args.rounds} rounds", flush=True)
     result = compare(w, args.rounds)
     text = markdown(result)

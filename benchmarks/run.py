@@ -63,6 +63,13 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.rounds < 1:
         parser.error("--rounds must be >= 1")
+    if args.trl_micro_batches and not args.micro_batch_size:
+        parser.error("--trl-micro-batches needs --micro-batch-size")
+    if args.trl_micro_batches and args.batch_size % args.micro_batch_size:
+        parser.error(
+            f"--trl-micro-batches: --micro-batch-size {args.micro_batch_size} must divide "
+            f"--batch-size {args.batch_size} (TRL accumulates whole micro-batches)"
+        )
     workload = dataclasses.replace(
         defaults, model=args.model, batch_size=args.batch_size, steps=args.steps,
         micro_batch_size=args.micro_batch_size, trl_micro_batches=args.trl_micro_batches,

@@ -18,7 +18,10 @@ import math
 import sys
 import time
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from rlhf_core.checkpoint import StopSignal
 
 REPO_CONFIGS = Path("configs") / "quickstart"
 HELDOUT = {
@@ -65,7 +68,7 @@ def _run(trainer: Any, cfg: Any, out: Path, config_name: str) -> dict[str, Any]:
 
 
 def run_quickstart(
-    out: Path, *, fast: bool = False, sft_from: Path | None = None, stop: Any = None
+    out: Path, *, fast: bool = False, sft_from: Path | None = None, stop: StopSignal | None = None
 ) -> dict[str, Any]:
     """Run every stage into `out`; returns the report's figures. `fast` shortens every stage
     (a CI smoke run of a minute or two: the figures are then not meaningful). `sft_from` reuses
