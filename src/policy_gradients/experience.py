@@ -93,17 +93,26 @@ class ReplayBuffer:
     def __len__(self) -> int:
         return sum(len(e) for e in self.items)
 
-    def micro_batches(self, micro_batch_size: int, *, seed: int) -> list[Experience]:
+    def micro_batches(
+        self, micro_batch_size: int, *, seed: int, shuffle: bool = True
+    ) -> list[Experience]:
         """All rows, shuffled by a generator seeded with `seed`, cut into micro-batches.
 
         Rows of different experiences may differ in width (S, T); each micro-batch is drawn from
-        one experience so no re-padding is needed.
+        one experience so no re-padding is needed. `shuffle=False` keeps the rows in their stored
+        order, where a prompt's G completions are consecutive, so a micro-batch holds whole
+        groups and encodes each prompt once (`rlhf_core.packing.shared_prompt_logprobs`) instead
+        of once per micro-batch its rows were shuffled into. It is for a pass that is a single
+        optimizer step: there the gradient is the sum over all micro-batches whatever their order
+        (the same up to float rounding), and shuffling only costs prompt forwards.
         """
         gen = torch.Generator().manual_seed(seed)
         batches = []
         for exp in self.items:
-            order = torch.randperm(len(exp), generator=gen)
+            order = torch.randperm(len(exp), generator=gen) if shuffle else torch.arange(len(exp))
             for start in range(0, len(exp), micro_batch_size):
                 batches.append(exp.select(order[start : start + micro_batch_size]))
+        if not shuffle:
+            return batches
         order = torch.randperm(len(batches), generator=gen).tolist()
         return [batches[i] for i in order]

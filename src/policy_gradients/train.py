@@ -7,8 +7,9 @@ and KL placement.
 One step, top to bottom: sample prompts -> generate `group_size` completions each (KV cache,
 left padding) -> score with the reward components -> old and reference log-probs of the
 sampling distribution -> advantages (`collect.py`) -> `ppo_epochs` passes over the replay buffer
-in shuffled micro-batches, each pass `mini_batches` clipped optimizer steps (each step's loss is
-normalised over that step's tokens/sequences, so accumulation equals one big batch) -> log
+in micro-batches, each pass `mini_batches` clipped optimizer steps (each step's loss is
+normalised over that step's tokens/sequences, so accumulation equals one big batch; the rows are
+shuffled when a pass takes several steps, kept group by group when it takes one) -> log
 (rewards, KL, entropy, clip fraction, lengths, time split) -> held-out eval every k steps ->
 checkpoint.
 """
@@ -272,9 +273,12 @@ def train(cfg: PGConfig, run: RunArgs) -> int:
             t_train = time.perf_counter()
             sums: dict[str, float] = {}
             for epoch in range(alg.ppo_epochs):
+                # one optimizer step per pass: keep each group's rows together (fewer prompt
+                # forwards; the order of an accumulated sum changes nothing but rounding)
                 batches = buffer.micro_batches(
-                    t.micro_batch_size, seed=cfg.seed * 1_000_003 + step * 101 + epoch
-                )
+                    t.micro_batch_size, seed=cfg.seed * 1_000_003 + step * 101 + epoch,
+                    shuffle=alg.mini_batches > 1,
+                )  # fmt: skip
                 groups = split_into(batches, alg.mini_batches)  # one optimizer step each
                 if world > 1 and alg.dynamic_sampling:  # as many steps on every process
                     weighted = even_updates(accelerator, groups, batches, collected.filler)

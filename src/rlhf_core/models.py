@@ -32,6 +32,7 @@ from rlhf_core.chat import ensure_chat_template, set_thinking
 from rlhf_core.checkpoint import is_sharded_checkpoint
 from rlhf_core.config import StrictModel
 from rlhf_core.errors import UserError, UserFileNotFound
+from rlhf_core.lean import lean_mlp
 from rlhf_core.logprobs import causal_lm_token_logprobs
 from rlhf_core.quantization import (
     QuantizationConfig,
@@ -81,6 +82,11 @@ class ModelConfig(StrictModel):
         "auto", description="attention kernel; auto = flash-attn 2 if installed on CUDA, else sdpa"
     )
     gradient_checkpointing: bool = Field(False, description="recompute activations to save memory")
+    lean_mlp: bool = Field(
+        True,
+        description="SwiGLU MLPs save 2 of their 4 intermediate-width activations and recompute "
+        "the others in the backward (same values and gradients; rlhf_core.lean)",
+    )
     trust_remote_code: bool = Field(False, description="allow model code from the hub (unsafe)")
     chat_template: str | None = Field(
         None, description="Jinja chat template overriding the tokenizer's"
@@ -217,8 +223,9 @@ def load_policy(
 def load_pretrained(auto, cfg: ModelConfig, path: str, device: torch.device) -> torch.nn.Module:
     """`auto.from_pretrained(path)` (a transformers Auto class: causal LM, seq2seq LM, bare
     backbone) with `cfg`'s revision (for `cfg.name_or_path` itself, not another directory),
-    dtype, attention and quantization, on `device`; QLoRA's backward hook and gradient
-    checkpointing as configured. No adapter: the caller adds or loads one."""
+    dtype, attention and quantization, on `device`; QLoRA's backward hook, the lean SwiGLU MLP
+    (`rlhf_core.lean`) and gradient checkpointing as configured. No adapter: the caller adds or
+    loads one."""
     base_path = resolve_model_path(cfg.name_or_path)
     dtype = resolve_dtype(cfg, device)
     model = auto.from_pretrained(
@@ -235,6 +242,8 @@ def load_pretrained(auto, cfg: ModelConfig, path: str, device: torch.device) -> 
         release_checkpoint_pages(model)
     if cfg.quantization is not None and cfg.lora is not None:  # QLoRA training
         keep_backward_through_4bit(model)
+    if cfg.lean_mlp:
+        lean_mlp(model)
     if cfg.gradient_checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         model.config.use_cache = False

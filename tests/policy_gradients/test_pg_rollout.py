@@ -171,6 +171,27 @@ def test_replay_buffer_shuffle_is_seeded_and_covers_every_row():
     assert len(buffer) == 0
 
 
+def test_unshuffled_micro_batches_keep_each_group_together():
+    # 3 prompts x G = 4 completions, stored group by group as decode returns them
+    n, group = 12, 4
+    experience = Experience(
+        sequence_ids=torch.arange(n)[:, None].repeat(1, 3), attention_mask=torch.ones(n, 3),
+        action_mask=torch.ones(n, 2), log_probs_old=torch.zeros(n, 2),
+        advantages=torch.zeros(n, 2), rewards={"r": torch.arange(n).float()},
+        group_ids=torch.arange(n) // group,
+    )  # fmt: skip
+    buffer = ReplayBuffer()
+    buffer.add(experience)
+    whole = buffer.micro_batches(group, seed=7, shuffle=False)
+    assert [m.group_ids.tolist() for m in whole] == [[0] * 4, [1] * 4, [2] * 4]
+    # micro-batches of 8 rows: each holds two groups, not rows of all three prompts
+    assert [m.sequence_ids[:, 0].tolist() for m in buffer.micro_batches(8, seed=7, shuffle=False)
+            ] == [list(range(8)), list(range(8, 12))]  # fmt: skip
+    shuffled = buffer.micro_batches(group, seed=7)
+    assert any(len(set(m.group_ids.tolist())) > 1 for m in shuffled)  # what shuffling costs
+    assert sorted(i for m in shuffled for i in m.sequence_ids[:, 0].tolist()) == list(range(n))
+
+
 def test_rollout_log_is_queryable_and_resume_drops_redone_steps(tmp_path):
     path = tmp_path / "rollouts.sqlite"
     log = RolloutLog(path)

@@ -1,0 +1,99 @@
+"""rlhf_core.lean: the SwiGLU MLP that recomputes its product computes autograd's values and
+gradients, saves two fewer intermediate-width tensors, and steps aside where it would not be
+exact (a wrapped projection, no grad)."""
+
+import copy
+
+import pytest
+import torch
+from transformers import Qwen3Config, Qwen3ForCausalLM
+
+from rlhf_core.lean import is_swiglu_mlp, lean_mlp
+from rlhf_core.models import ModelConfig, load_policy
+
+
+def qwen3(dtype: torch.dtype = torch.float32) -> Qwen3ForCausalLM:
+    torch.manual_seed(0)
+    config = Qwen3Config(
+        vocab_size=96, hidden_size=32, intermediate_size=80, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=8, max_position_embeddings=64,
+    )  # fmt: skip
+    return Qwen3ForCausalLM(config).to(dtype)
+
+
+def loss_and_grads(model, ids):
+    model.zero_grad(set_to_none=True)
+    loss = model(input_ids=ids, labels=ids).loss
+    loss.backward()
+    return loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters()}
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+def test_lean_mlp_matches_autograd_bitwise(dtype):
+    plain = qwen3(dtype)
+    lean = copy.deepcopy(plain)
+    assert lean_mlp(lean) == 2 and lean_mlp(lean) == 0  # one per layer, patched once
+    ids = torch.randint(0, 96, (3, 11))
+    loss_a, grads_a = loss_and_grads(plain, ids)
+    loss_b, grads_b = loss_and_grads(lean, ids)
+    assert torch.equal(loss_a, loss_b)
+    for name, grad in grads_a.items():
+        assert torch.equal(grad, grads_b[name]), name  # same operations in the same order
+
+
+def saved_bytes(model, ids) -> int:
+    """Bytes autograd saves for the backward in one forward, parameters left out, each storage
+    once."""
+    params = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    seen: dict[int, int] = {}
+
+    def pack(t):
+        ptr = t.untyped_storage().data_ptr()
+        if ptr not in params:
+            seen[ptr] = t.untyped_storage().nbytes()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        model(input_ids=ids).logits.sum()
+    return sum(seen.values())
+
+
+def test_lean_mlp_saves_two_intermediate_tensors_per_layer():
+    plain = qwen3()
+    lean = copy.deepcopy(plain)
+    lean_mlp(lean)
+    ids = torch.randint(0, 96, (3, 11))
+    saved = saved_bytes(plain, ids) - saved_bytes(lean, ids)
+    # silu(gate) and silu(gate) * up: (positions x intermediate) fp32 each, in each of 2 layers
+    assert saved == 2 * 2 * 3 * 11 * 80 * 4
+
+
+def test_lean_mlp_steps_aside_for_a_wrapped_projection_and_without_grad():
+    from peft import LoraConfig, get_peft_model
+
+    model = qwen3()
+    lean_mlp(model)
+    ids = torch.randint(0, 96, (2, 7))
+    with torch.no_grad():
+        expected = model(input_ids=ids).logits
+    # LoRA wraps down_proj after the patch: the module's own forward runs (the adapter counts)
+    peft = get_peft_model(model, LoraConfig(r=4, target_modules=["down_proj"], lora_dropout=0.0))
+    mlp = peft.base_model.model.model.layers[0].mlp
+    assert not is_swiglu_mlp(mlp)
+    for module in peft.modules():
+        if hasattr(module, "lora_B"):
+            for weight in module.lora_B.values():
+                torch.nn.init.normal_(weight.weight)
+    out = peft(input_ids=ids).logits
+    assert not torch.allclose(out, expected)  # the adapter's contribution is there
+    out.sum().backward()
+    assert all(p.grad is not None for n, p in peft.named_parameters() if p.requires_grad)
+
+
+def test_load_policy_applies_it_unless_turned_off():
+    def patched(model) -> int:
+        return sum("forward" in vars(m) for m in model.modules() if hasattr(m, "gate_proj"))
+
+    on = load_policy(ModelConfig(name_or_path="tiny-qwen3"))
+    off = load_policy(ModelConfig(name_or_path="tiny-qwen3", lean_mlp=False))
+    assert patched(on) == on.config.num_hidden_layers and patched(off) == 0
