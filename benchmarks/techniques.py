@@ -52,6 +52,7 @@ import dataclasses
 import gc
 import tempfile
 import time
+from contextlib import contextmanager
 from functools import partial
 from pathlib import Path
 from typing import Any
@@ -77,6 +78,7 @@ VARIANTS = (
     "full_log_softmax",
     "precomputed_ref",
     "full_lm_head",
+    "plain_mlp",
 )
 #: (technique, variant with it, variant without it, in src?)
 TECHNIQUES = (
@@ -90,6 +92,8 @@ TECHNIQUES = (
     ("fused completion-only log-softmax", "flat_rows", "full_log_softmax", "yes"),
     ("precomputed reference log-probs", "precomputed_ref", "shipped", "yes (reference.mode)"),
     ("completion-only LM head", "flat_rows", "full_lm_head", "yes"),
+    ("lean SwiGLU MLP (product recomputed in the backward)", "shipped", "plain_mlp",
+     "yes (model.lean_mlp)"),
 )  # fmt: skip
 
 
@@ -227,7 +231,15 @@ class Bench:
             "flat_rows": self.shipped_logps, "two_forwards": self.two_forward_logps,
             "fixed_padding": self.shipped_logps, "full_log_softmax": self.full_softmax_logps,
             "precomputed_ref": self.shipped_logps, "full_lm_head": self.full_head_logps,
+            "plain_mlp": self.shipped_logps,
         }[variant]  # fmt: skip
+        if variant == "plain_mlp":  # the policy's MLPs as transformers runs them
+            with _plain_mlp(self.policy):
+                return self.run_batches("shipped", logps)
+        return self.run_batches(variant, logps)
+
+    def run_batches(self, variant: str, logps) -> list[float]:
+        """`run`'s loop over the batches, with the log-prob function `logps`."""
         logps_out: list[float] = []
         for i, batch in enumerate(self.batches):
             if variant == "fixed_padding":
@@ -289,6 +301,18 @@ def _malloc_trim() -> None:
 
 
 # ----------------------------------------------------------------------------- the worker
+
+
+@contextmanager
+def _plain_mlp(model):
+    """`model`'s SwiGLU MLPs without `rlhf_core.lean`'s patch (their class's forward) inside."""
+    patched = [m for m in model.modules() if hasattr(m, "gate_proj") and "forward" in vars(m)]
+    saved = [vars(m).pop("forward") for m in patched]
+    try:
+        yield
+    finally:
+        for module, forward in zip(patched, saved, strict=True):
+            module.forward = forward
 
 
 def worker(w: Workload, workdir: Path, rounds: int) -> dict[str, Any]:
