@@ -79,7 +79,8 @@ class Experience(LossInputs):
 
 
 class ReplayBuffer:
-    """Holds the experiences of one policy step; yields seeded, shuffled micro-batches."""
+    """Holds the experiences of one policy step; yields its micro-batches, seeded and shuffled or
+    group by group."""
 
     def __init__(self) -> None:
         self.items: list[Experience] = []
