@@ -78,7 +78,7 @@ VARIANTS = (
     "full_log_softmax",
     "precomputed_ref",
     "full_lm_head",
-    "plain_mlp",
+    "not_lean",
 )
 #: (technique, variant with it, variant without it, in src?)
 TECHNIQUES = (
@@ -92,7 +92,7 @@ TECHNIQUES = (
     ("fused completion-only log-softmax", "flat_rows", "full_log_softmax", "yes"),
     ("precomputed reference log-probs", "precomputed_ref", "shipped", "yes (reference.mode)"),
     ("completion-only LM head", "flat_rows", "full_lm_head", "yes"),
-    ("lean SwiGLU MLP (product recomputed in the backward)", "shipped", "plain_mlp",
+    ("lean MLP and RMSNorm (recomputed in the backward)", "shipped", "not_lean",
      "yes (model.lean_mlp)"),
 )  # fmt: skip
 
@@ -231,10 +231,10 @@ class Bench:
             "flat_rows": self.shipped_logps, "two_forwards": self.two_forward_logps,
             "fixed_padding": self.shipped_logps, "full_log_softmax": self.full_softmax_logps,
             "precomputed_ref": self.shipped_logps, "full_lm_head": self.full_head_logps,
-            "plain_mlp": self.shipped_logps,
+            "not_lean": self.shipped_logps,
         }[variant]  # fmt: skip
-        if variant == "plain_mlp":  # the policy's MLPs as transformers runs them
-            with _plain_mlp(self.policy):
+        if variant == "not_lean":  # the policy's MLPs and norms as transformers runs them
+            with _not_lean(self.policy):
                 return self.run_batches("shipped", logps)
         return self.run_batches(variant, logps)
 
@@ -305,9 +305,9 @@ def _malloc_trim() -> None:
 
 
 @contextmanager
-def _plain_mlp(model):
-    """`model`'s SwiGLU MLPs without `rlhf_core.lean`'s patch (their class's forward) inside."""
-    patched = [m for m in model.modules() if hasattr(m, "gate_proj") and "forward" in vars(m)]
+def _not_lean(model):
+    """`model` without `rlhf_core.lean`'s patches (each module's class forward) inside."""
+    patched = [m for m in model.modules() if "forward" in vars(m)]
     saved = [vars(m).pop("forward") for m in patched]
     try:
         yield

@@ -18,6 +18,15 @@ projections are plain bias-free `nn.Linear`s and the activation is SiLU; anythin
 k-bit layer wrapped around a projection later, a bias) takes the module's own forward, so
 nothing changes where the recomputation would not be exact. It is applied by
 `rlhf_core.models.load_pretrained` unless `model.lean_mlp: false`.
+
+The RMSNorm of the same models (`weight * (x * rsqrt(mean(x^2) + eps))`, computed in float32)
+saves, besides its input, the normalised `x * rsqrt(...)` for the weight's product; its output
+is saved again by the projection that reads it. `_RMSNorm` saves the input and the (positions x
+1) reciprocal root only and recomputes the normalised tensor in its backward, with autograd's own
+formulas in autograd's order (bitwise equal, tested): one hidden-width tensor fewer per norm
+(four norms per Qwen3 layer: two on the residual stream, `q_norm` and `k_norm` on the heads), and
+in bf16 the float32 copy of the input autograd keeps as well. `lean_mlp` patches those norms too:
+classes whose forward is that formula (`LEAN_RMSNORM_CLASSES`; a test checks their source).
 """
 
 from __future__ import annotations
@@ -61,6 +70,62 @@ class _SwiGLUDown(torch.autograd.Function):
         return grad_gate, grad_up, grad_weight
 
 
+class _RMSNorm(torch.autograd.Function):
+    """weight * (x * rsqrt(mean(x^2, -1) + eps)).to(x.dtype), computed in float32 as the Llama /
+    Qwen RMSNorm does; saves x and the reciprocal root, not the normalised x. The backward is
+    the op-by-op graph's: PowBackward, MeanBackward, RsqrtBackward, MulBackward (twice) and the
+    dtype casts, each with autograd's formula.
+
+    x's two gradient paths (through the product and through the square) meet where autograd
+    meets them: in a float32 model x *is* the float32 tensor, so the two reach x's gradient
+    buffer one after the other, after the residual stream's (hence x is passed twice, one
+    gradient each); otherwise they are summed in float32 and cast back, as `.to()`'s backward
+    does."""
+
+    @staticmethod
+    def forward(ctx, x, x_again, weight, eps):
+        x32 = x.to(torch.float32)
+        rstd = torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
+        ctx.save_for_backward(x, weight, rstd)
+        return weight * (x32 * rstd).to(x.dtype)
+
+    @staticmethod
+    def backward(ctx, grad_y):
+        x, weight, rstd = ctx.saved_tensors
+        x32 = x.to(torch.float32)
+        grad_x = grad_x_again = grad_weight = None
+        if ctx.needs_input_grad[2]:  # y = weight * n: n's share, summed to weight's shape
+            normed = (x32 * rstd).to(x.dtype)
+            grad_weight = (grad_y * normed).sum_to_size(weight.shape)
+        if ctx.needs_input_grad[0]:
+            grad_n = (grad_y * weight).to(torch.float32)  # through the cast to x.dtype
+            # n = x32 * rstd: to x32 directly, and to rstd (summed over the row)
+            grad_direct = grad_n * rstd
+            grad_rstd = (grad_n * x32).sum_to_size(rstd.shape)
+            grad_var = -0.5 * grad_rstd * rstd.pow(3)  # rsqrt's backward
+            grad_sq = grad_var.expand(x32.shape) / x32.shape[-1]  # mean's backward
+            grad_pow = grad_sq * (2.0 * x32.pow(1.0))  # pow(2)'s backward
+            if x.dtype == torch.float32:
+                grad_x, grad_x_again = grad_direct, grad_pow
+            else:
+                grad_x = (grad_direct + grad_pow).to(x.dtype)
+        return grad_x, grad_x_again, grad_weight, None
+
+
+#: RMSNorm classes whose forward is exactly `_RMSNorm`'s formula (tests/rlhf_core/test_lean.py
+#: compares their source); others (Gemma's 1 + weight, OLMo's order) keep their own forward.
+LEAN_RMSNORM_CLASSES = frozenset({
+    "LlamaRMSNorm", "MistralRMSNorm", "Qwen2RMSNorm", "Qwen3RMSNorm", "Qwen2MoeRMSNorm",
+    "Qwen3MoeRMSNorm",
+})  # fmt: skip
+
+
+def _lean_norm_forward(self, x: torch.Tensor) -> torch.Tensor:
+    if not torch.is_grad_enabled():
+        return type(self).forward(self, x)
+    return _RMSNorm.apply(x, x, self.weight, self.variance_epsilon)
+
+
 def _is_silu(act) -> bool:
     if isinstance(act, nn.SiLU):
         return True
@@ -99,11 +164,17 @@ def is_swiglu_mlp(module: nn.Module) -> bool:
 
 
 def lean_mlp(model: nn.Module) -> int:
-    """Patch every SwiGLU MLP of `model` to save 2 of its 4 intermediate-width activations (see
-    the module docstring); returns how many modules were patched (0: none of this form)."""
+    """Patch every SwiGLU MLP of `model` to save 2 of its 4 intermediate-width activations, and
+    every Llama/Qwen RMSNorm to save its input instead of its normalised input too (see the module
+    docstring); returns how many modules were patched (0: none of either form)."""
     patched = 0
     for module in model.modules():
-        if is_swiglu_mlp(module) and "forward" not in vars(module):
+        if "forward" in vars(module):
+            continue  # patched already
+        if is_swiglu_mlp(module):
             module.forward = types.MethodType(_lean_forward, module)
+            patched += 1
+        elif type(module).__name__ in LEAN_RMSNORM_CLASSES and hasattr(module, "weight"):
+            module.forward = types.MethodType(_lean_norm_forward, module)
             patched += 1
     return patched

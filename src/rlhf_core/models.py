@@ -84,8 +84,9 @@ class ModelConfig(StrictModel):
     gradient_checkpointing: bool = Field(False, description="recompute activations to save memory")
     lean_mlp: bool = Field(
         True,
-        description="SwiGLU MLPs save 2 of their 4 intermediate-width activations and recompute "
-        "the others in the backward (same values and gradients; rlhf_core.lean)",
+        description="SwiGLU MLPs save 2 of their 4 intermediate-width activations and Llama/Qwen "
+        "RMSNorms their input only, recomputing the rest in the backward (bitwise the same values "
+        "and gradients; rlhf_core.lean)",
     )
     trust_remote_code: bool = Field(False, description="allow model code from the hub (unsafe)")
     chat_template: str | None = Field(

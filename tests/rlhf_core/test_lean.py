@@ -1,14 +1,16 @@
-"""rlhf_core.lean: the SwiGLU MLP that recomputes its product computes autograd's values and
-gradients, saves two fewer intermediate-width tensors, and steps aside where it would not be
-exact (a wrapped projection, no grad)."""
+"""rlhf_core.lean: the SwiGLU MLP that recomputes its product and the RMSNorm that recomputes
+its normalised input compute autograd's values and gradients bitwise, save what they say, and
+step aside where they would not be exact (a wrapped projection, no grad)."""
 
 import copy
+import importlib
+import inspect
 
 import pytest
 import torch
 from transformers import Qwen3Config, Qwen3ForCausalLM
 
-from rlhf_core.lean import is_swiglu_mlp, lean_mlp
+from rlhf_core.lean import LEAN_RMSNORM_CLASSES, is_swiglu_mlp, lean_mlp
 from rlhf_core.models import ModelConfig, load_policy
 
 
@@ -28,11 +30,12 @@ def loss_and_grads(model, ids):
     return loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters()}
 
 
-@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32, torch.bfloat16])
 def test_lean_mlp_matches_autograd_bitwise(dtype):
     plain = qwen3(dtype)
     lean = copy.deepcopy(plain)
-    assert lean_mlp(lean) == 2 and lean_mlp(lean) == 0  # one per layer, patched once
+    # per layer its MLP and 4 RMSNorms (input, post-attention, q_norm, k_norm), the final norm
+    assert lean_mlp(lean) == 2 * 5 + 1 and lean_mlp(lean) == 0  # patched once
     ids = torch.randint(0, 96, (3, 11))
     loss_a, grads_a = loss_and_grads(plain, ids)
     loss_b, grads_b = loss_and_grads(lean, ids)
@@ -58,14 +61,36 @@ def saved_bytes(model, ids) -> int:
     return sum(seen.values())
 
 
-def test_lean_mlp_saves_two_intermediate_tensors_per_layer():
+def test_lean_mlp_saves_two_intermediate_tensors_per_layer_and_each_norms_output():
     plain = qwen3()
     lean = copy.deepcopy(plain)
     lean_mlp(lean)
     ids = torch.randint(0, 96, (3, 11))
     saved = saved_bytes(plain, ids) - saved_bytes(lean, ids)
-    # silu(gate) and silu(gate) * up: (positions x intermediate) fp32 each, in each of 2 layers
-    assert saved == 2 * 2 * 3 * 11 * 80 * 4
+    # per position, fp32: silu(gate) and silu(gate) * up (intermediate 80 each) in each of 2
+    # layers; each norm's normalised input: hidden 32 twice, q heads 4 x 8, k heads 2 x 8; the
+    # final norm's 32
+    per_position = 2 * (2 * 80 + 32 + 32 + 4 * 8 + 2 * 8) + 32
+    assert saved == 3 * 11 * per_position * 4
+
+
+def test_lean_rmsnorm_classes_compute_its_formula():
+    """Each whitelisted class's forward is Qwen3's, the formula `_RMSNorm` implements."""
+    from transformers.models.qwen3.modeling_qwen3 import Qwen3RMSNorm
+
+    def body(cls) -> str:
+        return inspect.getsource(cls.forward).replace(cls.__name__, "X")
+
+    modules = {
+        "LlamaRMSNorm": "llama", "MistralRMSNorm": "mistral", "Qwen2RMSNorm": "qwen2",
+        "Qwen3RMSNorm": "qwen3", "Qwen2MoeRMSNorm": "qwen2_moe", "Qwen3MoeRMSNorm": "qwen3_moe",
+    }  # fmt: skip
+    assert set(modules) == LEAN_RMSNORM_CLASSES
+    for name, module in modules.items():
+        cls = getattr(
+            importlib.import_module(f"transformers.models.{module}.modeling_{module}"), name
+        )
+        assert body(cls) == body(Qwen3RMSNorm), name
 
 
 def test_lean_mlp_steps_aside_for_a_wrapped_projection_and_without_grad():
@@ -92,8 +117,8 @@ def test_lean_mlp_steps_aside_for_a_wrapped_projection_and_without_grad():
 
 def test_load_policy_applies_it_unless_turned_off():
     def patched(model) -> int:
-        return sum("forward" in vars(m) for m in model.modules() if hasattr(m, "gate_proj"))
+        return sum("forward" in vars(m) for m in model.modules())
 
     on = load_policy(ModelConfig(name_or_path="tiny-qwen3"))
     off = load_policy(ModelConfig(name_or_path="tiny-qwen3", lean_mlp=False))
-    assert patched(on) == on.config.num_hidden_layers and patched(off) == 0
+    assert patched(on) == 5 * on.config.num_hidden_layers + 1 and patched(off) == 0
