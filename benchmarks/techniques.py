@@ -93,7 +93,7 @@ TECHNIQUES = (
     ("precomputed reference log-probs", "precomputed_ref", "shipped", "yes (reference.mode)"),
     ("completion-only LM head", "flat_rows", "full_lm_head", "yes"),
     ("lean MLP and RMSNorm (recomputed in the backward)", "shipped", "not_lean",
-     "yes (model.lean_mlp)"),
+     "yes (model.lean_activations)"),
 )  # fmt: skip
 
 

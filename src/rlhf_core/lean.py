@@ -1,4 +1,5 @@
-"""Lean activations: a SwiGLU MLP whose backward recomputes its product instead of saving it.
+"""Lean activations: a SwiGLU MLP and an RMSNorm whose backwards recompute what autograd would
+save.
 
 A gated MLP (Llama, Qwen2/3, Mistral: `down_proj(silu(gate_proj(x)) * up_proj(x))`) run by
 autograd op by op saves, per position and layer, four tensors of the intermediate width I (1536
@@ -6,18 +7,19 @@ in Qwen3-0.6B, 3x the hidden width): `g = gate_proj(x)` for SiLU's backward, `si
 `u = up_proj(x)` for the product's, and `h = silu(g) * u` for `down_proj`'s weight gradient.
 `silu(g)` and `h` are one element-wise pass away from `g` and `u`, so `_SwiGLUDown` saves only
 `g` and `u` and recomputes the other two in its backward: two (positions x I) tensors fewer per
-layer, about 40% of a Qwen3 layer's saved activations in fp32 (measured in docs/performance.md),
-for two element-wise passes in the backward. This is what Liger-Kernel's fused SiLU-mul does with
-a Triton kernel (GPU only); here it is plain PyTorch, so it runs on CPU too, and the values and
+layer, ~2 x 1536 of the ~13,800 floats a Qwen3-0.6B-shaped layer saves per position in fp32
+(docs/performance.md), for two element-wise passes in the backward. This is what Liger-Kernel's
+fused SiLU-mul does with a Triton kernel (GPU only); here it is plain PyTorch, so it runs on CPU
+too, and the values and
 gradients are the ones autograd computes op by op (the same operations in the same order: tested
-bitwise in float64 and float32, `tests/rlhf_core/test_lean.py`).
+bitwise in float64, float32 and bfloat16, `tests/rlhf_core/test_lean.py`).
 
-`lean_mlp(model)` patches the `forward` of every such MLP module of a loaded model (an instance
+`apply_lean(model)` patches the `forward` of every such MLP module of a loaded model (an instance
 attribute; the class and the checkpoint are untouched). The lean path runs only while the three
 projections are plain bias-free `nn.Linear`s and the activation is SiLU; anything else (a LoRA or
 k-bit layer wrapped around a projection later, a bias) takes the module's own forward, so
 nothing changes where the recomputation would not be exact. It is applied by
-`rlhf_core.models.load_pretrained` unless `model.lean_mlp: false`.
+`rlhf_core.models.load_pretrained` unless `model.lean_activations: false`.
 
 The RMSNorm of the same models (`weight * (x * rsqrt(mean(x^2) + eps))`, computed in float32)
 saves, besides its input, the normalised `x * rsqrt(...)` for the weight's product; its output
@@ -25,8 +27,9 @@ is saved again by the projection that reads it. `_RMSNorm` saves the input and t
 1) reciprocal root only and recomputes the normalised tensor in its backward, with autograd's own
 formulas in autograd's order (bitwise equal, tested): one hidden-width tensor fewer per norm
 (four norms per Qwen3 layer: two on the residual stream, `q_norm` and `k_norm` on the heads), and
-in bf16 the float32 copy of the input autograd keeps as well. `lean_mlp` patches those norms too:
-classes whose forward is that formula (`LEAN_RMSNORM_CLASSES`; a test checks their source).
+in bf16 the float32 copy of the input autograd keeps as well. `apply_lean` patches those norms
+too: classes whose forward is that formula (`LEAN_RMSNORM_CLASSES`; a test checks their
+source).
 """
 
 from __future__ import annotations
@@ -154,7 +157,7 @@ def _lean_forward(self, x: torch.Tensor) -> torch.Tensor:
 
 
 def is_swiglu_mlp(module: nn.Module) -> bool:
-    """A gated MLP module `lean_mlp` can run: gate/up/down projections, a SiLU activation, and
+    """A gated MLP module `apply_lean` can run: gate/up/down projections, a SiLU activation, and
     a forward of its own class (not already patched)."""
     return (
         all(hasattr(module, name) for name in ("gate_proj", "up_proj", "down_proj", "act_fn"))
@@ -163,7 +166,7 @@ def is_swiglu_mlp(module: nn.Module) -> bool:
     )
 
 
-def lean_mlp(model: nn.Module) -> int:
+def apply_lean(model: nn.Module) -> int:
     """Patch every SwiGLU MLP of `model` to save 2 of its 4 intermediate-width activations, and
     every Llama/Qwen RMSNorm to save its input instead of its normalised input too (see the module
     docstring); returns how many modules were patched (0: none of either form)."""

@@ -32,7 +32,7 @@ from rlhf_core.chat import ensure_chat_template, set_thinking
 from rlhf_core.checkpoint import is_sharded_checkpoint
 from rlhf_core.config import StrictModel
 from rlhf_core.errors import UserError, UserFileNotFound
-from rlhf_core.lean import lean_mlp
+from rlhf_core.lean import apply_lean
 from rlhf_core.logprobs import causal_lm_token_logprobs
 from rlhf_core.quantization import (
     QuantizationConfig,
@@ -82,7 +82,7 @@ class ModelConfig(StrictModel):
         "auto", description="attention kernel; auto = flash-attn 2 if installed on CUDA, else sdpa"
     )
     gradient_checkpointing: bool = Field(False, description="recompute activations to save memory")
-    lean_mlp: bool = Field(
+    lean_activations: bool = Field(
         True,
         description="SwiGLU MLPs save 2 of their 4 intermediate-width activations and Llama/Qwen "
         "RMSNorms their input only, recomputing the rest in the backward (bitwise the same values "
@@ -243,8 +243,8 @@ def load_pretrained(auto, cfg: ModelConfig, path: str, device: torch.device) -> 
         release_checkpoint_pages(model)
     if cfg.quantization is not None and cfg.lora is not None:  # QLoRA training
         keep_backward_through_4bit(model)
-    if cfg.lean_mlp:
-        lean_mlp(model)
+    if cfg.lean_activations:
+        apply_lean(model)
     if cfg.gradient_checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         model.config.use_cache = False

@@ -10,7 +10,7 @@ import pytest
 import torch
 from transformers import Qwen3Config, Qwen3ForCausalLM
 
-from rlhf_core.lean import LEAN_RMSNORM_CLASSES, is_swiglu_mlp, lean_mlp
+from rlhf_core.lean import LEAN_RMSNORM_CLASSES, apply_lean, is_swiglu_mlp
 from rlhf_core.models import ModelConfig, load_policy
 
 
@@ -31,11 +31,11 @@ def loss_and_grads(model, ids):
 
 
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float32, torch.bfloat16])
-def test_lean_mlp_matches_autograd_bitwise(dtype):
+def test_apply_lean_matches_autograd_bitwise(dtype):
     plain = qwen3(dtype)
     lean = copy.deepcopy(plain)
     # per layer its MLP and 4 RMSNorms (input, post-attention, q_norm, k_norm), the final norm
-    assert lean_mlp(lean) == 2 * 5 + 1 and lean_mlp(lean) == 0  # patched once
+    assert apply_lean(lean) == 2 * 5 + 1 and apply_lean(lean) == 0  # patched once
     ids = torch.randint(0, 96, (3, 11))
     loss_a, grads_a = loss_and_grads(plain, ids)
     loss_b, grads_b = loss_and_grads(lean, ids)
@@ -61,10 +61,10 @@ def saved_bytes(model, ids) -> int:
     return sum(seen.values())
 
 
-def test_lean_mlp_saves_two_intermediate_tensors_per_layer_and_each_norms_output():
+def test_apply_lean_saves_two_intermediate_tensors_per_layer_and_each_norms_output():
     plain = qwen3()
     lean = copy.deepcopy(plain)
-    lean_mlp(lean)
+    apply_lean(lean)
     ids = torch.randint(0, 96, (3, 11))
     saved = saved_bytes(plain, ids) - saved_bytes(lean, ids)
     # per position, fp32: silu(gate) and silu(gate) * up (intermediate 80 each) in each of 2
@@ -93,11 +93,11 @@ def test_lean_rmsnorm_classes_compute_its_formula():
         assert body(cls) == body(Qwen3RMSNorm), name
 
 
-def test_lean_mlp_steps_aside_for_a_wrapped_projection_and_without_grad():
+def test_apply_lean_steps_aside_for_a_wrapped_projection_and_without_grad():
     from peft import LoraConfig, get_peft_model
 
     model = qwen3()
-    lean_mlp(model)
+    apply_lean(model)
     ids = torch.randint(0, 96, (2, 7))
     with torch.no_grad():
         expected = model(input_ids=ids).logits
@@ -120,5 +120,5 @@ def test_load_policy_applies_it_unless_turned_off():
         return sum("forward" in vars(m) for m in model.modules())
 
     on = load_policy(ModelConfig(name_or_path="tiny-qwen3"))
-    off = load_policy(ModelConfig(name_or_path="tiny-qwen3", lean_mlp=False))
+    off = load_policy(ModelConfig(name_or_path="tiny-qwen3", lean_activations=False))
     assert patched(on) == 5 * on.config.num_hidden_layers + 1 and patched(off) == 0
