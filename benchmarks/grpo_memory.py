@@ -41,6 +41,7 @@ from benchmarks.measure import (
     machine,
     median,
     peak_rss_mb,
+    phase_medians,
     reset_peak_rss,
     rss_mb,
     timestamp,
@@ -254,17 +255,7 @@ def profile(w: Any, workdir: Path, trim: bool = False) -> dict[str, Any]:
 
 def summarize(out: dict[str, Any]) -> list[dict[str, Any]]:
     """Per phase (in step order): median peak and end RSS over the steps after the first."""
-    later = [r for r in out["records"] if r["step"] >= 1 and r["phase"] != "end"]
-    names = list(dict.fromkeys(r["phase"] for r in later))
-    rows = []
-    for name in names:
-        mine = [r for r in later if r["phase"] == name]
-        peak, end = median([r["peak_mb"] for r in mine]), median([r["rss_end_mb"] for r in mine])
-        rows.append({"phase": name, "peak_mb": peak, "rss_end_mb": end,
-                     "peak_above_loop_start_mb": peak - out["before_loop_mb"]})  # fmt: skip
-        if all("rss_trimmed_mb" in r for r in mine):
-            rows[-1]["rss_trimmed_mb"] = median([r["rss_trimmed_mb"] for r in mine])
-    return rows
+    return phase_medians(out["records"], out["before_loop_mb"])
 
 
 def summarize_forwards(out: dict[str, Any]) -> list[dict[str, Any]]:

@@ -148,6 +148,24 @@ def median(values: list[float]) -> float:
     return float(statistics.median(values))
 
 
+def phase_medians(records: list[dict[str, Any]], before_loop_mb: float) -> list[dict[str, Any]]:
+    """Per phase of a step, in step order: the medians of its peak and end RSS (and, where every
+    record has one, of its RSS after `malloc_trim`) over the steps after the first, with the peak
+    above the RSS before the loop. `records`: {"step", "phase", "peak_mb", "rss_end_mb"[,
+    "rss_trimmed_mb"]} per phase and step (`benchmarks.dpo_memory`, `benchmarks.grpo_memory`)."""
+    later = [r for r in records if r["step"] >= 1 and r["phase"] != "end"]
+    rows = []
+    for name in dict.fromkeys(r["phase"] for r in later):
+        mine = [r for r in later if r["phase"] == name]
+        peak, end = median([r["peak_mb"] for r in mine]), median([r["rss_end_mb"] for r in mine])
+        row = {"phase": name, "peak_mb": peak, "rss_end_mb": end,
+               "peak_above_loop_start_mb": peak - before_loop_mb}  # fmt: skip
+        if all("rss_trimmed_mb" in r for r in mine):
+            row["rss_trimmed_mb"] = median([r["rss_trimmed_mb"] for r in mine])
+        rows.append(row)
+    return rows
+
+
 def spread(values: list[float]) -> str:
     """`min-max` of a list, for the tables."""
     return f"{min(values):.4g}-{max(values):.4g}"
