@@ -17,8 +17,9 @@ bitwise in float64, float32 and bfloat16, `tests/rlhf_core/test_lean.py`).
 `apply_lean(model)` patches the `forward` of every such MLP module of a loaded model (an instance
 attribute; the class and the checkpoint are untouched). The lean path runs only while the three
 projections are plain bias-free `nn.Linear`s and the activation is SiLU; anything else (a LoRA or
-k-bit layer wrapped around a projection later, a bias) takes the module's own forward, so
-nothing changes where the recomputation would not be exact. It is applied by
+k-bit layer wrapped around a projection later, a bias, an input whose dtype differs from the
+weights', an autocast region, no grad) takes the module's own forward, so nothing changes where
+the recomputation would not be exact. It is applied by
 `rlhf_core.models.load_pretrained` unless `model.lean_activations: false`.
 
 The RMSNorm of the same models (`weight * (x * rsqrt(mean(x^2) + eps))`, computed in float32)
@@ -123,9 +124,19 @@ LEAN_RMSNORM_CLASSES = frozenset({
 })  # fmt: skip
 
 
+def _exact_here(x: torch.Tensor, weight: torch.Tensor) -> bool:
+    """The lean backward reproduces autograd's when a graph is built, the input and the weight
+    share a dtype (no promotion inside the op) and no autocast region recasts the ops."""
+    return (
+        torch.is_grad_enabled()
+        and x.dtype == weight.dtype
+        and not torch.is_autocast_enabled(x.device.type)
+    )
+
+
 def _lean_norm_forward(self, x: torch.Tensor) -> torch.Tensor:
-    if not torch.is_grad_enabled():
-        return type(self).forward(self, x)
+    if not _exact_here(x, self.weight):
+        return type(self).forward(self, x)  # nothing saved, or mixed dtypes: the module's own
     return _RMSNorm.apply(x, x, self.weight, self.variance_epsilon)
 
 
@@ -151,8 +162,8 @@ def _lean_forward(self, x: torch.Tensor) -> torch.Tensor:
         and _is_silu(self.act_fn)
     ):
         return type(self).forward(self, x)  # wrapped since (LoRA, k-bit): the module's own
-    if not torch.is_grad_enabled():
-        return type(self).forward(self, x)  # nothing is saved without a graph
+    if not _exact_here(x, self.down_proj.weight):
+        return type(self).forward(self, x)  # nothing saved, or mixed dtypes: the module's own
     return _SwiGLUDown.apply(self.gate_proj(x), self.up_proj(x), self.down_proj.weight)
 
 

@@ -115,6 +115,18 @@ def test_apply_lean_steps_aside_for_a_wrapped_projection_and_without_grad():
     assert all(p.grad is not None for n, p in peft.named_parameters() if p.requires_grad)
 
 
+def test_apply_lean_steps_aside_under_autocast():
+    plain = qwen3()
+    lean = copy.deepcopy(plain)
+    apply_lean(lean)
+    ids = torch.randint(0, 96, (2, 7))
+    with torch.autocast("cpu", dtype=torch.bfloat16):  # bf16 activations, fp32 weights
+        loss_a, grads_a = loss_and_grads(plain, ids)
+        loss_b, grads_b = loss_and_grads(lean, ids)
+    assert torch.equal(loss_a, loss_b)
+    assert all(torch.equal(g, grads_b[n]) for n, g in grads_a.items())
+
+
 def test_load_policy_applies_it_unless_turned_off():
     def patched(model) -> int:
         return sum("forward" in vars(m) for m in model.modules())
