@@ -39,6 +39,7 @@ from typing import Any
 
 from benchmarks.measure import (
     machine,
+    malloc_trim,
     median,
     peak_rss_mb,
     phase_medians,
@@ -95,17 +96,6 @@ def _tensor_bytes(tensors: list[Any]) -> int:
     return sum(dict(_storage_key(t) for t in tensors if t is not None).values())
 
 
-def _malloc_trim() -> bool:
-    """Hand glibc's free heap back to the kernel; False where there is no glibc."""
-    import ctypes
-
-    try:
-        ctypes.CDLL("libc.so.6").malloc_trim(0)
-    except (OSError, AttributeError):
-        return False
-    return True
-
-
 def profile(w: Any, workdir: Path, trim: bool = False) -> dict[str, Any]:
     """Run the workload's steps with phase boundaries; returns the phase records. `trim`:
     `malloc_trim` at every boundary (after the phase's peak and end RSS are read), recorded as
@@ -131,7 +121,7 @@ def profile(w: Any, workdir: Path, trim: bool = False) -> dict[str, Any]:
             "step": state["step"], "phase": state["phase"], "peak_mb": peak_rss_mb(),
             "rss_end_mb": rss_mb(),
         })  # fmt: skip
-        if trim and _malloc_trim():
+        if trim and malloc_trim():
             records[-1]["rss_trimmed_mb"] = rss_mb()
         reset_peak_rss()
         state["phase"] = next_phase

@@ -36,6 +36,7 @@ from typing import Any
 
 from benchmarks.measure import (
     machine,
+    malloc_trim,
     median,
     peak_rss_mb,
     reset_peak_rss,
@@ -50,15 +51,6 @@ from benchmarks.workload import HH_PATH, QWEN2_TOKENIZER_DIR, model_dir
 
 TOKENIZER_DIR = QWEN2_TOKENIZER_DIR
 ARMS = ("ours", "ours_flat", "liger")
-
-
-def _malloc_trim() -> None:
-    import ctypes
-
-    try:
-        ctypes.CDLL("libc.so.6").malloc_trim(0)
-    except (OSError, AttributeError):
-        pass
 
 
 def worker(arm: str, args: argparse.Namespace) -> dict[str, Any]:
@@ -128,7 +120,7 @@ def worker(arm: str, args: argparse.Namespace) -> dict[str, Any]:
     logps, seconds, working = [], [], []
     for chunk in batches:
         gc.collect()
-        _malloc_trim()
+        malloc_trim()
         start_rss = rss_mb()
         reset_peak_rss()
         start = time.perf_counter()

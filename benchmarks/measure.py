@@ -47,6 +47,18 @@ def rss_mb() -> float:
     return _status_mb("VmRSS")
 
 
+def malloc_trim() -> bool:
+    """Hand glibc's free heap back to the kernel (`malloc_trim(0)`), so freed pages stop counting
+    in RSS; False where there is no glibc."""
+    import ctypes
+
+    try:
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):
+        return False
+    return True
+
+
 def peak_rss_mb() -> float:
     """High-water mark of resident memory since start (or the last reset), MiB."""
     return _status_mb("VmHWM")

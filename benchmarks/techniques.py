@@ -59,6 +59,7 @@ from typing import Any
 
 from benchmarks.measure import (
     machine,
+    malloc_trim,
     median,
     peak_rss_mb,
     reset_peak_rss,
@@ -291,16 +292,6 @@ def _whole_rows(batch: dict) -> dict:
     return batch
 
 
-def _malloc_trim() -> None:
-    """Return glibc's free heap memory to the kernel, so reused pages count again in RSS."""
-    import ctypes
-
-    try:
-        ctypes.CDLL("libc.so.6").malloc_trim(0)
-    except (OSError, AttributeError):
-        pass
-
-
 # ----------------------------------------------------------------------------- the worker
 
 
@@ -335,7 +326,7 @@ def worker(w: Workload, workdir: Path, rounds: int) -> dict[str, Any]:
     memory = {}
     for variant in VARIANTS:
         gc.collect()
-        _malloc_trim()
+        malloc_trim()
         start_rss = rss_mb()
         reset_peak_rss()
         bench.run(variant)

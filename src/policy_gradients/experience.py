@@ -97,7 +97,8 @@ class ReplayBuffer:
     def micro_batches(
         self, micro_batch_size: int, *, seed: int, shuffle: bool = True
     ) -> list[Experience]:
-        """All rows, shuffled by a generator seeded with `seed`, cut into micro-batches.
+        """All rows cut into micro-batches, shuffled by a generator seeded with `seed` (rows and
+        micro-batches) unless `shuffle=False`.
 
         Rows of different experiences may differ in width (S, T); each micro-batch is drawn from
         one experience so no re-padding is needed. `shuffle=False` keeps the rows in their stored

@@ -10,9 +10,8 @@ in Qwen3-0.6B, 3x the hidden width): `g = gate_proj(x)` for SiLU's backward, `si
 layer, ~2 x 1536 of the ~13,800 floats a Qwen3-0.6B-shaped layer saves per position in fp32
 (docs/performance.md), for two element-wise passes in the backward. This is what Liger-Kernel's
 fused SiLU-mul does with a Triton kernel (GPU only); here it is plain PyTorch, so it runs on CPU
-too, and the values and
-gradients are the ones autograd computes op by op (the same operations in the same order: tested
-bitwise in float64, float32 and bfloat16, `tests/rlhf_core/test_lean.py`).
+too, and the values and gradients are the ones autograd computes op by op (the same operations in
+the same order: tested bitwise in float64, float32 and bfloat16, `tests/rlhf_core/test_lean.py`).
 
 `apply_lean(model)` patches the `forward` of every such MLP module of a loaded model (an instance
 attribute; the class and the checkpoint are untouched). The lean path runs only while the three
@@ -168,8 +167,8 @@ def _lean_forward(self, x: torch.Tensor) -> torch.Tensor:
 
 
 def is_swiglu_mlp(module: nn.Module) -> bool:
-    """A gated MLP module `apply_lean` can run: gate/up/down projections, a SiLU activation, and
-    a forward of its own class (not already patched)."""
+    """A gated MLP module `apply_lean` can run: bias-free `nn.Linear` gate/up/down projections
+    and a SiLU activation."""
     return (
         all(hasattr(module, name) for name in ("gate_proj", "up_proj", "down_proj", "act_fn"))
         and _is_silu(module.act_fn)

@@ -224,9 +224,9 @@ def load_policy(
 def load_pretrained(auto, cfg: ModelConfig, path: str, device: torch.device) -> torch.nn.Module:
     """`auto.from_pretrained(path)` (a transformers Auto class: causal LM, seq2seq LM, bare
     backbone) with `cfg`'s revision (for `cfg.name_or_path` itself, not another directory),
-    dtype, attention and quantization, on `device`; QLoRA's backward hook, the lean SwiGLU MLP
-    (`rlhf_core.lean`) and gradient checkpointing as configured. No adapter: the caller adds or
-    loads one."""
+    dtype, attention and quantization, on `device`; QLoRA's backward hook, lean activations
+    (`rlhf_core.lean`: SwiGLU MLPs and RMSNorms) and gradient checkpointing as configured. No
+    adapter: the caller adds or loads one."""
     base_path = resolve_model_path(cfg.name_or_path)
     dtype = resolve_dtype(cfg, device)
     model = auto.from_pretrained(
