@@ -97,7 +97,7 @@ def our_config(w: Workload, workdir: Path) -> Any:
     return DAConfig(
         name="bench",
         seed=w.seed,
-        model=ModelConfig(name_or_path=str(model_dir(w.model)), dtype="fp32", attention="sdpa"),
+        model=ModelConfig(name_or_path=str(model_dir(w.model)), dtype=w.dtype, attention="sdpa"),
         data=PreferenceDataConfig(
             train=DataSource(path=str(workdir / "hh_subset.jsonl")), format="hh",
             max_length=w.max_length, max_prompt_length=w.max_prompt_length,
@@ -295,7 +295,7 @@ def markdown(result: dict[str, Any]) -> str:
         f"tokenizer (vocab {m['vocab_size']}). {p['pairs']} HH harmless-base pairs, batch "
         f"{w['batch_size']} pairs{micro_note(w)}, {w['steps']} optimizer steps "
         f"({w['steps'] - w['warmup_steps']} timed), max_length {w['max_length']}, "
-        f"max_prompt_length {w['max_prompt_length']}, fp32, "
+        f"max_prompt_length {w['max_prompt_length']}, {w.get('dtype', 'fp32')}, "
         f"{w['threads']} torch threads, CPU ({result['machine']['cpu']}, "
         f"{result['machine']['cores_available']} cores). Medians of {rounds} rounds, one fresh "
         "process per run, arm order rotating per round; min-max in brackets; ratios are medians "

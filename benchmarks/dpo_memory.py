@@ -183,7 +183,8 @@ def attribution_markdown(w: dict[str, Any], a: dict[str, Any]) -> str:
     lines = [
         f"### What our DPO step's memory peak is made of (model `{w['model']}`, step {a['step']})",
         "",
-        f"Batch {w['batch_size']} pairs in micro-batches of {micro}, fp32, {w['threads']} torch "
+        f"Batch {w['batch_size']} pairs in micro-batches of {micro}, {w.get('dtype', 'fp32')}, "
+        f"{w['threads']} torch "
         f"threads, under `torch.profiler` (profile_memory). Live tensor memory peaks at "
         f"{a['tensor_peak_mb']:.0f} MiB. RSS here (after imports {a['after_imports_mb']:.0f} MiB, "
         f"before the step {a['rss_before_step_mb']:.0f}, the step's peak "
@@ -216,7 +217,8 @@ def markdown(result: dict[str, Any]) -> str:
         f"### DPO peak memory by phase (ours, model `{w['model']}`)",
         "",
         f"Batch {w['batch_size']} pairs in micro-batches of {micro}, {w['steps']} steps "
-        f"(medians over steps 2..{w['steps']}), fp32, {w['threads']} torch threads. RSS after "
+        f"(medians over steps 2..{w['steps']}), {w.get('dtype', 'fp32')}, {w['threads']} torch "
+        f"threads. RSS after "
         f"imports {out['after_imports_mb']:.0f} MiB; before the first step (policy, reference, "
         f"data) {out['before_loop_mb']:.0f} MiB.",
         "",
@@ -241,13 +243,15 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--micro-batch-size", type=int, default=None)
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--attribute-step", type=int, default=None)
+    parser.add_argument("--dtype", choices=("fp32", "bf16"), default="fp32")
     args = parser.parse_args(argv)
     if args.attribute_step is not None and not 1 <= args.attribute_step < args.steps:
         parser.error(f"--attribute-step must be in 1..{args.steps - 1} (AdamW's state exists "
                      f"from the second step on), got {args.attribute_step}")  # fmt: skip
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     w = Workload(model=args.model, steps=args.steps, batch_size=args.batch_size,
-                 micro_batch_size=args.micro_batch_size, threads=args.threads)  # fmt: skip
+                 micro_batch_size=args.micro_batch_size, threads=args.threads,
+                 dtype=args.dtype)  # fmt: skip
     if args.attribute_step is not None:
         with tempfile.TemporaryDirectory() as tmp:
             prepare(w, Path(tmp))

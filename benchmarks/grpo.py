@@ -4,8 +4,9 @@ The workload (the same for both):
   model       `--model real` (the headline: a Qwen3 with Qwen3-0.6B's proportions, hidden 512,
               22 layers, 95.0M parameters, LM head ~27% of forward FLOPs), `small`, or `tiny`
               (the preset `tiny-qwen3-gpt2`, hidden 64, 2 layers: head-dominated), all with the
-              real GPT-2 tokenizer (`benchmarks.workload.model_dir`), fp32, CPU, `threads` torch
-              threads (default 1)
+              real GPT-2 tokenizer (`benchmarks.workload.model_dir`), fp32 (`--dtype bf16`: both
+              arms load the weights in bf16 and train them so, AdamW state included, no autocast:
+              how a bf16 checkpoint trains on a GPU), CPU, `threads` torch threads (default 1)
   prompts     reasoning-gym spell_backward (size 512, seed 1) questions as one user message each,
               rendered with the chat template; TRL gets the same messages in a `prompt` column, in
               the order of our sampler's first epoch, with `shuffle_dataset=False`, so both arms
@@ -63,6 +64,7 @@ from benchmarks.measure import (
 )
 from benchmarks.workload import (
     MODEL_CHOICES,
+    TORCH_DTYPES,
     JsonDataclass,
     StepClock,
     clock_steps,
@@ -93,6 +95,7 @@ class Workload(JsonDataclass):
     dataset_seed: int = 1
     seed: int = 0
     micro_batch: int = 0  # rows per forward/backward in both arms; 0 = the whole batch at once
+    dtype: str = "fp32"  # the weights (and so AdamW state) of both arms: fp32, or bf16 (pure)
 
     @property
     def batch(self) -> int:
@@ -132,7 +135,7 @@ def run_ours(w: Workload, workdir: Path) -> dict[str, Any]:
     clock = StepClock(w.warmup_steps, memory)
     cfg = PGConfig.model_validate({
         "name": "bench_grpo", "seed": w.seed,
-        "model": {"name_or_path": str(model_dir(w.model)), "dtype": "fp32"},
+        "model": {"name_or_path": str(model_dir(w.model)), "dtype": w.dtype},
         "data": {"train": {"reasoning_gym": _rg_source(w)}},
         "rewards": [{"name": "reasoning_gym", "extract": "full"}],
         "algorithm": {
@@ -215,7 +218,7 @@ def run_trl(w: Workload, workdir: Path) -> dict[str, Any]:
         scale_rewards="group", epsilon=0.2, max_steps=w.steps, learning_rate=w.lr,
         lr_scheduler_type="constant", warmup_steps=0, weight_decay=0.0, max_grad_norm=1.0,
         bf16=False, fp16=False, gradient_checkpointing=False, use_cpu=True, use_vllm=False,
-        shuffle_dataset=False, seed=w.seed, model_init_kwargs={"dtype": "float32"},
+        shuffle_dataset=False, seed=w.seed, model_init_kwargs={"dtype": TORCH_DTYPES[w.dtype]},
         logging_steps=1, report_to="none", save_strategy="no", eval_strategy="no",
         disable_tqdm=True, dataloader_num_workers=0,
     )  # fmt: skip
@@ -306,7 +309,8 @@ def markdown(result: dict[str, Any]) -> str:
         f"Model `{m['name']}` ({m['parameters'] / 1e6:.1f}M parameters), reasoning-gym "
         f"spell_backward, {w['prompts_per_step']} prompts x {w['group_size']} completions per "
         f"step, {w['max_new_tokens']} max new tokens, temperature {w['temperature']}, no KL, one "
-        f"update per batch in {micro_batches} micro-batch(es) in both arms, fp32, CPU, "
+        f"update per batch in {micro_batches} micro-batch(es) in both arms, "
+        f"{w.get('dtype', 'fp32')} weights (pure, no autocast), CPU, "
         f"{w['threads']} thread(s); {w['steps']} steps "
         f"({w['steps'] - w['warmup_steps']} timed), {rounds} rounds; "
         f"load average {s['load_average_range']}.",
@@ -351,7 +355,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     fields = (
         "model", "prompts_per_step", "group_size", "max_new_tokens", "steps", "threads",
-        "micro_batch",
+        "micro_batch", "dtype",
     )  # fmt: skip
     defaults = Workload()
     for field in fields[1:]:
@@ -366,6 +370,8 @@ def main(argv: list[str] | None = None) -> int:
     w = replace(defaults, **{f: getattr(args, f) for f in fields})
     if w.micro_batch < 0 or (w.micro_batch and w.batch % w.micro_batch):
         parser.error(f"--micro-batch {w.micro_batch} must divide the batch of {w.batch} rows")
+    if w.dtype not in TORCH_DTYPES:
+        parser.error(f"--dtype {w.dtype!r}: expected one of {', '.join(TORCH_DTYPES)}")
     print(f"GRPO vs TRL: {w}, {args.rounds} rounds", flush=True)
     result = compare(w, args.rounds)
     text = markdown(result)

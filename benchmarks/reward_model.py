@@ -89,7 +89,7 @@ def run_ours(w: Workload, workdir: Path, *, share_prompt: bool = True) -> dict[s
     clock = StepClock(w.warmup_steps, memory)
     cfg = RMConfig.model_validate({
         "name": "bench", "seed": w.seed,
-        "model": {"name_or_path": str(model_dir(w.model)), "dtype": "fp32", "attention": "sdpa"},
+        "model": {"name_or_path": str(model_dir(w.model)), "dtype": w.dtype, "attention": "sdpa"},
         "data": {"train": {"path": str(workdir / "hh_subset.jsonl")}, "format": "hh",
                  "max_length": w.max_length, "max_prompt_length": w.max_prompt_length},
         "loss": {"name": "bradley_terry"},
@@ -175,7 +175,8 @@ def markdown(result: dict[str, Any]) -> str:
         f"### Reward model: ours vs `trl.RewardTrainer` {result['machine']['versions']['trl']}",
         "",
         f"Model `{w['model']}` ({m['parameters'] / 1e6:.1f}M parameters, hidden "
-        f"{m['hidden_size']}, {m['layers']} layers), {w['batch_size']} pairs per step, "
+        f"{m['hidden_size']}, {m['layers']} layers, {w.get('dtype', 'fp32')}), "
+        f"{w['batch_size']} pairs per step, "
         f"{w['steps']} steps ({w['steps'] - w['warmup_steps']} timed), {w['threads']} thread(s), "
         f"{rounds} rounds; same tokens in both: {same}; "
         f"load average {s['load_average_range']}.",

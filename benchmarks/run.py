@@ -60,6 +60,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--max-length", type=int, default=defaults.max_length)
     parser.add_argument("--max-prompt-length", type=int, default=defaults.max_prompt_length)
     parser.add_argument("--threads", type=int, default=defaults.threads, help="torch threads")
+    parser.add_argument(
+        "--dtype",
+        choices=("fp32", "bf16"),
+        default=defaults.dtype,
+        help="weights of every arm (bf16: trained as bf16, no autocast, as on a GPU)",
+    )
     args = parser.parse_args(argv)
     if args.rounds < 1:
         parser.error("--rounds must be >= 1")
@@ -74,7 +80,7 @@ def main(argv: list[str] | None = None) -> int:
         defaults, model=args.model, batch_size=args.batch_size, steps=args.steps,
         micro_batch_size=args.micro_batch_size, trl_micro_batches=args.trl_micro_batches,
         max_length=args.max_length, max_prompt_length=args.max_prompt_length,
-        threads=args.threads,
+        threads=args.threads, dtype=args.dtype,
     )  # fmt: skip
     sections = args.only or list(SECTIONS)
     stamp = timestamp()
@@ -102,7 +108,9 @@ def main(argv: list[str] | None = None) -> int:
         payload["sft"] = sft.compare(sft_workload, args.rounds)
         tables.append(sft.markdown(payload["sft"]))
     if "grpo" in sections:
-        g = dataclasses.replace(grpo.Workload(), threads=args.threads, model=args.model)
+        g = dataclasses.replace(
+            grpo.Workload(), threads=args.threads, model=args.model, dtype=args.dtype
+        )
         print(f"GRPO vs TRL: {g}, {min(args.rounds, 2)} rounds", flush=True)
         payload["grpo"] = grpo.compare(g, min(args.rounds, 2))
         tables.append(grpo.markdown(payload["grpo"]))

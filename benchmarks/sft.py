@@ -123,7 +123,7 @@ def run_ours(w: Workload, workdir: Path) -> dict[str, Any]:
     clock = StepClock(w.warmup_steps, memory)
     cfg = SFTConfig.model_validate({
         "name": "bench_sft", "seed": w.seed,
-        "model": {"name_or_path": str(model_dir(w.model)), "dtype": "fp32", "attention": "sdpa"},
+        "model": {"name_or_path": str(model_dir(w.model)), "dtype": w.dtype, "attention": "sdpa"},
         "data": {"train": {"path": str(workdir / "sft_ours.jsonl")},
                  "format": "prompt_completion", "max_length": w.max_length,
                  "max_prompt_length": w.max_prompt_length},
@@ -209,7 +209,8 @@ def markdown(result: dict[str, Any]) -> str:
         f"### SFT: ours vs `trl.SFTTrainer` {result['machine']['versions']['trl']}",
         "",
         f"Model `{w['model']}` ({m['parameters'] / 1e6:.1f}M parameters, hidden "
-        f"{m['hidden_size']}, {m['layers']} layers), HH prompt -> chosen, {w['batch_size']} rows "
+        f"{m['hidden_size']}, {m['layers']} layers, {w.get('dtype', 'fp32')}), HH prompt -> "
+        f"chosen, {w['batch_size']} rows "
         f"per step ({result['prepare']['padding_share']:.0%} padding when padded), {w['steps']} "
         f"steps ({w['steps'] - w['warmup_steps']} timed), {w['threads']} thread(s), {rounds} "
         f"rounds; same tokens in every arm: {same}; load average {s['load_average_range']}.",

@@ -118,7 +118,7 @@ class Bench:
         torch.set_num_threads(w.threads)
         torch.manual_seed(w.seed)
         self.torch, self.w = torch, w
-        cfg = ModelConfig(name_or_path=str(model_dir(w.model)), dtype="fp32", attention="sdpa")
+        cfg = ModelConfig(name_or_path=str(model_dir(w.model)), dtype=w.dtype, attention="sdpa")
         tokenizer = load_tokenizer(cfg, padding_side="right")
         self.pad_id = tokenizer.pad_token_id
         data = build_preference_data(

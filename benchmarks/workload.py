@@ -81,6 +81,10 @@ class JsonDataclass:
         return cls(**json.loads(text))
 
 
+#: A workload's `dtype` as transformers' `from_pretrained(dtype=...)` spells it (the TRL arms).
+TORCH_DTYPES = {"fp32": "float32", "bf16": "bfloat16"}
+
+
 @dataclass(frozen=True)
 class Workload(JsonDataclass):
     model: str = "tiny"  # one of MODEL_CHOICES: "tiny" (preset tiny-qwen3-gpt2), "small", "real"
@@ -100,10 +104,15 @@ class Workload(JsonDataclass):
     beta: float = 0.1
     seed: int = 0
     log_every: int = 10
+    # the weights (and so gradients and AdamW state) of every arm: "fp32", or "bf16" trained
+    # as bf16 with no autocast (how a bf16 checkpoint trains on a GPU)
+    dtype: str = "fp32"
 
     def __post_init__(self) -> None:
         if not 1 <= self.warmup_steps < self.steps:
             raise ValueError(f"need 1 <= warmup_steps < steps: {self.warmup_steps}/{self.steps}")
+        if self.dtype not in TORCH_DTYPES:
+            raise ValueError(f"dtype {self.dtype!r}: expected one of {', '.join(TORCH_DTYPES)}")
 
     @property
     def pairs(self) -> int:
@@ -338,8 +347,9 @@ def trl_clock(clock: StepClock) -> Any:
 def trl_arguments(w: Any, out_dir: Path, **overrides: Any) -> dict[str, Any]:
     """The TrainingArguments keywords the TRL arms share (`w`: a Workload): the workload's batch,
     steps, learning rate and seed; a cosine schedule with no warm-up and no weight decay; clip at
-    1.0; float32 SDPA on the CPU; the rows in order; no saving, evaluation, progress bar or data
-    workers. `overrides` add or replace the trainer's own (e.g. DPO's beta)."""
+    1.0; the workload's dtype (no autocast), SDPA on the CPU; the rows in order; no saving,
+    evaluation, progress bar or data workers. `overrides` add or replace the trainer's own (e.g.
+    DPO's beta)."""
     return {
         "output_dir": str(out_dir), "per_device_train_batch_size": w.batch_size,
         "gradient_accumulation_steps": 1, "max_steps": w.steps, "learning_rate": w.lr,
@@ -347,7 +357,7 @@ def trl_arguments(w: Any, out_dir: Path, **overrides: Any) -> dict[str, Any]:
         "max_grad_norm": 1.0, "max_length": w.max_length, "bf16": False, "fp16": False,
         "gradient_checkpointing": False, "use_cpu": True, "seed": w.seed,
         "train_sampling_strategy": "sequential",
-        "model_init_kwargs": {"dtype": "float32", "attn_implementation": "sdpa"},
+        "model_init_kwargs": {"dtype": TORCH_DTYPES[w.dtype], "attn_implementation": "sdpa"},
         "logging_steps": w.log_every, "report_to": "none", "save_strategy": "no",
         "eval_strategy": "no", "disable_tqdm": True, "dataloader_num_workers": 0, **overrides,
     }  # fmt: skip

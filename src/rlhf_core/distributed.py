@@ -114,14 +114,15 @@ def memory_bytes(
     models: list[torch.nn.Module], optimizers: list[torch.optim.Optimizer]
 ) -> dict[str, int]:
     """This process's bytes of parameters, gradients (allocated, or to be: one per trainable
-    parameter) and optimizer state (allocated, or AdamW's two moments before the first step)."""
+    parameter) and optimizer state (allocated, or AdamW's two moments before the first step,
+    each in its parameter's dtype as torch allocates them)."""
     params = [p for m in models for p in m.parameters()]
     trainable = [p for p in params if p.requires_grad]
     state = [
         v for opt in optimizers for s in opt.state.values() for v in s.values()
         if torch.is_tensor(v) and v.dim() > 0
     ]  # fmt: skip
-    optim = tensor_bytes(state) if state else 2 * tensor_bytes(p.float() for p in trainable)
+    optim = tensor_bytes(state) if state else 2 * tensor_bytes(trainable)
     return {"params": tensor_bytes(params), "grads": tensor_bytes(trainable), "optim": optim}
 
 

@@ -1,14 +1,16 @@
 """`rlhf_core.distributed.resolve_engine`: the engine a run gets, or a message for one it asked
-for and cannot have (never a silent fallback). The engines themselves run in tests/test_fsdp2.py
-and tests/test_multiprocess.py under torchrun."""
+for and cannot have (never a silent fallback); `memory_bytes`, the sizes the engine announces.
+The engines themselves run in tests/test_fsdp2.py and tests/test_multiprocess.py under torchrun."""
 
 from __future__ import annotations
 
 import pytest
+import torch
 from accelerate.utils import DistributedType
 
-from rlhf_core.distributed import resolve_engine
+from rlhf_core.distributed import memory_bytes, resolve_engine
 from rlhf_core.errors import UserError
+from rlhf_core.optim import OptimConfig, build_optimizer
 
 NO, CPU, GPU = DistributedType.NO, DistributedType.MULTI_CPU, DistributedType.MULTI_GPU
 
@@ -34,3 +36,19 @@ def test_resolved_engine(requested, processes, kind, fsdp_env, expected):
 def test_engine_a_run_cannot_have_is_a_user_error(requested, processes, kind, message):
     with pytest.raises(UserError, match=message):
         resolve_engine(requested, processes=processes, distributed_type=kind, fsdp_env=False)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_optimizer_bytes_announced_before_the_first_step_are_the_ones_it_allocates(dtype):
+    """`memory_bytes` reports AdamW's two moments before they exist (the engine announces them
+    at start); they take the parameters' dtype, so a bf16 model's are half an fp32 one's."""
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Linear(16, 4)).to(dtype)
+    model[0].requires_grad_(False)
+    optimizer = build_optimizer(model, OptimConfig(lr=1e-3))
+    before = memory_bytes([model], [optimizer])
+    model(torch.randn(3, 8, dtype=dtype)).sum().backward()
+    optimizer.step()
+    after = memory_bytes([model], [optimizer])
+    trainable = sum(p.numel() for p in model[1].parameters()) * dtype.itemsize
+    assert before["optim"] == after["optim"] == 2 * trainable
+    assert before["grads"] == after["grads"] == trainable
