@@ -25,6 +25,10 @@ width, measured in the same process). A variant near 100% is compute-bound: only
 make it faster.
 
     uv run --group bench python -m benchmarks.grpo_parts --model real --threads 2 --repeats 2
+
+`--dtype bf16` loads the model in bf16 (the matmul rate is then bf16's), `--micro-batch 32` runs the
+training variants in micro-batches of 32 rows as the trainer does (gradients accumulated), and
+`--profile` adds one profiled call of each shipped variant: its CPU time by operator.
 """
 
 from __future__ import annotations
@@ -43,9 +47,12 @@ from benchmarks.measure import (
 )
 from benchmarks.workload import MODEL_CHOICES, model_dir
 
+PROFILE_ROWS = 12  # operators listed per profiled part
+
 
 def measure(model_name: str, prompts_per_step: int, group_size: int, max_new_tokens: int,
-            threads: int, repeats: int) -> dict[str, Any]:  # fmt: skip
+            threads: int, repeats: int, dtype: str = "fp32", micro_batch: int = 0,
+            profile: bool = False) -> dict[str, Any]:  # fmt: skip
     import os
 
     import torch
@@ -58,7 +65,7 @@ def measure(model_name: str, prompts_per_step: int, group_size: int, max_new_tok
     from rlhf_core.packing import shared_prompt_logprobs
 
     torch.set_num_threads(threads)
-    cfg = ModelConfig(name_or_path=str(model_dir(model_name)), dtype="fp32")
+    cfg = ModelConfig(name_or_path=str(model_dir(model_name)), dtype=dtype)
     tok = load_tokenizer(cfg, padding_side="left")
     torch.manual_seed(0)
     model = load_policy(cfg)
@@ -95,15 +102,22 @@ def measure(model_name: str, prompts_per_step: int, group_size: int, max_new_tok
     target = torch.zeros(ids.shape[0], ids.shape[1] - 1, dtype=torch.bool)
     target[:, p - 1 :] = c_mask.bool()
 
-    def train_flat():
+    rows = ids.shape[0]
+    slices = [slice(s, s + (micro_batch or rows)) for s in range(0, rows, micro_batch or rows)]
+
+    def train_flat():  # gradients accumulated over the micro-batches, as in the trainer
         model.zero_grad(set_to_none=True)
-        lp, h = causal_lm_selected_logprobs(model, ids, mask, target, with_entropy=True)
-        (lp.sum() + 0.01 * h.sum()).backward()
+        for s in slices:
+            lp, h = causal_lm_selected_logprobs(model, ids[s], mask[s], target[s],
+                                                with_entropy=True)  # fmt: skip
+            (lp.sum() + 0.01 * h.sum()).backward()
 
     def train_shared():
         model.zero_grad(set_to_none=True)
-        lp, h = shared_prompt_logprobs(model, p_ids, p_mask, c_ids, c_mask, with_entropy=True)
-        (lp.sum() + 0.01 * h.sum()).backward()
+        for s in slices:
+            lp, h = shared_prompt_logprobs(model, p_ids[s], p_mask[s], c_ids[s], c_mask[s],
+                                           with_entropy=True)  # fmt: skip
+            (lp.sum() + 0.01 * h.sum()).backward()
 
     flops = {
         "flat": train_flops(model, rows=ids.shape[0], queries=ids.shape[1],
@@ -113,7 +127,7 @@ def measure(model_name: str, prompts_per_step: int, group_size: int, max_new_tok
         + train_flops(model, rows=c_ids.shape[0], queries=c_ids.shape[1],
                       keys=p + c_ids.shape[1], head_tokens=0),
     }  # fmt: skip
-    matmul_rate = matmul_gflop_per_cpu_s(model.config.hidden_size)
+    matmul_rate = matmul_gflop_per_cpu_s(model.config.hidden_size, dtype=model.dtype)
     variants = {
         ("generate", "repeated"): gen_repeated, ("generate", "shared"): gen_shared,
         ("train", "flat"): train_flat, ("train", "shared"): train_shared,
@@ -138,7 +152,25 @@ def measure(model_name: str, prompts_per_step: int, group_size: int, max_new_tok
                 cpu[(part, name)].append(time.process_time() - start_cpu)
                 peaks[(part, name)] = max(peaks[(part, name)], peak_rss_mb())
                 print(f"  {part:8s} {name:8s} {times[(part, name)][-1]:.2f} s", flush=True)
+    profiles = {}
+    if profile:  # where the shipped variants' CPU time goes, by operator
+        for part, fn in (("generate", gen_shared), ("train", train_shared)):
+            model.train(part == "train")
+            with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+                if part == "generate":
+                    with torch.no_grad():
+                        fn()
+                else:
+                    fn()
+            ops = sorted(prof.key_averages(), key=lambda e: -e.self_cpu_time_total)
+            total = sum(e.self_cpu_time_total for e in ops)
+            profiles[part] = [
+                {"op": e.key, "self_cpu_s": e.self_cpu_time_total / 1e6, "calls": e.count,
+                 "share": e.self_cpu_time_total / total}
+                for e in ops[:PROFILE_ROWS]
+            ]  # fmt: skip
     return {
+        "dtype": dtype, "micro_batch": micro_batch or rows, "profiles": profiles,
         "model": model_name, "prompts_per_step": prompts_per_step, "group_size": g,
         "max_new_tokens": max_new_tokens, "threads": threads, "repeats": repeats,
         "prompt_tokens_nonpad": int(enc["attention_mask"].sum()), "prompt_width": p,
@@ -170,12 +202,16 @@ def train_flops(model: Any, *, rows: int, queries: int, keys: int, head_tokens: 
     return 3.0 * forward
 
 
-def matmul_gflop_per_cpu_s(hidden: int, positions: int = 2048, repeats: int = 5) -> float:
-    """This machine's fp32 matmul rate per CPU-second (all threads) at the model's width: the
-    best of `repeats` products (positions x hidden) @ (hidden x 3 hidden)."""
+def matmul_gflop_per_cpu_s(
+    hidden: int, positions: int = 2048, repeats: int = 5, dtype: Any = None
+) -> float:
+    """This machine's matmul rate per CPU-second (all threads) at the model's width, in `dtype`
+    (default fp32): the best of `repeats` products (positions x hidden) @ (hidden x 3 hidden)."""
     import torch
 
-    a, b = torch.randn(positions, hidden), torch.randn(hidden, 3 * hidden)
+    dtype = dtype or torch.float32
+    a = torch.randn(positions, hidden, dtype=dtype)
+    b = torch.randn(hidden, 3 * hidden, dtype=dtype)
     best = float("inf")
     for _ in range(repeats):
         start = time.process_time()
@@ -189,7 +225,9 @@ def markdown(result: dict[str, Any]) -> str:
     r = result
     lines = [
         f"### GRPO step parts: model `{r['model']}`, {r['prompts_per_step']} prompts x "
-        f"{r['group_size']} samples x {r['max_new_tokens']} tokens, {r['threads']} threads",
+        f"{r['group_size']} samples x {r['max_new_tokens']} tokens, {r['threads']} threads, "
+        f"{r.get('dtype', 'fp32')}, training in micro-batches of "
+        f"{r.get('micro_batch', 'all')} rows",
         "",
         f"Prompts: {r['prompt_tokens_nonpad']} non-pad tokens for {r['prompts_per_step']} "
         f"prompts (width {r['prompt_width']}); {r['completion_tokens']} completion tokens; "
@@ -209,11 +247,23 @@ def markdown(result: dict[str, Any]) -> str:
         lines.append(f"| {p['part']} | {p['variant']} | {p['s_median']:.2f} | "
                      f"{p['cpu_s_median']:.2f} | {p['peak_rss_mb']:.0f} | "
                      + " | ".join(cells) + " |")  # fmt: skip
-    lines += ["", f"One fp32 matmul at the model's width: {rate:.1f} GFLOP per CPU-second."]
+    dtype = r.get("dtype", "fp32")
+    lines += ["", f"One {dtype} matmul at the model's width: {rate:.1f} GFLOP per CPU-second."]
     gen = by[("generate", "repeated")]["s_median"] / by[("generate", "shared")]["s_median"]
     train = by[("train", "flat")]["s_median"] / by[("train", "shared")]["s_median"]
     lines += ["", f"Shared prompt KV in generation: {gen:.2f}x; shared prompt in the training "
               f"forward/backward: {train:.2f}x.", ""]  # fmt: skip
+    for part, ops in r.get("profiles", {}).items():
+        lines += [
+            f"Where `{part} shared` spends its CPU time (`torch.profiler`, one call, self "
+            f"CPU time by operator, the top {len(ops)}):",
+            "",
+            "| operator | self CPU s | calls | share |",
+            "| --- | ---: | ---: | ---: |",
+        ]
+        lines += [f"| `{o['op']}` | {o['self_cpu_s']:.3f} | {o['calls']} | {o['share']:.1%} |"
+                  for o in ops]  # fmt: skip
+        lines.append("")
     return "\n".join(lines)
 
 
@@ -229,9 +279,22 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--max-new-tokens", type=int, default=32)
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--repeats", type=int, default=2)
+    parser.add_argument("--dtype", choices=("fp32", "bf16"), default="fp32")
+    parser.add_argument(
+        "--micro-batch",
+        type=int,
+        default=0,
+        help="training rows per forward/backward (0: all at once)",
+    )
+    parser.add_argument(
+        "--profile",
+        action="store_true",
+        help="also profile one call of each shipped variant by operator",
+    )
     a = parser.parse_args(argv)
     result = measure(a.model, a.prompts_per_step, a.group_size, a.max_new_tokens, a.threads,
-                     a.repeats)  # fmt: skip
+                     a.repeats, dtype=a.dtype, micro_batch=a.micro_batch,
+                     profile=a.profile)  # fmt: skip
     text = markdown(result)
     paths = write_results(f"{timestamp()}-grpo-parts", result, text, latest=False)
     print("\n" + text + f"\nwrote {paths[0]} and {paths[1]}")

@@ -131,11 +131,21 @@ def decoder_and_head(model: torch.nn.Module):
 
 class _LinearLabelLogProbs(torch.autograd.Function):
     """log softmax((h W^T + b) / temperature)[y] (and the entropy) for rows h (N, H), without
-    ever holding the (N, V) logits: forward and backward both walk `chunk_rows` rows at a time
-    and the backward recomputes each chunk's logits from h and W. This is the "fused linear
-    cross-entropy" of Liger-Kernel / Apple's cut-cross-entropy in plain PyTorch; it trades one
-    extra head matmul for never allocating N x V floats (on CPU, big allocations page-fault on
-    every step: half the time of a GRPO step went to the kernel before this).
+    ever holding the (N, V) logits. This is the "fused linear cross-entropy" of Liger-Kernel /
+    Apple's cut-cross-entropy in plain PyTorch; it trades one extra head matmul for never
+    allocating N x V floats (on CPU, big allocations page-fault on every step: half the time of
+    a GRPO step went to the kernel before this).
+
+    The forward walks `chunk_rows` rows at a time (each row's log-sum-exp needs its whole
+    vocabulary) and saves h, the log-sum-exps and the entropies. The backward walks blocks of the
+    vocabulary instead, each of about `chunk_rows x V / N` entries (the same number of floats per
+    block): it recomputes the block's logits for every row, and the block's rows of grad_W come
+    out of one matmul over all N rows, written straight into the gradient in the weights' dtype
+    (fp32 accumulation inside the matmul, one rounding, as autograd's own linear backward), while
+    grad_h, only N x H, is summed over the blocks in fp32. Walking rows instead would sum grad_W
+    over row chunks, which needs a V x H fp32 accumulator (for a bf16 head at a 50k vocabulary an
+    extra 98 MiB at the very start of the backward, when every activation is still alive) and an
+    fp32 matmul for every chunk.
 
     With z = logits / temperature, p = softmax(z), l = log p[y], H = -sum p log p:
         dl/dz = onehot(y) - p            dH/dz = -p (log p + H)
@@ -169,43 +179,45 @@ class _LinearLabelLogProbs(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_logps, grad_entropy, _grad_lse):
         hidden, weight, bias, labels, lses, entropy = ctx.saved_tensors
-        temperature, chunk_rows = ctx.temperature, ctx.chunk_rows
+        temperature = ctx.temperature
         use_entropy = ctx.with_entropy and grad_entropy is not None
-        n = hidden.shape[0]
-        grad_hidden = torch.empty_like(hidden) if ctx.needs_input_grad[0] else None
-        need_weight = ctx.needs_input_grad[1]
-        grad_weight = torch.zeros_like(weight, dtype=lses.dtype) if need_weight else None
+        n, vocab = hidden.shape[0], weight.shape[0]
+        acc = lses.dtype  # float32 (float64 for a float64 model)
+        need_hidden, need_weight = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
         need_bias = bias is not None and ctx.needs_input_grad[2]
-        grad_bias = torch.zeros_like(bias, dtype=lses.dtype) if need_bias else None
-        if grad_logps is None:
-            grad_logps = torch.zeros_like(lses)
-        for start in range(0, n, chunk_rows):
-            end = min(n, start + chunk_rows)
-            h = hidden[start:end]
-            z = torch.nn.functional.linear(h, weight, bias).to(lses.dtype)
+        grad_hidden = torch.zeros_like(hidden, dtype=acc) if need_hidden else None
+        grad_weight = torch.empty_like(weight) if need_weight else None
+        grad_bias = torch.empty_like(bias) if need_bias else None
+        g = (grad_logps if grad_logps is not None else torch.zeros_like(lses))[:, None]
+        h_w = hidden.to(weight.dtype) if need_weight else None
+        block = max(1, ctx.chunk_rows * vocab // max(1, n))
+        for start in range(0, vocab, block):
+            end = min(vocab, start + block)
+            w = weight[start:end]
+            b = bias[start:end] if bias is not None else None
+            z = torch.nn.functional.linear(hidden, w, b).to(acc)
             if temperature != 1.0:
                 z = z / temperature
-            logp = z.sub_(lses[start:end, None])  # log p, in place
+            logp = z.sub_(lses[:, None])  # log p over this block, in place
             p = logp.exp()
-            g = grad_logps[start:end, None]
             if use_entropy:  # -p (log p + H) * g_H, then - p * g_l
-                logp.add_(entropy[start:end, None]).mul_(-grad_entropy[start:end, None])
+                logp.add_(entropy[:, None]).mul_(-grad_entropy[:, None])
                 grad_z = p.mul_(logp.sub_(g))
             else:
                 grad_z = p.mul_(-g)
-            grad_z.scatter_add_(-1, labels[start:end, None], g)
+            rows = ((labels >= start) & (labels < end)).nonzero().squeeze(1)  # + onehot(y) g
+            grad_z.index_put_((rows, labels[rows] - start), g[rows, 0], accumulate=True)
             if temperature != 1.0:
                 grad_z.div_(temperature)
-            if grad_hidden is not None:
-                grad_hidden[start:end] = (grad_z.to(weight.dtype) @ weight).to(hidden.dtype)
-            if grad_weight is not None:
-                grad_weight.addmm_(grad_z.t(), h.to(grad_z.dtype))
             if grad_bias is not None:
-                grad_bias += grad_z.sum(0)
-        if grad_weight is not None:
-            grad_weight = grad_weight.to(weight.dtype)
-        if grad_bias is not None:
-            grad_bias = grad_bias.to(bias.dtype)
+                grad_bias[start:end] = grad_z.sum(0)
+            grad_z = grad_z.to(weight.dtype)  # what autograd's linear backward would be given
+            if grad_hidden is not None:
+                grad_hidden += grad_z @ w
+            if grad_weight is not None:
+                torch.mm(grad_z.t(), h_w, out=grad_weight[start:end])
+        if grad_hidden is not None:
+            grad_hidden = grad_hidden.to(hidden.dtype)
         return grad_hidden, grad_weight, grad_bias, None, None, None, None
 
 
