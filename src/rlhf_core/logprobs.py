@@ -233,7 +233,8 @@ def linear_token_logprobs(
     """`token_logprobs(head(hidden), labels, ...)` for hidden (N, H) and labels (N,), computed
     without materialising the (N, V) logits (see `_LinearLabelLogProbs`); differentiable in
     `hidden`, `head.weight` and `head.bias`, including through the entropy. `chunk_rows` defaults
-    to about 4M logits per chunk (16 MB in float32)."""
+    to about 4M logits per chunk (16 MB in float32); the backward's vocabulary blocks hold as many
+    logits each."""
     if hidden.dim() != 2 or labels.shape != hidden.shape[:1]:
         raise ValueError(
             f"linear_token_logprobs: expected hidden (N, H) and labels (N,), got "
