@@ -267,20 +267,41 @@ def segmented_rows_pay(model: torch.nn.Module) -> bool:
     return supports_segmented_attention(model) and hidden >= SEGMENTED_MIN_HIDDEN
 
 
-def _segmented_sdpa(module, query, key, value, attention_mask, *args, **kwargs):
-    """transformers' SDPA attention, called once per segment of the packed rows (`_SEGMENTS`):
-    query (B, H, L, D), key/value (B, H_kv, L, D), mask (B, 1, L, L) -> (B, L, H, D). Queries of
-    a segment attend only to keys of the same segment (the mask says so), so the result is the
-    full call's; only the scores between segments, all masked, are never computed."""
+def _grouped_sdpa(module, query, key, value, attention_mask, *args, **kwargs):
+    """transformers' SDPA attention, except for a multi-token query with a mask on the CPU under
+    grouped-query attention (fewer key/value heads than query heads). There transformers repeats
+    every key and value head once per query head of its group (`repeat_kv`: copies that autograd
+    keeps for the backward), because it passes `enable_gqa=True` only without a mask, which CUDA's
+    fast kernels need. torch's CPU flash kernel takes the mask and the grouped heads as they are:
+    the same output (bitwise at GRPO's shapes), faster, and no copies saved. A single-token
+    query (decoding) keeps transformers' path, whose `pack_gqa` is faster there."""
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
+    grouped = getattr(module, "num_key_value_groups", 1) > 1 and query.shape[2] > 1
+    plain = not args and not any(kwargs.get(k) for k in ("position_bias", "cache", "softcap",
+                                                          "output_attentions"))  # fmt: skip
+    if not (grouped and plain and attention_mask is not None and query.device.type == "cpu"):
+        return sdpa_attention_forward(module, query, key, value, attention_mask, *args, **kwargs)
+    out = torch.nn.functional.scaled_dot_product_attention(
+        query, key, value, attn_mask=attention_mask, dropout_p=kwargs.get("dropout", 0.0),
+        scale=kwargs.get("scaling"), enable_gqa=True,
+    )  # fmt: skip
+    return out.transpose(1, 2).contiguous(), None
+
+
+def _segmented_sdpa(module, query, key, value, attention_mask, *args, **kwargs):
+    """SDPA attention (`_grouped_sdpa`), called once per segment of the packed rows (`_SEGMENTS`)
+    when there are segments: query (B, H, L, D), key/value (B, H_kv, L, D), mask (B, 1, L, L) ->
+    (B, L, H, D). Queries of a segment attend only to keys of the same segment (the mask says
+    so), so the result is the full call's; only the scores between segments, all masked, are
+    never computed."""
     segments = _SEGMENTS.get()
     whole = query.shape[2] != key.shape[2] or attention_mask is None or attention_mask.dim() != 4
-    if segments is None or whole:  # not a packed forward: plain SDPA
-        return sdpa_attention_forward(module, query, key, value, attention_mask, *args, **kwargs)
+    if segments is None or whole:  # not a packed forward: the whole call
+        return _grouped_sdpa(module, query, key, value, attention_mask, *args, **kwargs)
     rows: list[list[torch.Tensor]] = [[] for _ in range(query.shape[0])]
     for r, s, e in segments:
-        out, _ = sdpa_attention_forward(
+        out, _ = _grouped_sdpa(
             module, query[r : r + 1, :, s:e], key[r : r + 1, :, s:e], value[r : r + 1, :, s:e],
             attention_mask[r : r + 1, :, s:e, s:e], *args, **kwargs,
         )  # fmt: skip
@@ -297,6 +318,26 @@ def segmented_attention(model: torch.nn.Module, segments: torch.Tensor | None) -
     if segments is None or not supports_segmented_attention(model):
         yield
         return
+    with _our_sdpa(model, [tuple(x) for x in segments.tolist()]):
+        yield
+
+
+@contextmanager
+def grouped_query_attention(model: torch.nn.Module) -> Iterator[None]:
+    """Inside this context, `model`'s multi-token forwards with a mask take grouped key/value
+    heads as they are (`_grouped_sdpa`) where `supports_segmented_attention` holds (SDPA on the
+    CPU); nothing changes elsewhere."""
+    if not supports_segmented_attention(model):
+        yield
+        return
+    with _our_sdpa(model, None):
+        yield
+
+
+@contextmanager
+def _our_sdpa(model: torch.nn.Module, segments: list[tuple[int, int, int]] | None):
+    """Switch `model` to `_segmented_sdpa` (registered with transformers on first use) for the
+    context, one segment at a time when `segments` is given, and back afterwards."""
     from transformers import AttentionInterface
     from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, sdpa_mask
 
@@ -304,7 +345,7 @@ def segmented_attention(model: torch.nn.Module, segments: torch.Tensor | None) -
         AttentionInterface.register(SEGMENTED_SDPA, _segmented_sdpa)
         ALL_MASK_ATTENTION_FUNCTIONS.register(SEGMENTED_SDPA, sdpa_mask)
     config = _unwrapped(model).config
-    token = _SEGMENTS.set([tuple(x) for x in segments.tolist()])
+    token = _SEGMENTS.set(segments)
     before = config._attn_implementation_internal
     config._attn_implementation_internal = SEGMENTED_SDPA
     try:
@@ -460,19 +501,20 @@ def shared_prefix_forward(
     embed = decoder.get_input_embeddings()
     both = embed(torch.cat([prefix_ids.reshape(-1), input_ids.reshape(-1)]))
     n = prefix_ids.numel()
-    prefix = decoder(
-        inputs_embeds=both[:n].view(*prefix_ids.shape, -1), attention_mask=prefix_mask,
-        position_ids=(prefix_mask.cumsum(-1) - 1).clamp(min=0), use_cache=True,
-    )  # fmt: skip
-    cache = prefix.past_key_values
-    _gather_cache_rows(cache, prefix_of)
-    starts = prefix_mask.sum(-1, keepdim=True)[prefix_of]
-    hidden = decoder(
-        inputs_embeds=both[n:].view(*input_ids.shape, -1),
-        attention_mask=torch.cat([prefix_mask[prefix_of], attention_mask], 1),
-        position_ids=starts + (attention_mask.cumsum(-1) - 1).clamp(min=0),
-        past_key_values=cache, use_cache=True,
-    ).last_hidden_state  # fmt: skip
+    with grouped_query_attention(decoder):
+        prefix = decoder(
+            inputs_embeds=both[:n].view(*prefix_ids.shape, -1), attention_mask=prefix_mask,
+            position_ids=(prefix_mask.cumsum(-1) - 1).clamp(min=0), use_cache=True,
+        )  # fmt: skip
+        cache = prefix.past_key_values
+        _gather_cache_rows(cache, prefix_of)
+        starts = prefix_mask.sum(-1, keepdim=True)[prefix_of]
+        hidden = decoder(
+            inputs_embeds=both[n:].view(*input_ids.shape, -1),
+            attention_mask=torch.cat([prefix_mask[prefix_of], attention_mask], 1),
+            position_ids=starts + (attention_mask.cumsum(-1) - 1).clamp(min=0),
+            past_key_values=cache, use_cache=True,
+        ).last_hidden_state  # fmt: skip
     return prefix.last_hidden_state, hidden
 
 

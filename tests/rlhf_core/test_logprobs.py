@@ -545,16 +545,33 @@ def test_selected_logprobs_with_entropy_match_the_full_head():
     assert (lp[~target] == 0).all() and (h[~target] == 0).all()
 
 
-def test_shared_prompt_logprobs_equal_flat_rows_in_float64():
+def sdpa_tiny_qwen3(kv_heads: int = 4) -> torch.nn.Module:
+    """The tiny world's Qwen3 (4 query heads) on SDPA, with `kv_heads` key/value heads: 4 as the
+    preset, 2 for grouped-query attention (as Qwen3-0.6B's 16/8)."""
+    torch.manual_seed(0)
+    model = load_policy(ModelConfig(name_or_path="tiny-qwen3", attention="sdpa"))
+    if kv_heads == model.config.num_key_value_heads:
+        return model
+    from transformers import AutoModelForCausalLM
+
+    config = model.config.__class__.from_dict(model.config.to_dict())
+    config.num_key_value_heads = kv_heads
+    torch.manual_seed(0)
+    return AutoModelForCausalLM.from_config(config, attn_implementation="sdpa")
+
+
+@pytest.mark.parametrize("kv_heads", [4, 2])
+def test_shared_prompt_logprobs_equal_flat_rows_in_float64(kv_heads):
     """GRPO's G samples of a prompt, shuffled in the batch, with left-padded prompts of several
     lengths and right-padded completions: encoding each distinct prompt once (its KV cache
     gathered for its rows) gives the flat [prompt | completion] rows' log-probs, entropies and
-    gradients (float64; gradients to 1e-5 relative, see below)."""
+    gradients (float64; gradients to 1e-5 relative, see below). With grouped-query attention the
+    shared forward attends to the grouped heads as they are (`_grouped_sdpa`), the flat rows
+    through transformers' repeated heads."""
     from rlhf_core.logprobs import causal_lm_selected_logprobs
     from rlhf_core.packing import shared_prompt_logprobs
 
-    torch.manual_seed(0)
-    model = load_policy(ModelConfig(name_or_path="tiny-qwen3", attention="sdpa")).double()
+    model = sdpa_tiny_qwen3(kv_heads).double()
     model.train()  # dropout is 0: train mode only to check the training path
     g = torch.Generator().manual_seed(7)
     width, t_len, group = 7, 6, 3
@@ -618,7 +635,37 @@ def test_shared_prompt_logprobs_rejects_right_padded_prompts():
         shared_prompt_logprobs(model, ids, mask, ids, torch.ones_like(ids))
 
 
-def test_shared_prompt_gradients_are_bitwise_reproducible_on_two_threads():
+def test_shared_prompt_attention_takes_grouped_heads_as_they_are(monkeypatch):
+    """Under grouped-query attention on the CPU the shared-prompt forward's multi-token queries
+    reach SDPA with the key/value heads unrepeated (`enable_gqa=True`), so no repeated copies are
+    made or saved; the flat rows (transformers' own path) repeat them."""
+    from rlhf_core.logprobs import causal_lm_selected_logprobs
+    from rlhf_core.packing import shared_prompt_logprobs
+
+    model = sdpa_tiny_qwen3(kv_heads=2)
+    calls = []
+    sdpa = torch.nn.functional.scaled_dot_product_attention
+
+    def spy(query, key, *args, **kwargs):
+        calls.append((query.shape[1], key.shape[1], query.shape[2], kwargs.get("enable_gqa")))
+        return sdpa(query, key, *args, **kwargs)
+
+    monkeypatch.setattr(torch.nn.functional, "scaled_dot_product_attention", spy)
+    p_ids = torch.randint(6, 100, (4, 5))
+    p_mask = torch.ones_like(p_ids)
+    p_mask[0, :2] = 0  # left padding: a mask, so transformers would repeat the heads
+    c_ids = torch.randint(6, 100, (4, 3))
+    shared_prompt_logprobs(model, p_ids, p_mask, c_ids, torch.ones_like(c_ids)).sum().backward()
+    assert calls and all(c == (4, 2, c[2], True) for c in calls), calls
+    calls.clear()
+    ids, mask = torch.cat([p_ids, c_ids], 1), torch.cat([p_mask, torch.ones_like(c_ids)], 1)
+    causal_lm_selected_logprobs(model, ids, mask, mask[:, 1:].bool())
+    assert calls and all(c[:2] == (4, 4) for c in calls), calls
+    assert model.config._attn_implementation == "sdpa"  # restored after the forward
+
+
+@pytest.mark.parametrize("kv_heads", [4, 2])
+def test_shared_prompt_gradients_are_bitwise_reproducible_on_two_threads(kv_heads):
     """The G rows of a group, shuffled over the batch, gather their prompt's keys, values and last
     state. An accumulating `index_put_` (the backward of `keys[index]`) adds a group's gradients
     on CPU in whatever order its threads finish, which made seeded GRPO runs differ; the gathers
@@ -629,8 +676,7 @@ def test_shared_prompt_gradients_are_bitwise_reproducible_on_two_threads():
     threads = torch.get_num_threads()
     torch.set_num_threads(2)
     try:
-        torch.manual_seed(0)
-        model = load_policy(ModelConfig(name_or_path="tiny-qwen3", attention="sdpa"))
+        model = sdpa_tiny_qwen3(kv_heads)
         g = torch.Generator().manual_seed(3)
         prompts, group, width, t_len = 8, 8, 24, 16
         p_ids = torch.randint(6, 100, (prompts, width), generator=g)
