@@ -278,8 +278,10 @@ def _grouped_sdpa(module, query, key, value, attention_mask, *args, **kwargs):
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
     grouped = getattr(module, "num_key_value_groups", 1) > 1 and query.shape[2] > 1
-    plain = not args and not any(kwargs.get(k) for k in ("position_bias", "cache", "softcap",
-                                                          "output_attentions"))  # fmt: skip
+    plain = (
+        not args and kwargs.get("position_bias") is None and kwargs.get("cache") is None
+        and not kwargs.get("softcap") and not kwargs.get("output_attentions")
+    )  # fmt: skip
     if not (grouped and plain and attention_mask is not None and query.device.type == "cpu"):
         return sdpa_attention_forward(module, query, key, value, attention_mask, *args, **kwargs)
     out = torch.nn.functional.scaled_dot_product_attention(
