@@ -198,6 +198,12 @@ def main(argv: list[str] | None = None) -> int:
     for field in ("model", "batch_size", "steps", "max_length", "max_prompt_length", "threads"):
         value = getattr(defaults, field)
         parser.add_argument(f"--{field.replace('_', '-')}", type=type(value), default=value)
+    parser.add_argument(
+        "--dtype",
+        choices=("fp32", "bf16"),
+        default=defaults.dtype,
+        help="weights of both arms (bf16: trained as bf16, no autocast)",
+    )
     args = parser.parse_args(argv)
     if args.command is not None:  # a measured worker process
         w = Workload.from_json(args.workload)
@@ -207,7 +213,8 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     w = dataclasses.replace(defaults, **{
         f: getattr(args, f)
-        for f in ("model", "batch_size", "steps", "max_length", "max_prompt_length", "threads")
+        for f in ("model", "batch_size", "steps", "max_length", "max_prompt_length", "threads",
+                  "dtype")
     })  # fmt: skip
     print(f"reward model vs TRL: {w}, {args.rounds} rounds", flush=True)
     result = compare(w, args.rounds)

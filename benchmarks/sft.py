@@ -239,6 +239,12 @@ def main(argv: list[str] | None = None) -> int:
     for field in fields:
         value = getattr(defaults, field)
         parser.add_argument(f"--{field.replace('_', '-')}", type=type(value), default=value)
+    parser.add_argument(
+        "--dtype",
+        choices=("fp32", "bf16"),
+        default=defaults.dtype,
+        help="weights of every arm (bf16: trained as bf16, no autocast)",
+    )
     args = parser.parse_args(argv)
     if args.command is not None:  # a measured worker process
         w = Workload.from_json(args.workload)
@@ -247,7 +253,8 @@ def main(argv: list[str] | None = None) -> int:
         worker = workers[args.command]
         write_result_file(args.result, worker(w, args.workdir))
         return 0
-    w = dataclasses.replace(defaults, model=args.model, **{f: getattr(args, f) for f in fields})
+    w = dataclasses.replace(defaults, model=args.model, dtype=args.dtype,
+                            **{f: getattr(args, f) for f in fields})  # fmt: skip
     print(f"SFT vs TRL: {w}, {args.rounds} rounds", flush=True)
     result = compare(w, args.rounds)
     text = markdown(result)
