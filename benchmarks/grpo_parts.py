@@ -54,6 +54,7 @@ def measure(model_name: str, prompts_per_step: int, group_size: int, max_new_tok
             threads: int, repeats: int, dtype: str = "fp32", micro_batch: int = 0,
             profile: bool = False) -> dict[str, Any]:  # fmt: skip
     import os
+    import resource
 
     import torch
 
@@ -134,6 +135,8 @@ def measure(model_name: str, prompts_per_step: int, group_size: int, max_new_tok
     }  # fmt: skip
     times: dict[tuple[str, str], list[float]] = {k: [] for k in variants}
     cpu: dict[tuple[str, str], list[float]] = {k: [] for k in variants}
+    sys_s: dict[tuple[str, str], list[float]] = {k: [] for k in variants}
+    faults: dict[tuple[str, str], list[int]] = {k: [] for k in variants}
     peaks: dict[tuple[str, str], float] = dict.fromkeys(variants, 0.0)
     for r in range(repeats):
         for part in ("generate", "train"):
@@ -143,6 +146,7 @@ def measure(model_name: str, prompts_per_step: int, group_size: int, max_new_tok
                 model.train(part == "train")
                 reset_peak_rss()
                 start, start_cpu = time.perf_counter(), time.process_time()
+                usage = resource.getrusage(resource.RUSAGE_SELF)
                 if part == "generate":
                     with torch.no_grad():
                         fn()
@@ -150,6 +154,9 @@ def measure(model_name: str, prompts_per_step: int, group_size: int, max_new_tok
                     fn()
                 times[(part, name)].append(time.perf_counter() - start)
                 cpu[(part, name)].append(time.process_time() - start_cpu)
+                after = resource.getrusage(resource.RUSAGE_SELF)
+                sys_s[(part, name)].append(after.ru_stime - usage.ru_stime)
+                faults[(part, name)].append(after.ru_minflt - usage.ru_minflt)
                 peaks[(part, name)] = max(peaks[(part, name)], peak_rss_mb())
                 print(f"  {part:8s} {name:8s} {times[(part, name)][-1]:.2f} s", flush=True)
     profiles = {}
@@ -179,6 +186,7 @@ def measure(model_name: str, prompts_per_step: int, group_size: int, max_new_tok
         "parts": [
             {"part": k[0], "variant": k[1], "s_median": median(v), "s": v,
              "cpu_s_median": median(cpu[k]), "peak_rss_mb": peaks[k],
+             "sys_s_median": median(sys_s[k]), "minor_faults_median": median(faults[k]),
              **({"gflop": flops[k[1]] / 1e9} if k[0] == "train" else {})}
             for k, v in times.items()
         ],
@@ -233,9 +241,9 @@ def markdown(result: dict[str, Any]) -> str:
         f"prompts (width {r['prompt_width']}); {r['completion_tokens']} completion tokens; "
         f"load average {', '.join(f'{x:.1f}' for x in r['load_average'])}.",
         "",
-        "| part | variant | s (median) | CPU-s (median) | peak RSS MiB | GFLOP | GFLOP per "
-        "CPU-s | of the matmul rate |",
-        "| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: |",
+        "| part | variant | s (median) | CPU-s (median) | of which system | minor page faults "
+        "| peak RSS MiB | GFLOP | GFLOP per CPU-s | of the matmul rate |",
+        "| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
     ]
     by = {(p["part"], p["variant"]): p for p in r["parts"]}
     rate = r["matmul_gflop_per_cpu_s"]
@@ -245,7 +253,9 @@ def markdown(result: dict[str, Any]) -> str:
             achieved = p["gflop"] / p["cpu_s_median"]
             cells = [f"{p['gflop']:.0f}", f"{achieved:.1f}", f"{achieved / rate:.0%}"]
         lines.append(f"| {p['part']} | {p['variant']} | {p['s_median']:.2f} | "
-                     f"{p['cpu_s_median']:.2f} | {p['peak_rss_mb']:.0f} | "
+                     f"{p['cpu_s_median']:.2f} | {p.get('sys_s_median', float('nan')):.2f} | "
+                     f"{p.get('minor_faults_median', float('nan')):,.0f} | "
+                     f"{p['peak_rss_mb']:.0f} | "
                      + " | ".join(cells) + " |")  # fmt: skip
     dtype = r.get("dtype", "fp32")
     lines += ["", f"One {dtype} matmul at the model's width: {rate:.1f} GFLOP per CPU-second."]

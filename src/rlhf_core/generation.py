@@ -46,11 +46,33 @@ def row_generators(seeds: Sequence[int], device: torch.device | str) -> list[tor
     return [torch.Generator(device=device).manual_seed(int(s) % (1 << 63)) for s in seeds]
 
 
-def sample_from_logits(logits: torch.Tensor, generator: Generators = None) -> torch.Tensor:
+Workspace = dict[str, torch.Tensor]
+
+
+def _scratch(workspace: Workspace | None, name: str, like: torch.Tensor,
+             dtype: torch.dtype) -> torch.Tensor:  # fmt: skip
+    """An uninitialised tensor of `like`'s shape, in `dtype`: `workspace[name]`, reused while
+    its shape, dtype and device hold (a fresh one when `workspace` is None)."""
+    buffer = None if workspace is None else workspace.get(name)
+    if (buffer is None or buffer.shape != like.shape or buffer.dtype != dtype
+            or buffer.device != like.device):  # fmt: skip
+        buffer = torch.empty(like.shape, dtype=dtype, device=like.device)
+        if workspace is not None:
+            workspace[name] = buffer
+    return buffer
+
+
+def sample_from_logits(
+    logits: torch.Tensor, generator: Generators = None, *, workspace: Workspace | None = None
+) -> torch.Tensor:
     """One token per row of `logits` (B, V), drawn from softmax(logits) by inverting the CDF
     with a single uniform per row (see the module docstring). `generator` is one generator for
-    the batch, or a sequence of one per row (`row_generators`)."""
-    cdf = logits.softmax(-1).to(torch.float64).cumsum_(-1)
+    the batch, or a sequence of one per row (`row_generators`). `workspace`: a dict the caller
+    keeps across the steps of one decoding loop; the probabilities and the float64 CDF are
+    written into its buffers instead of fresh tensors (see the module docstring)."""
+    probs = torch.softmax(logits, -1, out=_scratch(workspace, "probs", logits, logits.dtype))
+    cdf = _scratch(workspace, "cdf", logits, torch.float64)
+    torch.cumsum(probs, -1, dtype=torch.float64, out=cdf)  # = probs.to(float64).cumsum(-1)
     if isinstance(generator, Sequence):
         if len(generator) != cdf.shape[0]:
             raise ValueError(
@@ -78,32 +100,38 @@ class Sampling:
     top_k: int = 0
     min_p: float = 0.0
 
-    def warp(self, logits: torch.Tensor) -> torch.Tensor:
-        """Next-token logits (B, V) -> the sampling distribution's logits, -inf on removed
-        tokens."""
-        logits = logits.float()
+    def warp(self, logits: torch.Tensor, workspace: Workspace | None = None) -> torch.Tensor:
+        """Next-token logits (B, V) -> the sampling distribution's logits in float32, -inf on
+        removed tokens; `logits` is left as it is. `workspace`: see `sample_from_logits` (the
+        result is then one of its buffers)."""
+        warped = _scratch(workspace, "warped", logits, torch.float32)
+        warped.copy_(logits)  # = logits.float(), written in place from here on
         if self.temperature != 1.0:
-            logits = logits / self.temperature
-        if 0 < self.top_k < logits.shape[-1]:
-            kth = torch.topk(logits, self.top_k, dim=-1).values[:, -1:]
-            logits = logits.masked_fill(logits < kth, float("-inf"))
+            warped.div_(self.temperature)
+        if 0 < self.top_k < warped.shape[-1]:
+            kth = torch.topk(warped, self.top_k, dim=-1).values[:, -1:]
+            warped.masked_fill_(warped < kth, float("-inf"))
         if self.top_p < 1.0:
-            sorted_logits, order = torch.sort(logits, dim=-1, descending=False)
+            sorted_logits, order = torch.sort(warped, dim=-1, descending=False)
             cum = sorted_logits.softmax(-1).cumsum(-1)
             remove = cum <= 1 - self.top_p  # the low tail whose mass is at most 1 - top_p
             remove[:, -1] = False  # always keep the most likely token
-            logits = logits.masked_fill(remove.scatter(-1, order, remove), float("-inf"))
+            warped.masked_fill_(remove.scatter(-1, order, remove), float("-inf"))
         if self.min_p > 0.0:
-            probs = logits.softmax(-1)
+            probs = warped.softmax(-1)
             floor = self.min_p * probs.max(-1, keepdim=True).values
-            logits = logits.masked_fill(probs < floor, float("-inf"))
-        return logits
+            warped.masked_fill_(probs < floor, float("-inf"))
+        return warped
 
-    def next_token(self, logits: torch.Tensor, generator: Generators = None) -> torch.Tensor:
-        """The next token of each row from its logits (B, V)."""
+    def next_token(
+        self, logits: torch.Tensor, generator: Generators = None,
+        workspace: Workspace | None = None,
+    ) -> torch.Tensor:  # fmt: skip
+        """The next token of each row from its logits (B, V); `workspace`: see
+        `sample_from_logits`."""
         if self.temperature <= 0:
             return logits.argmax(-1)
-        return sample_from_logits(self.warp(logits), generator)
+        return sample_from_logits(self.warp(logits, workspace), generator, workspace=workspace)
 
 
 GREEDY = Sampling()
@@ -137,14 +165,14 @@ def _decode_encoder_decoder(
                        device=input_ids.device)  # fmt: skip
     done = torch.zeros(batch, dtype=torch.bool, device=input_ids.device)
     pad = torch.full_like(token, pad_token_id)
-    cache, new_tokens = None, []
+    cache, new_tokens, workspace = None, [], {}
     for step in range(max_new_tokens):
         out = base(
             encoder_outputs=encoded, attention_mask=mask, decoder_input_ids=token[:, None],
             past_key_values=cache, use_cache=True,
         )  # fmt: skip
         cache = out.past_key_values
-        token = sampling.next_token(out.logits[:, -1], generator)
+        token = sampling.next_token(out.logits[:, -1], generator, workspace)
         token = torch.where(done, pad, token.to(input_ids.dtype))
         new_tokens.append(token)
         done = done | (token == eos_token_id)
@@ -206,9 +234,9 @@ def decode(
     done = torch.zeros(batch, dtype=torch.bool, device=input_ids.device)
     pad = torch.full_like(done, pad_token_id, dtype=input_ids.dtype)
     ones = torch.ones(batch, 1, dtype=mask.dtype, device=mask.device)
-    new_tokens = []
+    new_tokens, workspace = [], {}
     for step in range(max_new_tokens):
-        token = sampling.next_token(logits, generator)
+        token = sampling.next_token(logits, generator, workspace)
         token = torch.where(done, pad, token.to(input_ids.dtype))
         new_tokens.append(token)
         done = done | (token == eos_token_id)

@@ -73,6 +73,7 @@ from typing import Any
 
 import torch
 
+from rlhf_core.attention import SHORT_ATTENTION_KEYS, short_attention
 from rlhf_core.distributed import run_as_root_forward
 from rlhf_core.logprobs import (
     causal_lm_logprobs_at,
@@ -268,21 +269,32 @@ def segmented_rows_pay(model: torch.nn.Module) -> bool:
 
 
 def _grouped_sdpa(module, query, key, value, attention_mask, *args, **kwargs):
-    """transformers' SDPA attention, except for a multi-token query with a mask on the CPU under
-    grouped-query attention (fewer key/value heads than query heads). There transformers repeats
-    every key and value head once per query head of its group (`repeat_kv`: copies that autograd
-    keeps for the backward), because it passes `enable_gqa=True` only without a mask, which CUDA's
-    fast kernels need. torch's CPU flash kernel takes the mask and the grouped heads as they are:
-    the same output (bitwise at GRPO's shapes), faster, and no copies saved. A single-token
-    query (decoding) keeps transformers' path, whose `pack_gqa` is faster there."""
+    """transformers' SDPA attention, except for a multi-token query with a mask on the CPU:
+
+    - at most `SHORT_ATTENTION_KEYS` keys: `rlhf_core.attention.short_attention` (SDPA's flash
+      kernel for CPU spends most of a short call walking its blocks; see that module);
+    - more keys, under grouped-query attention (fewer key/value heads than query heads): SDPA
+      with `enable_gqa=True`. transformers passes it only without a mask (CUDA's fast kernels
+      need that) and otherwise repeats every key and value head once per query head of its
+      group (`repeat_kv`: copies that autograd keeps for the backward); torch's CPU flash kernel
+      takes the mask and the grouped heads as they are: the same output (bitwise at GRPO's
+      shapes), faster, and no copies saved.
+
+    A single-token query (decoding) keeps transformers' path."""
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
-    grouped = getattr(module, "num_key_value_groups", 1) > 1 and query.shape[2] > 1
     plain = (
         not args and kwargs.get("position_bias") is None and kwargs.get("cache") is None
         and not kwargs.get("softcap") and not kwargs.get("output_attentions")
     )  # fmt: skip
-    if not (grouped and plain and attention_mask is not None and query.device.type == "cpu"):
+    ours = plain and attention_mask is not None and query.device.type == "cpu"
+    short = query.shape[2] > 1 and key.shape[2] <= SHORT_ATTENTION_KEYS
+    if ours and short and not kwargs.get("dropout"):
+        scale = kwargs.get("scaling") or query.shape[-1] ** -0.5
+        out = short_attention(query, key, value, attention_mask, scale)
+        return out.transpose(1, 2).contiguous(), None
+    grouped = getattr(module, "num_key_value_groups", 1) > 1 and query.shape[2] > 1
+    if not (ours and grouped):
         return sdpa_attention_forward(module, query, key, value, attention_mask, *args, **kwargs)
     out = torch.nn.functional.scaled_dot_product_attention(
         query, key, value, attn_mask=attention_mask, dropout_p=kwargs.get("dropout", 0.0),

@@ -635,28 +635,42 @@ def test_shared_prompt_logprobs_rejects_right_padded_prompts():
         shared_prompt_logprobs(model, ids, mask, ids, torch.ones_like(ids))
 
 
-def test_shared_prompt_attention_takes_grouped_heads_as_they_are(monkeypatch):
+@pytest.mark.parametrize("short", [True, False])
+def test_shared_prompt_attention_takes_grouped_heads_as_they_are(monkeypatch, short):
     """Under grouped-query attention on the CPU the shared-prompt forward's multi-token queries
-    reach SDPA with the key/value heads unrepeated (`enable_gqa=True`), so no repeated copies are
-    made or saved; the flat rows (transformers' own path) repeat them."""
+    reach the attention with the key/value heads unrepeated, so no repeated copies are made or
+    saved: `short_attention` up to `SHORT_ATTENTION_KEYS` keys, SDPA with `enable_gqa=True`
+    beyond (forced here by a limit of 0); the flat rows (transformers' own path) repeat them."""
+    import rlhf_core.packing as packing
     from rlhf_core.logprobs import causal_lm_selected_logprobs
     from rlhf_core.packing import shared_prompt_logprobs
 
     model = sdpa_tiny_qwen3(kv_heads=2)
-    calls = []
+    calls, short_calls = [], []
     sdpa = torch.nn.functional.scaled_dot_product_attention
+    short_attention = packing.short_attention
 
     def spy(query, key, *args, **kwargs):
         calls.append((query.shape[1], key.shape[1], query.shape[2], kwargs.get("enable_gqa")))
         return sdpa(query, key, *args, **kwargs)
 
+    def short_spy(query, key, *args, **kwargs):
+        short_calls.append((query.shape[1], key.shape[1]))
+        return short_attention(query, key, *args, **kwargs)
+
     monkeypatch.setattr(torch.nn.functional, "scaled_dot_product_attention", spy)
+    monkeypatch.setattr(packing, "short_attention", short_spy)
+    if not short:
+        monkeypatch.setattr(packing, "SHORT_ATTENTION_KEYS", 0)
     p_ids = torch.randint(6, 100, (4, 5))
     p_mask = torch.ones_like(p_ids)
     p_mask[0, :2] = 0  # left padding: a mask, so transformers would repeat the heads
     c_ids = torch.randint(6, 100, (4, 3))
     shared_prompt_logprobs(model, p_ids, p_mask, c_ids, torch.ones_like(c_ids)).sum().backward()
-    assert calls and all(c == (4, 2, c[2], True) for c in calls), calls
+    if short:
+        assert not calls and short_calls and set(short_calls) == {(4, 2)}, (calls, short_calls)
+    else:
+        assert not short_calls and calls and all(c == (4, 2, c[2], True) for c in calls), calls
     calls.clear()
     ids, mask = torch.cat([p_ids, c_ids], 1), torch.cat([p_mask, torch.ones_like(c_ids)], 1)
     causal_lm_selected_logprobs(model, ids, mask, mask[:, 1:].bool())

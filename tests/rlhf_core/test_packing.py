@@ -12,6 +12,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+import rlhf_core.packing as packing
 from direct_alignment.data import PreferencePair, collate_pairs, pack_pairs
 from direct_alignment.reference import pair_logps
 from rlhf_core.models import ModelConfig, load_policy
@@ -94,13 +95,18 @@ def test_one_row_with_segmented_attention_equals_the_two_row_forward(attention, 
     assert packed["segments"].tolist() == [[0, 0, 22], [0, 22, 37], [0, 37, 51], [0, 51, 65],
                                            [0, 65, 70], [0, 70, 74]]  # fmt: skip
     query_lengths = []
+
+    def spy(fn):
+        def call(query, *args, **kwargs):
+            query_lengths.append(query.shape[-2])
+            return fn(query, *args, **kwargs)
+
+        return call
+
+    # a segment's call goes to `short_attention` (<= SHORT_ATTENTION_KEYS keys) or SDPA
     sdpa = torch.nn.functional.scaled_dot_product_attention
-
-    def spy(query, *args, **kwargs):
-        query_lengths.append(query.shape[-2])
-        return sdpa(query, *args, **kwargs)
-
-    monkeypatch.setattr(torch.nn.functional, "scaled_dot_product_attention", spy)
+    monkeypatch.setattr(torch.nn.functional, "scaled_dot_product_attention", spy(sdpa))
+    monkeypatch.setattr(packing, "short_attention", spy(packing.short_attention))
     chosen, rejected, grads = logps_and_grads(model, packed)
     if attention == "sdpa":
         assert max(query_lengths) == 22 and len(query_lengths) == 6 * 2  # 6 pairs x 2 layers
