@@ -3,19 +3,25 @@ of a flash kernel, and with flash attention's memory.
 
 Why. On the CPU, torch's SDPA runs a masked call through its flash kernel
 (`_scaled_dot_product_flash_attention_for_cpu`), which walks blocks of queries and keys with
-fp32 running maxima and sums. That pays at long sequences; at the lengths of short completions
-and preference segments its per-block work dominates. Measured on this machine (2 threads, bf16,
-8 query heads over 4 key/value heads, head width 64; forward + backward per call,
-`benchmarks/results/attention_short.md`):
+running maxima and sums. In bf16 that kernel is slow at short lengths: at a GRPO micro-batch's
+shape it takes 2.3x as long as this module's one-block computation. Measured on this machine
+(`uv run --group bench python -m benchmarks.attention --dtype bf16` and `--dtype fp32`, runs
+`20261125-204941-attention-bf16` and `-204954-attention-fp32`; 2 threads, 8 query heads over 4
+key/value heads of width 64; forward + backward of one call, median of 20, alternating):
 
-    queries x keys, rows   flash (SDPA)   short
-    32 x 56, 32 rows         17.6 ms       5.1 ms   a GRPO micro-batch's completions, real model
-    24 x 24, 4 rows           1.5 ms       0.9 ms   its distinct prompts
-    128 x 160, 16 rows       34.9 ms      21.7 ms
-    256 x 300, 8 rows        38.2 ms      38.2 ms   the crossover
-    512 x 600, 4 rows        73.1 ms      89.9 ms   flash wins from here on
+    queries x keys, rows          bf16: SDPA    short      fp32: SDPA    short
+    32 x 56, 32 rows (GRPO)           16.1 ms    7.0 ms          7.0 ms    6.9 ms
+    24 x 24, 4 rows (its prompts)      1.4 ms    0.9 ms          0.5 ms    0.7 ms
+    96 x 120, 16 rows                 24.9 ms   18.7 ms         15.5 ms   17.6 ms
+    120 x 120, 1 row (a DPO pair)      2.0 ms    1.7 ms          1.2 ms    1.6 ms
+    128 x 160, 16 rows                34.0 ms   39.0 ms         25.0 ms   34.8 ms
+    512 x 600, 4 rows                 68.8 ms  151.4 ms         67.8 ms  167.5 ms
 
-so `SHORT_ATTENTION_KEYS` sends calls with at most 256 keys here and the rest to SDPA.
+Past ~150 keys the (queries x keys) float32 passes of one block cost more than the flash
+kernel's tiling saves, and in float32 the flash kernel is as fast or faster at every shape. So
+`takes_short_attention` sends only bf16/fp16 calls with at most `SHORT_ATTENTION_KEYS` (128)
+keys here, and everything else to SDPA. In both arms the errors against float64 are alike (bf16:
+4.3e-3 ours, 4.5e-3 SDPA at GRPO's shape).
 
 What. `short_attention` is the attention of Vaswani et al. 2017 (arXiv:1706.03762, eq. 1) with
 the backward of FlashAttention (Dao et al. 2022, arXiv:2205.14135, Algorithm 4) done in one block:
@@ -44,8 +50,19 @@ from __future__ import annotations
 
 import torch
 
-#: Calls with at most this many keys take `short_attention` (see the module docstring's table).
-SHORT_ATTENTION_KEYS = 256
+#: bf16/fp16 calls with at most this many keys take `short_attention` (the module docstring's
+#: table).
+SHORT_ATTENTION_KEYS = 128
+
+
+def takes_short_attention(query: torch.Tensor, key: torch.Tensor) -> bool:
+    """Whether `short_attention` is the faster way for a masked call of multi-token `query`
+    (B, H, Q, D) over `key` (B, H_kv, K, D) on the CPU: reduced-precision inputs and at most
+    `SHORT_ATTENTION_KEYS` keys (see the module docstring)."""
+    return (
+        query.dtype in (torch.bfloat16, torch.float16) and query.shape[2] > 1
+        and key.shape[2] <= SHORT_ATTENTION_KEYS
+    )  # fmt: skip
 
 
 def _scores(query: torch.Tensor, key: torch.Tensor, bias: torch.Tensor,

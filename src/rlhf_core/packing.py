@@ -73,7 +73,7 @@ from typing import Any
 
 import torch
 
-from rlhf_core.attention import SHORT_ATTENTION_KEYS, short_attention
+from rlhf_core.attention import short_attention, takes_short_attention
 from rlhf_core.distributed import run_as_root_forward
 from rlhf_core.logprobs import (
     causal_lm_logprobs_at,
@@ -271,9 +271,9 @@ def segmented_rows_pay(model: torch.nn.Module) -> bool:
 def _grouped_sdpa(module, query, key, value, attention_mask, *args, **kwargs):
     """transformers' SDPA attention, except for a multi-token query with a mask on the CPU:
 
-    - at most `SHORT_ATTENTION_KEYS` keys: `rlhf_core.attention.short_attention` (SDPA's flash
-      kernel for CPU spends most of a short call walking its blocks; see that module);
-    - more keys, under grouped-query attention (fewer key/value heads than query heads): SDPA
+    - bf16/fp16 with few keys (`rlhf_core.attention.takes_short_attention`): `short_attention`
+      (SDPA's CPU flash kernel is 2.3x slower at a GRPO micro-batch's shape; see that module);
+    - otherwise, under grouped-query attention (fewer key/value heads than query heads): SDPA
       with `enable_gqa=True`. transformers passes it only without a mask (CUDA's fast kernels
       need that) and otherwise repeats every key and value head once per query head of its
       group (`repeat_kv`: copies that autograd keeps for the backward); torch's CPU flash kernel
@@ -288,8 +288,7 @@ def _grouped_sdpa(module, query, key, value, attention_mask, *args, **kwargs):
         and not kwargs.get("softcap") and not kwargs.get("output_attentions")
     )  # fmt: skip
     ours = plain and attention_mask is not None and query.device.type == "cpu"
-    short = query.shape[2] > 1 and key.shape[2] <= SHORT_ATTENTION_KEYS
-    if ours and short and not kwargs.get("dropout"):
+    if ours and takes_short_attention(query, key) and not kwargs.get("dropout"):
         scale = kwargs.get("scaling") or query.shape[-1] ** -0.5
         out = short_attention(query, key, value, attention_mask, scale)
         return out.transpose(1, 2).contiguous(), None

@@ -5,7 +5,7 @@ bf16 error."""
 import pytest
 import torch
 
-from rlhf_core.attention import short_attention
+from rlhf_core.attention import SHORT_ATTENTION_KEYS, short_attention, takes_short_attention
 
 
 def reference(query, key, value, mask, scale):
@@ -135,3 +135,17 @@ def test_short_attention_keeps_no_score_matrix_for_the_backward():
         short_attention(*leaves, mask, 0.3)
     per_head_scores = 3 * 8 * 32 * 56
     assert saved and all(torch.Size(s).numel() < per_head_scores for s in saved), saved
+
+
+def test_short_attention_takes_short_reduced_precision_calls_only():
+    """bf16/fp16 multi-token calls with at most SHORT_ATTENTION_KEYS keys; not float32 (SDPA's
+    flash kernel is as fast there), not longer calls, not a single decoding query."""
+
+    def call(dtype, queries, keys):
+        return torch.zeros(1, 8, queries, 4, dtype=dtype), torch.zeros(1, 4, keys, 4, dtype=dtype)
+
+    assert takes_short_attention(*call(torch.bfloat16, 32, 56))
+    assert takes_short_attention(*call(torch.float16, 2, SHORT_ATTENTION_KEYS))
+    assert not takes_short_attention(*call(torch.bfloat16, 2, SHORT_ATTENTION_KEYS + 1))
+    assert not takes_short_attention(*call(torch.float32, 32, 56))
+    assert not takes_short_attention(*call(torch.bfloat16, 1, 56))

@@ -560,16 +560,22 @@ def sdpa_tiny_qwen3(kv_heads: int = 4) -> torch.nn.Module:
     return AutoModelForCausalLM.from_config(config, attn_implementation="sdpa")
 
 
+@pytest.mark.parametrize("short", [False, True])
 @pytest.mark.parametrize("kv_heads", [4, 2])
-def test_shared_prompt_logprobs_equal_flat_rows_in_float64(kv_heads):
+def test_shared_prompt_logprobs_equal_flat_rows_in_float64(kv_heads, short, monkeypatch):
     """GRPO's G samples of a prompt, shuffled in the batch, with left-padded prompts of several
     lengths and right-padded completions: encoding each distinct prompt once (its KV cache
     gathered for its rows) gives the flat [prompt | completion] rows' log-probs, entropies and
     gradients (float64; gradients to 1e-5 relative, see below). With grouped-query attention the
     shared forward attends to the grouped heads as they are (`_grouped_sdpa`), the flat rows
-    through transformers' repeated heads."""
+    through transformers' repeated heads. `short`: the shared forward's attention is
+    `short_attention` (which a bf16 model's short calls take), forced here in float64."""
+    import rlhf_core.packing as packing
     from rlhf_core.logprobs import causal_lm_selected_logprobs
     from rlhf_core.packing import shared_prompt_logprobs
+
+    if short:
+        monkeypatch.setattr(packing, "takes_short_attention", lambda q, k: q.shape[2] > 1)
 
     model = sdpa_tiny_qwen3(kv_heads).double()
     model.train()  # dropout is 0: train mode only to check the training path
@@ -635,17 +641,17 @@ def test_shared_prompt_logprobs_rejects_right_padded_prompts():
         shared_prompt_logprobs(model, ids, mask, ids, torch.ones_like(ids))
 
 
-@pytest.mark.parametrize("short", [True, False])
-def test_shared_prompt_attention_takes_grouped_heads_as_they_are(monkeypatch, short):
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_shared_prompt_attention_takes_grouped_heads_as_they_are(monkeypatch, dtype):
     """Under grouped-query attention on the CPU the shared-prompt forward's multi-token queries
     reach the attention with the key/value heads unrepeated, so no repeated copies are made or
-    saved: `short_attention` up to `SHORT_ATTENTION_KEYS` keys, SDPA with `enable_gqa=True`
-    beyond (forced here by a limit of 0); the flat rows (transformers' own path) repeat them."""
+    saved: in bf16 (short calls) `short_attention`, in float32 SDPA with `enable_gqa=True`; the
+    flat rows (transformers' own path) repeat them."""
     import rlhf_core.packing as packing
     from rlhf_core.logprobs import causal_lm_selected_logprobs
     from rlhf_core.packing import shared_prompt_logprobs
 
-    model = sdpa_tiny_qwen3(kv_heads=2)
+    model = sdpa_tiny_qwen3(kv_heads=2).to(dtype)
     calls, short_calls = [], []
     sdpa = torch.nn.functional.scaled_dot_product_attention
     short_attention = packing.short_attention
@@ -660,14 +666,12 @@ def test_shared_prompt_attention_takes_grouped_heads_as_they_are(monkeypatch, sh
 
     monkeypatch.setattr(torch.nn.functional, "scaled_dot_product_attention", spy)
     monkeypatch.setattr(packing, "short_attention", short_spy)
-    if not short:
-        monkeypatch.setattr(packing, "SHORT_ATTENTION_KEYS", 0)
     p_ids = torch.randint(6, 100, (4, 5))
     p_mask = torch.ones_like(p_ids)
     p_mask[0, :2] = 0  # left padding: a mask, so transformers would repeat the heads
     c_ids = torch.randint(6, 100, (4, 3))
     shared_prompt_logprobs(model, p_ids, p_mask, c_ids, torch.ones_like(c_ids)).sum().backward()
-    if short:
+    if dtype == torch.bfloat16:
         assert not calls and short_calls and set(short_calls) == {(4, 2)}, (calls, short_calls)
     else:
         assert not short_calls and calls and all(c == (4, 2, c[2], True) for c in calls), calls

@@ -103,7 +103,7 @@ def test_one_row_with_segmented_attention_equals_the_two_row_forward(attention, 
 
         return call
 
-    # a segment's call goes to `short_attention` (<= SHORT_ATTENTION_KEYS keys) or SDPA
+    # a segment's call goes to SDPA, or in bf16 with few keys to `short_attention`
     sdpa = torch.nn.functional.scaled_dot_product_attention
     monkeypatch.setattr(torch.nn.functional, "scaled_dot_product_attention", spy(sdpa))
     monkeypatch.setattr(packing, "short_attention", spy(packing.short_attention))
