@@ -138,14 +138,19 @@ def test_short_attention_keeps_no_score_matrix_for_the_backward():
 
 
 def test_short_attention_takes_short_reduced_precision_calls_only():
-    """bf16/fp16 multi-token calls with at most SHORT_ATTENTION_KEYS keys; not float32 (SDPA's
-    flash kernel is as fast there), not longer calls, not a single decoding query."""
+    """bf16/fp16 multi-token calls with at most SHORT_ATTENTION_KEYS keys and a backward to come;
+    not float32 (SDPA's flash kernel is as fast there), not longer calls, not a single decoding
+    query, not a forward without gradients."""
 
-    def call(dtype, queries, keys):
-        return torch.zeros(1, 8, queries, 4, dtype=dtype), torch.zeros(1, 4, keys, 4, dtype=dtype)
+    def call(dtype, queries, keys, grad=True):
+        query = torch.zeros(1, 8, queries, 4, dtype=dtype, requires_grad=grad)
+        return query, torch.zeros(1, 4, keys, 4, dtype=dtype)
 
     assert takes_short_attention(*call(torch.bfloat16, 32, 56))
     assert takes_short_attention(*call(torch.float16, 2, SHORT_ATTENTION_KEYS))
     assert not takes_short_attention(*call(torch.bfloat16, 2, SHORT_ATTENTION_KEYS + 1))
     assert not takes_short_attention(*call(torch.float32, 32, 56))
     assert not takes_short_attention(*call(torch.bfloat16, 1, 56))
+    assert not takes_short_attention(*call(torch.bfloat16, 32, 56, grad=False))
+    with torch.no_grad():  # a reference model's forward: SDPA's forward is faster
+        assert not takes_short_attention(*call(torch.bfloat16, 32, 56))
