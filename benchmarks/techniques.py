@@ -33,8 +33,8 @@ Plus two things outside the step's code. THP: the same worker run again in a pro
 `THP_MEM_ALLOC_ENABLE=1`, which makes PyTorch's CPU allocator back tensors of 2 MiB and more with
 transparent huge pages (fewer page faults when the large logits tensors are allocated afresh every
 step; read once, so it must be in the environment before torch allocates); compared across the
-two processes. AdamW: torch AdamW `fused=True` vs the for-loop AdamW our `build_optimizer` makes
-on CPU (it asks for fused only on CUDA), timing `optimizer.step()` alone.
+two processes. AdamW: torch's default (for-loop) AdamW on CPU vs `fused=True`, which our
+`build_optimizer` asks for on CPU and CUDA, timing `optimizer.step()` alone.
 
 Timing: one process, models loaded once, each variant warmed up once (its summed log-probs are
 checked against shipped's then), then `rounds` rounds in which every variant runs once in a
