@@ -17,15 +17,15 @@ key/value heads of width 64; forward + backward of one call, median of 20, alter
     128 x 160, 16 rows                34.0 ms   39.0 ms         25.0 ms   34.8 ms
     512 x 600, 4 rows                 68.8 ms  151.4 ms         67.8 ms  167.5 ms
 
-What is slow is the flash kernel's bf16 backward; its forward is as fast as ours or faster
-(32 x 56, 32 rows: 4.3 vs 4.4 ms; one row of 30 tokens: 0.06 vs 0.22 ms, where our few extra
-small ops dominate). Past ~150 keys the (queries x keys) float32 passes of one block cost more
-than the flash kernel's tiling saves, and in float32 the flash kernel is as fast or faster at
-every shape. So `takes_short_attention` sends here only bf16/fp16 calls with at most
-`SHORT_ATTENTION_KEYS` (128) keys whose backward will run (gradients enabled, the query
-requiring one); forward-only calls (a DPO reference model, evaluation) and everything else go to
-SDPA. In both arms the errors against float64 are alike (bf16:
-4.3e-3 ours, 4.5e-3 SDPA at GRPO's shape).
+What is slow is the flash kernel's bf16 backward; its forward alone (no gradients) is as fast as
+ours or faster (32 x 56, 32 rows: 2.8 vs 2.8 ms; 24 x 24, 4 rows: 0.24 vs 0.42 ms; 120 x 120, 1
+row: 0.59 vs 0.85 ms; run `20261125-211934-attention-bf16`). Past ~150 keys the (queries x keys)
+float32 passes of one block cost more than the flash kernel's tiling saves, and in float32 the
+flash kernel is as fast or faster at every shape. So `takes_short_attention` sends here only
+bf16/fp16 calls with at most `SHORT_ATTENTION_KEYS` (128) keys whose backward will run
+(gradients enabled, the query requiring one); forward-only calls (a DPO reference model,
+evaluation) and everything else go to SDPA. In both arms the errors against float64 are alike
+(bf16: 4.3e-3 ours, 4.5e-3 SDPA at GRPO's shape).
 
 What. `short_attention` is the attention of Vaswani et al. 2017 (arXiv:1706.03762, eq. 1) with
 the backward of FlashAttention (Dao et al. 2022, arXiv:2205.14135, Algorithm 4) done in one block:
