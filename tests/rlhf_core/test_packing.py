@@ -116,6 +116,33 @@ def test_one_row_with_segmented_attention_equals_the_two_row_forward(attention, 
     assert_same_as(reference, chosen, rejected, grads)
 
 
+def test_bf16_packed_segments_through_short_attention_are_as_close_as_flat_rows(monkeypatch):
+    """In bf16 the packed row's segments (additive bf16 mask, a backward to come) run through
+    `short_attention`; their log-probs are as close to the float64 flat rows as the bf16 flat
+    rows (transformers' SDPA path) are, and every gradient is finite."""
+    model = tiny_policy("sdpa")
+    pairs = random_pairs(PAIRS)
+    exact = logps_and_grads(model, collate_pairs(pairs, 0))
+    model = model.to(torch.bfloat16)
+    calls = []
+    short_attention = packing.short_attention
+
+    def spy(query, *args, **kwargs):
+        calls.append(query.dtype)
+        return short_attention(query, *args, **kwargs)
+
+    monkeypatch.setattr(packing, "short_attention", spy)
+    flat = logps_and_grads(model, collate_pairs(pairs, 0))
+    assert not calls  # flat rows: transformers' own attention
+    packed = logps_and_grads(model, pack_pairs(pairs, 0, row_tokens=80))
+    assert calls and set(calls) == {torch.bfloat16}
+    for side in (0, 1):
+        flat_error = (flat[side].double() - exact[side]).abs().max()
+        packed_error = (packed[side].double() - exact[side]).abs().max()
+        assert packed_error <= 2 * flat_error + 1e-3, (side, packed_error, flat_error)
+    assert all(torch.isfinite(g).all() for g in packed[2].values())
+
+
 def test_segmented_attention_restores_the_model_after_an_error():
     model = tiny_policy("sdpa")
     segments = pack_pairs(random_pairs(PAIRS[:2]), 0)["segments"]
