@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from rlhf_core.generation import Sampling, decode, sample_from_logits
+from rlhf_core.generation import Sampling, decode, row_generators, sample_from_logits
 from rlhf_core.models import ModelConfig, load_policy, load_tokenizer
 
 TINY = ModelConfig(name_or_path="tiny-qwen3")
@@ -131,3 +131,28 @@ def test_group_sampling_encodes_each_prompt_once_and_draws_what_repeated_prompts
     new = shared[:, enc["input_ids"].shape[1] :]
     if temperature > 0:  # the samples of a group really differ
         assert len({tuple(r) for r in new[:group].tolist()}) > 1
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_sampler_workspace_gives_the_same_draws_and_reuses_its_buffers(dtype):
+    """With a workspace (as `decode` keeps one per loop) every warper draws exactly the tokens
+    the fresh-tensor path draws, step after step, the caller's logits are never written, and
+    the buffers are allocated once: the same storage on every later step of that shape."""
+    g = torch.Generator().manual_seed(2)
+    settings = ({"temperature": 1.0}, {"temperature": 0.7, "top_k": 9},
+                {"temperature": 1.1, "top_p": 0.8}, {"temperature": 0.9, "min_p": 0.05,
+                                                      "top_k": 30, "top_p": 0.95})  # fmt: skip
+    for kwargs in settings:
+        sampling, workspace, pointers = Sampling(**kwargs), {}, None
+        for step in range(4):
+            logits = (torch.randn(6, 300, generator=g) * 3).to(dtype)
+            before = logits.clone()
+            seeds = [10 * step + r for r in range(6)]
+            fresh = sampling.next_token(logits, row_generators(seeds, "cpu"))
+            reused = sampling.next_token(logits, row_generators(seeds, "cpu"), workspace)
+            assert torch.equal(fresh, reused), (kwargs, step)
+            assert torch.equal(logits, before)
+            now = {name: t.data_ptr() for name, t in workspace.items()}
+            assert set(now) == {"warped", "probs", "cdf"}
+            assert pointers is None or now == pointers, (kwargs, step)
+            pointers = now
