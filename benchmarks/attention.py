@@ -20,6 +20,7 @@ bought with accuracy.
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 import time
 from typing import Any
@@ -99,8 +100,6 @@ def measure(threads: int, dtype: str, repeats: int) -> dict[str, Any]:
                          "ms": ms, "forward_ms": forward_ms, "max_rel_error": errors,
                          "sdpa_over_short": ms["sdpa"] / ms["short"]})  # fmt: skip
         print(f"  {name}: sdpa {ms['sdpa']:.2f} ms, short {ms['short']:.2f} ms", flush=True)
-    import os
-
     return {"threads": threads, "dtype": dtype, "repeats": repeats, "heads": HEADS,
             "kv_heads": KV_HEADS, "width": WIDTH, "load_average": os.getloadavg(),
             "torch": torch.__version__, "shapes": rows_out}  # fmt: skip

@@ -121,8 +121,8 @@ class _ShortAttention(torch.autograd.Function):
 def short_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                     mask: torch.Tensor, scale: float) -> torch.Tensor:  # fmt: skip
     """Attention of query (B, H, Q, D) over key/value (B, H_kv, K, D), H a multiple of H_kv,
-    under `mask` (B or 1, 1 or H, Q, >= K): boolean (True: attend) or additive float -> (B, H, Q,
-    D) in the query's dtype. See the module docstring."""
+    under `mask` (B or 1, 1 or H, Q or 1, >= K): boolean (True: attend) or additive float ->
+    (B, H, Q, D) in the query's dtype. See the module docstring."""
     b, h, q_len, d = query.shape
     hk, k_len = key.shape[1], key.shape[2]
     if h % hk:
@@ -139,6 +139,6 @@ def short_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
     if bias.shape[1] == 1:
         bias = bias.unsqueeze(2)  # (B, 1, 1, Q, K): one mask for every head
     else:
-        bias = bias.view(bias.shape[0], hk, g, q_len, k_len)
+        bias = bias.view(bias.shape[0], hk, g, *bias.shape[-2:])
     grouped = query.reshape(b, hk, g, q_len, d)  # a view: query head j*G + i is (j, i)
     return _ShortAttention.apply(grouped, key, value, bias, scale).view(b, h, q_len, d)

@@ -57,14 +57,21 @@ def test_short_attention_equals_autograd_in_float64(kv_heads, additive):
 
 
 def test_short_attention_takes_a_mask_per_head_and_wider_than_the_keys():
-    """A (B, H, Q, K) mask, and a mask with more key columns than keys (transformers' masks can
-    be sized for the cache): the first K columns apply."""
+    """A (B, H, Q, K) mask, a mask with more key columns than keys (transformers' masks can be
+    sized for the cache): the first K columns apply, and a (B, H, 1, K) mask broadcast over the
+    queries."""
     tensors, mask, grad = inputs(torch.float64)
     per_head = mask.expand(-1, 8, -1, -1).clone()
     per_head[:, 3, :, 4] = False  # one head may not see key 4
     wide = torch.cat([per_head, torch.ones(3, 8, 5, 2, dtype=torch.bool)], -1)
     ours = run(short_attention, tensors, wide, grad, 0.25)
     ref = run(reference, tensors, per_head, grad, 0.25)
+    for a, b in zip(ours, ref, strict=True):
+        torch.testing.assert_close(a, b, rtol=0, atol=1e-12)
+    padding_only = torch.ones(3, 8, 1, 9, dtype=torch.bool)  # (B, H, 1, K): one row per head
+    padding_only[0, 5, 0, 2] = padding_only[2, :, 0, :3] = False
+    ours = run(short_attention, tensors, padding_only, grad, 0.25)
+    ref = run(reference, tensors, padding_only, grad, 0.25)
     for a, b in zip(ours, ref, strict=True):
         torch.testing.assert_close(a, b, rtol=0, atol=1e-12)
 
