@@ -85,8 +85,8 @@ class ModelConfig(StrictModel):
     lean_activations: bool = Field(
         True,
         description="SwiGLU MLPs save 2 of their 4 intermediate-width activations and Llama/Qwen "
-        "RMSNorms their input only, recomputing the rest in the backward (bitwise the same values "
-        "and gradients; rlhf_core.lean)",
+        "RMSNorms their input only, recomputing the rest in the backward (the same values; the "
+        "MLP's gradients bitwise, the norm's to rounding; rlhf_core.lean)",
     )
     trust_remote_code: bool = Field(False, description="allow model code from the hub (unsafe)")
     chat_template: str | None = Field(

@@ -1,6 +1,8 @@
-"""rlhf_core.lean: the SwiGLU MLP that recomputes its product and the RMSNorm that recomputes
-its normalised input compute autograd's values and gradients bitwise, save what they say, and
-step aside where they would not be exact (a wrapped projection, no grad)."""
+"""rlhf_core.lean: the SwiGLU MLP that recomputes its product computes autograd's values and
+gradients bitwise; the RMSNorm that recomputes its normalised input computes the same forward
+bitwise and autograd's gradients to 1e-12 in float64 (to rounding in float32 and bf16, as close
+to float64's as autograd's); both save what they say and step aside where they would not apply
+(a wrapped projection, no grad, autocast)."""
 
 import copy
 import importlib
@@ -10,6 +12,7 @@ import pytest
 import torch
 from transformers import Qwen3Config, Qwen3ForCausalLM
 
+import rlhf_core.lean as lean_module
 from rlhf_core.lean import LEAN_RMSNORM_CLASSES, apply_lean, is_swiglu_mlp
 from rlhf_core.models import ModelConfig, load_policy
 
@@ -31,7 +34,44 @@ def loss_and_grads(model, ids):
 
 
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float32, torch.bfloat16])
-def test_apply_lean_matches_autograd_bitwise(dtype):
+def test_lean_mlp_matches_autograd_bitwise(dtype, monkeypatch):
+    monkeypatch.setattr(lean_module, "LEAN_RMSNORM_CLASSES", frozenset())  # the MLPs alone
+    plain = qwen3(dtype)
+    lean = copy.deepcopy(plain)
+    assert apply_lean(lean) == 2 and apply_lean(lean) == 0  # one MLP per layer, patched once
+    ids = torch.randint(0, 96, (3, 11))
+    loss_a, grads_a = loss_and_grads(plain, ids)
+    loss_b, grads_b = loss_and_grads(lean, ids)
+    assert torch.equal(loss_a, loss_b)
+    for name, grad in grads_a.items():
+        assert torch.equal(grad, grads_b[name]), name  # same operations in the same order
+
+
+def float64_norms(model):
+    """`model` with every RMSNorm computing in float64 (transformers' computes in float32 even in
+    a float64 model): the reference the lean norm's rounding is measured against."""
+
+    def forward(self, x):
+        rstd = torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.variance_epsilon)
+        return self.weight * (x * rstd)
+
+    for module in model.modules():
+        if type(module).__name__ in LEAN_RMSNORM_CLASSES:
+            module.forward = forward.__get__(module)
+    return model
+
+
+def compute_eps(dtype: torch.dtype) -> float:
+    """Machine epsilon of the norm's arithmetic: float32 in float32 and float64 models (the norm
+    upcasts to float32, or computes there in a float64 model, as transformers' does)."""
+    return torch.finfo(torch.bfloat16 if dtype == torch.bfloat16 else torch.float32).eps
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32, torch.bfloat16])
+def test_apply_lean_matches_autograd(dtype):
+    """With the norms too: the loss bitwise (the forward is the module's); each parameter's
+    gradient as close to a float64 model's (norms in float64) as autograd's own, within 1.25x of
+    its error or a few units in the last place of the norm's arithmetic."""
     plain = qwen3(dtype)
     lean = copy.deepcopy(plain)
     # per layer its MLP and 4 RMSNorms (input, post-attention, q_norm, k_norm), the final norm
@@ -40,8 +80,62 @@ def test_apply_lean_matches_autograd_bitwise(dtype):
     loss_a, grads_a = loss_and_grads(plain, ids)
     loss_b, grads_b = loss_and_grads(lean, ids)
     assert torch.equal(loss_a, loss_b)
+    _, exact = loss_and_grads(float64_norms(qwen3(torch.float64)), ids)
     for name, grad in grads_a.items():
-        assert torch.equal(grad, grads_b[name]), name  # same operations in the same order
+        scale = exact[name].abs().max().item()
+        err_autograd = (grad.double() - exact[name]).abs().max().item()
+        err_lean = (grads_b[name].double() - exact[name]).abs().max().item()
+        assert err_lean <= 1.25 * err_autograd + 4 * compute_eps(dtype) * scale, name
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32, torch.bfloat16])
+def test_lean_rmsnorm_gradient_is_the_formulas(dtype):
+    """One norm over rows of a wide hidden state (the shape where the closed form pays): its
+    output equals the module's bitwise, and its gradients are as close to the float64 formula's
+    as autograd's through the module (within 1.25x of its error or a few units in the last
+    place); with float64 arithmetic (the norm's forward in float64) they equal them to 1e-12."""
+    from transformers.models.qwen3.modeling_qwen3 import Qwen3RMSNorm
+
+    from rlhf_core.lean import _RMSNorm
+
+    torch.manual_seed(0)
+    norm = Qwen3RMSNorm(256, eps=1e-6)
+    torch.nn.init.normal_(norm.weight, 1.0, 0.2)
+    x64 = 3 * torch.randn(4, 9, 256, dtype=torch.float64)
+    grad_y = torch.randn_like(x64)
+
+    def grads(module, dtype, lean):
+        module = copy.deepcopy(module).to(dtype)
+        if lean:
+            assert apply_lean(module) == 1
+        x = x64.to(dtype, copy=True).requires_grad_()
+        y = module(x)
+        y.backward(grad_y.to(dtype))
+        return y.detach(), x.grad.double(), module.weight.grad.double()
+
+    y_plain, gx_plain, gw_plain = grads(norm, dtype, lean=False)
+    y_lean, gx_lean, gw_lean = grads(norm, dtype, lean=True)
+    assert torch.equal(y_plain, y_lean)
+    _, gx_exact, gw_exact = grads(float64_norms(copy.deepcopy(norm)), torch.float64, lean=False)
+    for lean, plain, exact in ((gx_lean, gx_plain, gx_exact), (gw_lean, gw_plain, gw_exact)):
+        scale = exact.abs().max().item()
+        err_plain = (plain - exact).abs().max().item()
+        err_lean = (lean - exact).abs().max().item()
+        assert err_lean <= 1.25 * err_plain + 4 * compute_eps(dtype) * scale
+    # the backward's formula itself, in float64 arithmetic throughout
+    weight = norm.weight.detach().double().requires_grad_()
+    x = x64.clone().requires_grad_()
+
+    class Float64Norm(_RMSNorm):  # the same backward, the forward's root in float64
+        @staticmethod
+        def forward(ctx, x, weight, eps):
+            rstd = torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)
+            ctx.save_for_backward(x, weight, rstd)
+            return weight * (x * rstd)
+
+    Float64Norm.apply(x, weight, 1e-6).backward(grad_y)
+    for got, exact in ((x.grad, gx_exact), (weight.grad, gw_exact)):
+        torch.testing.assert_close(got, exact, rtol=1e-12, atol=1e-12 * exact.abs().max().item())
 
 
 def saved_bytes(model, ids) -> int:
