@@ -30,10 +30,13 @@ tensor fewer per norm (four norms per Qwen3 layer: two on the residual stream, `
 backward is the closed form of the gradient, not autograd's op-by-op chain (see `_RMSNorm`): the
 chain runs nine passes over the row, two of them broadcasting a (positions x 1) tensor along it,
 which torch's CPU kernels do one element at a time; the closed form runs four. At a GRPO
-micro-batch of the benchmarks' `real` model (32 x 32 positions, width 512, bf16) a norm's
-forward + backward takes 2.2 ms instead of 7.2 ms, and a training step's forward + backward 5.35
-instead of 5.69 s (docs/performance.md). The values are autograd's to 1e-12 in float64; in float32
-and bf16 they differ in the last bits, as close to the float64 gradient as autograd's are (tested).
+micro-batch of the benchmarks' `real` model (32 x 40 positions, width 512, bf16) a norm's
+forward + backward takes 2.2 ms instead of 7.2 ms, and GRPO's training forward + backward (two
+micro-batches) 5.35 instead of 5.69 s (docs/performance.md). With float64 arithmetic the
+gradients equal the formula's to 1e-12; in the norm's own float32 arithmetic (transformers' norm
+computes in float32 in every model dtype) they differ from autograd's chain in the last bits, as
+close to the float64 gradient as autograd's are, and a row whose mean square overflows gets NaN
+(tested; see `_RMSNorm`).
 `apply_lean` patches those norms too: classes whose forward is that formula
 (`LEAN_RMSNORM_CLASSES`; a test checks their source).
 """
@@ -89,7 +92,11 @@ class _RMSNorm(torch.autograd.Function):
         dL/dx      = r * (g - n * mean(g * n, -1))
 
     The second is what autograd's PowBackward, MeanBackward, RsqrtBackward and two MulBackwards
-    add up to (dr/dx_j = -r^3 x_j / D, and r^2 x_j = r n_j), cast back to x.dtype once."""
+    add up to (dr/dx_j = -r^3 x_j / D, and r^2 x_j = r n_j), cast back to x.dtype once. A row
+    whose mean square overflowed float32 (r = 0, the forward's output zeros) gets NaN: the
+    trainers' non-finite guard then skips the step and stops a diverged run. Autograd's chain
+    gives NaN there only once sum(g x) overflows too (inf * 0), zeros before, and closed-form
+    zeros would let a run with exploded weights go on training a dead network."""
 
     @staticmethod
     def forward(ctx, x, weight, eps):
@@ -109,7 +116,10 @@ class _RMSNorm(torch.autograd.Function):
         if ctx.needs_input_grad[0]:
             grad_n = (grad_y * weight).to(acc)
             mean_gn = (grad_n * normed).mean(-1, keepdim=True)
-            grad_x = grad_n.sub_(normed.mul_(mean_gn)).mul_(rstd).to(x.dtype)
+            # where mean(x^2) overflowed, r = 0 and the forward gave n = 0, not x / rms(x): no
+            # gradient is right there, so NaN, which the trainers' guard reads as divergence
+            scale = rstd.masked_fill(rstd == 0, float("nan"))
+            grad_x = grad_n.sub_(normed.mul_(mean_gn)).mul_(scale).to(x.dtype)
         return grad_x, grad_weight, None
 
 

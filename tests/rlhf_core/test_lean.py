@@ -138,6 +138,36 @@ def test_lean_rmsnorm_gradient_is_the_formulas(dtype):
         torch.testing.assert_close(got, exact, rtol=1e-12, atol=1e-12 * exact.abs().max().item())
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_lean_rmsnorm_gives_nan_where_the_mean_square_overflowed(dtype):
+    """A row whose mean square overflows float32 normalises to zeros, not x / rms(x): the
+    closed form would give it a zero gradient and let a run whose weights exploded train on (an
+    SFT run at lr 1e10 did, tests/test_reliability.py); it gets NaN, which the trainers' guard
+    reads as divergence. The other rows keep autograd's gradients."""
+    from transformers.models.qwen3.modeling_qwen3 import Qwen3RMSNorm
+
+    torch.manual_seed(0)
+    norm = Qwen3RMSNorm(64, eps=1e-6).to(dtype)
+    x = torch.randn(3, 64).to(dtype)
+    x[1] = 1e30  # x^2 = 1e60 overflows float32: mean inf, r = 0, the normalised row 0
+    grad_y = torch.randn(3, 64).to(dtype)
+
+    def grads(lean):
+        module = copy.deepcopy(norm)
+        if lean:
+            apply_lean(module)
+        xx = x.clone().requires_grad_()
+        y = module(xx)
+        y.backward(grad_y)
+        return y.detach(), xx.grad, module.weight.grad
+
+    (y_plain, gx_plain, gw_plain), (y_lean, gx_lean, gw_lean) = grads(False), grads(True)
+    assert torch.equal(y_plain, y_lean) and not y_lean[1].any()  # the forward: zeros, as before
+    assert torch.isnan(gx_lean[1]).all()
+    torch.testing.assert_close(gx_lean[[0, 2]], gx_plain[[0, 2]])
+    torch.testing.assert_close(gw_lean, gw_plain)
+
+
 def saved_bytes(model, ids) -> int:
     """Bytes autograd saves for the backward in one forward, parameters left out, each storage
     once."""
