@@ -238,7 +238,7 @@ class _LinearLabelLogProbs(torch.autograd.Function):
             end = min(vocab, start + block)
             w = weight[start:end]
             b = bias[start:end] if bias is not None else None
-            z = _linear(hidden, w, b, out=scratch("g", end - start, weight.dtype))
+            z = _linear(hidden, w, b, out=scratch("in_weight_dtype", end - start, weight.dtype))
             if z.dtype != acc:
                 z = scratch("z", end - start, acc).copy_(z)
             if temperature != 1.0:
@@ -256,7 +256,7 @@ class _LinearLabelLogProbs(torch.autograd.Function):
             if grad_bias is not None:
                 grad_bias[start:end] = grad_z.sum(0)
             if grad_z.dtype != weight.dtype:  # what autograd's linear backward would be given
-                grad_z = scratch("g", end - start, weight.dtype).copy_(grad_z)
+                grad_z = scratch("in_weight_dtype", end - start, weight.dtype).copy_(grad_z)
             if grad_hidden is not None:
                 grad_hidden += grad_z @ w
             if grad_weight is not None:
