@@ -156,3 +156,65 @@ def test_sampler_workspace_gives_the_same_draws_and_reuses_its_buffers(dtype):
             assert set(now) == {"warped", "probs", "cdf"}
             assert pointers is None or now == pointers, (kwargs, step)
             pointers = now
+
+
+def test_reserved_cache_layer_holds_what_concatenation_holds():
+    """`_ReservedLayer` against transformers' `DynamicLayer` fed the same keys and values: equal
+    tensors after every update, written in place while the reserve lasts, and still equal after
+    it runs out, after a `crop` and after a `reorder_cache` (which replace or shorten `keys`)."""
+    from transformers.cache_utils import DynamicLayer
+
+    from rlhf_core.generation import _ReservedLayer
+
+    g = torch.Generator().manual_seed(0)
+    kv = lambda n: (torch.randn(3, 2, n, 4, generator=g), torch.randn(3, 2, n, 4, generator=g))  # noqa: E731
+    plain = DynamicLayer()
+    plain.update(*kv(5))
+    reserved = _ReservedLayer(plain, capacity=8)
+    plain = DynamicLayer()
+    plain.update(reserved.keys.clone(), reserved.values.clone())
+    storage = reserved.keys.data_ptr()
+    for step, n in enumerate([1, 1, 1, 1, 2, 1]):  # 5 + 3 fills the reserve, then it grows
+        if step == 4:
+            plain.crop(-1), reserved.crop(-1)
+        if step == 5:
+            order = torch.tensor([2, 0, 1])
+            plain.reorder_cache(order), reserved.reorder_cache(order)
+        k, v = kv(n)
+        a, b = plain.update(k, v), reserved.update(k, v)
+        assert torch.equal(a[0], b[0]) and torch.equal(a[1], b[1]), step
+        assert reserved.get_seq_length() == plain.get_seq_length()
+        assert reserved.get_mask_sizes(1) == plain.get_mask_sizes(1)
+        if step < 3:
+            assert reserved.keys.data_ptr() == storage  # written into the reserve
+    assert reserved.keys.data_ptr() != storage  # re-reserved when it ran out
+
+
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_decode_writes_its_kv_cache_in_place_and_draws_what_concatenation_draws(
+    model_and_tokenizer, temperature, monkeypatch
+):
+    """decode's KV cache is reserved for the whole completion after the prefill: every step's
+    keys live in one storage per layer, and the tokens equal those of the same decode with
+    transformers' concatenating cache (the reservation switched off)."""
+    import rlhf_core.generation as generation
+
+    model, tok = model_and_tokenizer
+    prompts = ["<|user|>ab<|end|><|assistant|>", "<|user|>a much longer prompt<|end|><|assistant|>"]
+    enc = tok(prompts, return_tensors="pt", padding=True, add_special_tokens=False)
+    args = {"max_new_tokens": 12, "eos_token_id": -1, "pad_token_id": tok.pad_token_id,
+            "sampling": Sampling(temperature=temperature), "group_size": 3}  # fmt: skip
+    storages = []
+    hook = model.register_forward_pre_hook(
+        lambda _m, _a, kw: storages.append(kw["past_key_values"].layers[0].keys.data_ptr())
+        if kw.get("past_key_values") is not None else None, with_kwargs=True)  # fmt: skip
+    try:
+        reserved = decode(model, enc["input_ids"], enc["attention_mask"],
+                          generator=row_generators(range(6), "cpu"), **args)  # fmt: skip
+    finally:
+        hook.remove()
+    assert len(storages) == 11 and len(set(storages)) == 1
+    monkeypatch.setattr(generation, "_reserve_cache", lambda cache, capacity: None)
+    concatenated = decode(model, enc["input_ids"], enc["attention_mask"],
+                          generator=row_generators(range(6), "cpu"), **args)  # fmt: skip
+    assert torch.equal(reserved, concatenated)
