@@ -2,7 +2,7 @@
 commit and from this tree, in alternating fresh processes on the same prepared workload.
 
     uv run --group bench python -m benchmarks.grpo_ab --base 9ef3055 --pairs 3 \\
-        --model real --micro-batch 32 --dtype bf16
+        --model real --micro-batch 32 --dtype bf16 --threads 2 --steps 4
 
 The older commit is checked out with `git worktree` into a temporary folder and its `src` put
 first on the worker's PYTHONPATH. The benchmark's own code (the workload, the timing, the
@@ -11,7 +11,10 @@ back to back, the order alternating, and the ratio is the median of the per-pair
 machine whose speed drifts by 10-20% over an hour (this one's does), a pair sees the same hour.
 
 Reported per arm: the median s/step, the time split (generate, train), tokens per CPU-second
-and the peak RSS; and base / this tree for the step time.
+and the peak RSS; and base / this tree for the step time and, per pair, for each phase: a
+change to one phase leaves the other's ratio at 1.00x unless the machine's speed moved within
+the pair. `--threads 2 --steps 4` is the side-by-side's (`benchmarks.grpo`) setting; the
+defaults are the workload's (1 thread, 6 steps).
 """
 
 from __future__ import annotations
@@ -120,13 +123,25 @@ def compare(w: Workload, base: str, pairs: int, timeout: float = 900) -> dict[st
         }
     step = {(r["pair"], r["arm"]): r["step_s_median"] for r in runs}
     ratios = [step[(p, "base")] / step[(p, "head")] for p in range(pairs)]
+    phase = {(r["pair"], r["arm"]): r["phase_s_mean"] for r in runs}
+    phase_ratios = {  # a phase the change does not touch shows the machine's drift in a pair
+        name.rsplit("/", 1)[-1]: [phase[(p, "base")][name] / phase[(p, "head")][name]
+                                  for p in range(pairs)]
+        for name in runs[0]["phase_s_mean"]
+        if name.endswith(("generate_s", "train_s"))
+    }  # fmt: skip
     return {
         "machine": machine(),
         "workload": w.__dict__,
         "base": sha,
         "head": head + (" with uncommitted changes in src" if dirty else ""),
         "runs": runs,
-        "summary": {"arms": arms, "speedup_per_pair": ratios, "speedup": median(ratios)},
+        "summary": {
+            "arms": arms,
+            "speedup_per_pair": ratios,
+            "speedup": median(ratios),
+            "phase_speedup_per_pair": phase_ratios,
+        },  # fmt: skip
     }
 
 
@@ -155,6 +170,14 @@ def markdown(result: dict[str, Any]) -> str:
         )
     per_pair = ", ".join(f"{r:.2f}x" for r in s["speedup_per_pair"])
     lines += ["", f"head / base step rate (median of pairs): **{s['speedup']:.2f}x** ({per_pair})."]
+    for name, values in s.get("phase_speedup_per_pair", {}).items():
+        each = ", ".join(f"{r:.2f}x" for r in values)
+        lines.append(f"- {name}: base / head per pair {each} (median {median(values):.2f}x)")
+    if s.get("phase_speedup_per_pair"):
+        lines.append(
+            "\nA phase the change does not touch should stay near 1.00x in every pair; where it "
+            "moves, the machine's speed moved between the two runs of that pair."
+        )
     return "\n".join(lines) + "\n"
 
 
