@@ -17,10 +17,12 @@ benchmarks' real model; 19,000 and 0.19 with the buffers). The same operations, 
 (tested).
 
 The KV cache is reserved too: after the prefill every plain transformers `DynamicLayer` of the
-cache becomes a `_ReservedLayer` holding buffers for the prompt plus `max_new_tokens`, and each
-step writes its token's keys and values in place; `DynamicLayer` appends with `torch.cat`, which
-copies the whole cache every token. The same tensors, the same tokens (tested); a small gain on
-CPU (0.7-3% of a GRPO rollout of the real model, in-process A/Bs; docs/performance.md).
+cache becomes a `_ReservedLayer` with room for `min(max_new_tokens, RESERVE_POSITIONS)` more
+positions, and each step writes its token's keys and values in place, the buffers grown by that
+much when full; `DynamicLayer` appends with `torch.cat`, which copies the whole cache every
+token. The same tensors, the same tokens (tested); never more than that room unused per layer
+(a long `max_new_tokens` whose completions stop early does not reserve its full length); a small
+gain on CPU (0.7-3% of a GRPO rollout of the real model, in-process A/Bs; docs/performance.md).
 
 An encoder-decoder policy (T5) takes the same call and returns the same layout, [prompt |
 completion]: the encoder runs once on the left-padded prompts, the decoder starts from its start
@@ -186,7 +188,7 @@ def _decode_encoder_decoder(
         )  # fmt: skip
         if cache is None:  # the decoder's own keys and values (not the cross-attention's)
             _reserve_cache(getattr(out.past_key_values, "self_attention_cache", None),
-                           max_new_tokens)  # fmt: skip
+                           min(max_new_tokens, RESERVE_POSITIONS))  # fmt: skip
         cache = out.past_key_values
         token = sampling.next_token(out.logits[:, -1], generator, workspace)
         token = torch.where(done, pad, token.to(input_ids.dtype))
@@ -197,20 +199,25 @@ def _decode_encoder_decoder(
     return torch.cat([input_ids, torch.stack(new_tokens, dim=1)], dim=1)
 
 
-class _ReservedLayer(DynamicLayer):
-    """A transformers `DynamicLayer` whose keys and values live in buffers reserved for the
-    whole decode, `capacity` positions long: each step writes its token's keys and values in
-    place and the layer's `keys` / `values` are views of the filled part. `DynamicLayer` appends
-    with `torch.cat`, which copies the whole cache into a fresh tensor every token (44 copies of
-    up to 2 MB per step in a GRPO rollout of the benchmarks' `real` model). The views hold
-    exactly the tensors the concatenation would (tested). When the buffers run out, or when
-    something outside replaced `keys` (`reorder_cache`, `batch_repeat_interleave`), the next
-    `update` reserves afresh from what `keys` holds then."""
+RESERVE_POSITIONS = 256  # how far ahead `decode` reserves its KV cache (positions per layer)
 
-    def __init__(self, layer: DynamicLayer, capacity: int) -> None:
+
+class _ReservedLayer(DynamicLayer):
+    """A transformers `DynamicLayer` whose keys and values live in buffers reserved `room`
+    positions ahead: each step writes its token's keys and values in place and the layer's
+    `keys` / `values` are views of the filled part. `DynamicLayer` appends with `torch.cat`,
+    which copies the whole cache into a fresh tensor every token (44 copies of up to 2 MB per
+    step in a GRPO rollout of the benchmarks' `real` model); here the cache is copied once per
+    `room` tokens, and it never holds more than `room` unused positions per layer (`torch.cat`
+    briefly holds two copies of a layer). The views hold exactly the tensors the concatenation
+    would (tested). When something outside replaced or reshaped `keys` (`reorder_cache`,
+    `batch_repeat_interleave`), the next `update` reserves afresh from what `keys` holds then."""
+
+    def __init__(self, layer: DynamicLayer, room: int) -> None:
         super().__init__()
         self.dtype, self.device, self.is_initialized = layer.dtype, layer.device, True
-        self._reserve(layer.keys, layer.values, capacity)
+        self._room = max(1, int(room))
+        self._reserve(layer.keys, layer.values, layer.keys.shape[-2] + self._room)
 
     def _reserve(self, keys: torch.Tensor, values: torch.Tensor, capacity: int) -> None:
         length = keys.shape[-2]
@@ -227,23 +234,23 @@ class _ReservedLayer(DynamicLayer):
         end = start + key_states.shape[-2]
         if (end > self._keys.shape[-2] or self.keys.data_ptr() != self._keys.data_ptr()
                 or self.keys.shape[:-2] != self._keys.shape[:-2]):  # fmt: skip
-            self._reserve(self.keys, self.values, max(end, 2 * self._keys.shape[-2]))
+            self._reserve(self.keys, self.values, end + self._room)
         self._keys[..., start:end, :] = key_states
         self._values[..., start:end, :] = value_states
         self.keys, self.values = self._keys[..., :end, :], self._values[..., :end, :]
         return self.keys, self.values
 
 
-def _reserve_cache(cache: object, capacity: int) -> None:
-    """Give every plain `DynamicLayer` of `cache` (a transformers `Cache` after the prefill)
-    reserved buffers of `capacity` positions (`_ReservedLayer`); other layer kinds (sliding
+def _reserve_cache(cache: object, room: int) -> None:
+    """Turn every plain `DynamicLayer` of `cache` (a transformers `Cache` after the prefill)
+    into a `_ReservedLayer` reserving `room` positions ahead; other layer kinds (sliding
     window, linear attention, quantised) and other cache classes are left as they are."""
     layers = getattr(cache, "layers", None)
     if not isinstance(layers, list):
         return
     for i, layer in enumerate(layers):
         if type(layer) is DynamicLayer and layer.is_initialized and layer.keys.numel() > 0:
-            layers[i] = _ReservedLayer(layer, capacity)
+            layers[i] = _ReservedLayer(layer, room)
 
 
 def _accepts_logits_to_keep(model: torch.nn.Module) -> bool:
@@ -295,7 +302,7 @@ def decode(
         input_ids, mask, next_position = (
             x.repeat_interleave(group_size, 0) for x in (input_ids, mask, next_position)
         )
-    _reserve_cache(cache, input_ids.shape[1] + max_new_tokens)  # no torch.cat per token
+    _reserve_cache(cache, min(max_new_tokens, RESERVE_POSITIONS))  # no torch.cat per token
     batch = input_ids.shape[0]
     done = torch.zeros(batch, dtype=torch.bool, device=input_ids.device)
     pad = torch.full_like(done, pad_token_id, dtype=input_ids.dtype)

@@ -170,7 +170,7 @@ def test_reserved_cache_layer_holds_what_concatenation_holds():
     kv = lambda n: (torch.randn(3, 2, n, 4, generator=g), torch.randn(3, 2, n, 4, generator=g))  # noqa: E731
     plain = DynamicLayer()
     plain.update(*kv(5))
-    reserved = _ReservedLayer(plain, capacity=8)
+    reserved = _ReservedLayer(plain, room=3)  # 5 positions + room for 3
     plain = DynamicLayer()
     plain.update(reserved.keys.clone(), reserved.values.clone())
     storage = reserved.keys.data_ptr()
@@ -190,31 +190,39 @@ def test_reserved_cache_layer_holds_what_concatenation_holds():
     assert reserved.keys.data_ptr() != storage  # re-reserved when it ran out
 
 
-@pytest.mark.parametrize("temperature", [0.0, 1.0])
+@pytest.mark.parametrize(("temperature", "room"), [(0.0, 256), (1.0, 256), (1.0, 4)])
 def test_decode_writes_its_kv_cache_in_place_and_draws_what_concatenation_draws(
-    model_and_tokenizer, temperature, monkeypatch
+    model_and_tokenizer, temperature, room, monkeypatch
 ):
-    """decode's KV cache is reserved for the whole completion after the prefill: every step's
-    keys live in one storage per layer, and the tokens equal those of the same decode with
-    transformers' concatenating cache (the reservation switched off)."""
+    """decode's KV cache is reserved `RESERVE_POSITIONS` ahead after the prefill: every step's
+    keys live in one storage per layer until that room is used up, the reserve never holds more
+    than that room unused, and the tokens equal those of the same decode with transformers'
+    concatenating cache (the reservation switched off)."""
     import rlhf_core.generation as generation
 
+    monkeypatch.setattr(generation, "RESERVE_POSITIONS", room)
     model, tok = model_and_tokenizer
     prompts = ["<|user|>ab<|end|><|assistant|>", "<|user|>a much longer prompt<|end|><|assistant|>"]
     enc = tok(prompts, return_tensors="pt", padding=True, add_special_tokens=False)
     args = {"max_new_tokens": 12, "eos_token_id": -1, "pad_token_id": tok.pad_token_id,
             "sampling": Sampling(temperature=temperature), "group_size": 3}  # fmt: skip
-    storages = []
-    hook = model.register_forward_pre_hook(
-        lambda _m, _a, kw: storages.append(kw["past_key_values"].layers[0].keys.data_ptr())
-        if kw.get("past_key_values") is not None else None, with_kwargs=True)  # fmt: skip
+    seen = []  # (storage, filled positions, reserved positions) of layer 0 before each step
+
+    def look(_module, _args, kwargs):
+        layer = kwargs["past_key_values"].layers[0] if kwargs.get("past_key_values") else None
+        if layer is not None:
+            seen.append((layer.keys.data_ptr(), layer.keys.shape[-2], layer._keys.shape[-2]))
+
+    hook = model.register_forward_pre_hook(look, with_kwargs=True)
     try:
         reserved = decode(model, enc["input_ids"], enc["attention_mask"],
                           generator=row_generators(range(6), "cpu"), **args)  # fmt: skip
     finally:
         hook.remove()
-    assert len(storages) == 11 and len(set(storages)) == 1
-    monkeypatch.setattr(generation, "_reserve_cache", lambda cache, capacity: None)
+    assert len(seen) == 11
+    assert all(filled <= total <= filled + room + 1 for _, filled, total in seen)
+    assert len({ptr for ptr, _, _ in seen}) == (1 if room >= 12 else -(-11 // room))
+    monkeypatch.setattr(generation, "_reserve_cache", lambda cache, room: None)
     concatenated = decode(model, enc["input_ids"], enc["attention_mask"],
                           generator=row_generators(range(6), "cpu"), **args)  # fmt: skip
     assert torch.equal(reserved, concatenated)
