@@ -211,7 +211,8 @@ class _ReservedLayer(DynamicLayer):
     `room` tokens, and it never holds more than `room` unused positions per layer (`torch.cat`
     briefly holds two copies of a layer). The views hold exactly the tensors the concatenation
     would (tested). When something outside replaced or reshaped `keys` (`reorder_cache`,
-    `batch_repeat_interleave`), the next `update` reserves afresh from what `keys` holds then."""
+    `batch_repeat_interleave`, `reset`), the next `update` reserves afresh from what `keys`
+    holds then."""
 
     def __init__(self, layer: DynamicLayer, room: int) -> None:
         super().__init__()
@@ -230,6 +231,10 @@ class _ReservedLayer(DynamicLayer):
     def update(
         self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs
     ) -> tuple[torch.Tensor, torch.Tensor]:
+        if not self.is_initialized or self.keys is None or self.keys.numel() == 0:  # reset()
+            self.dtype, self.device, self.is_initialized = key_states.dtype, key_states.device, True
+            self._reserve(key_states, value_states, key_states.shape[-2] + self._room)
+            return self.keys, self.values
         start = self.keys.shape[-2]
         end = start + key_states.shape[-2]
         if (end > self._keys.shape[-2] or self.keys.data_ptr() != self._keys.data_ptr()

@@ -161,7 +161,8 @@ def test_sampler_workspace_gives_the_same_draws_and_reuses_its_buffers(dtype):
 def test_reserved_cache_layer_holds_what_concatenation_holds():
     """`_ReservedLayer` against transformers' `DynamicLayer` fed the same keys and values: equal
     tensors after every update, written in place while the reserve lasts, and still equal after
-    it runs out, after a `crop` and after a `reorder_cache` (which replace or shorten `keys`)."""
+    it runs out, after a `crop` and a `reorder_cache` (which replace or shorten `keys`), and
+    after a `reset`."""
     from transformers.cache_utils import DynamicLayer
 
     from rlhf_core.generation import _ReservedLayer
@@ -188,6 +189,11 @@ def test_reserved_cache_layer_holds_what_concatenation_holds():
         if step < 3:
             assert reserved.keys.data_ptr() == storage  # written into the reserve
     assert reserved.keys.data_ptr() != storage  # re-reserved when it ran out
+    plain.reset(), reserved.reset()  # emptied (transformers' reset), then filled again
+    for n in (3, 1):
+        k, v = kv(n)
+        a, b = plain.update(k, v), reserved.update(k, v)
+        assert torch.equal(a[0], b[0]) and torch.equal(a[1], b[1])
 
 
 @pytest.mark.parametrize(("temperature", "room"), [(0.0, 256), (1.0, 256), (1.0, 4)])
