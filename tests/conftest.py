@@ -187,3 +187,54 @@ def tiny_pg_dict(model_path: Path, **algorithm) -> dict:
         "checkpoint": {"save_every": 0},
         "tracking": {"log_every": 1, "plot_every": 100},
     }
+
+
+#: The name `flash_attention_stand_in` registers its attention function under ("flash" in it:
+#: transformers and `rlhf_core.packing.supports_flat_packing` treat it as flash attention).
+FLASH_STAND_IN = "cpu_flash_varlen_stand_in"
+
+
+def flash_attention_stand_in(monkeypatch, train_module) -> list[int]:
+    """Make `train_module`'s `load_policy` give models whose attention is a CPU stand-in for a
+    flash-attention kernel (which needs a GPU): registered under a flash name (its mask function
+    passes no mask), it takes one row whose sequences are told apart by position ids restarting
+    at 0 (the varlen layout) and runs causal SDPA on each sequence; anything else fails. Returns
+    the list of sequence counts, one per attention call."""
+    import torch
+    import torch.nn.functional as F
+    from transformers import AttentionInterface
+    from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, flash_attention_mask
+
+    calls: list[int] = []
+
+    def varlen_sdpa(module, query, key, value, attention_mask, *, scaling=None, **kwargs):
+        positions = kwargs["position_ids"]
+        assert attention_mask is None and query.shape[0] == 1 == positions.shape[0]
+        starts = (positions[0] == 0).nonzero().view(-1).tolist() + [positions.shape[1]]
+        calls.append(len(starts) - 1)
+        out = [
+            F.scaled_dot_product_attention(
+                query[:, :, a:b],
+                key[:, :, a:b],
+                value[:, :, a:b],
+                is_causal=True,
+                scale=scaling,
+                enable_gqa=True,
+            )
+            for a, b in zip(starts, starts[1:], strict=False)
+        ]
+        return torch.cat(out, 2).transpose(1, 2).contiguous(), None
+
+    AttentionInterface.register(FLASH_STAND_IN, varlen_sdpa)
+    ALL_MASK_ATTENTION_FUNCTIONS.register(FLASH_STAND_IN, flash_attention_mask)
+    load_policy = train_module.load_policy
+
+    def load_with_stand_in(*args, **kwargs):
+        # loading under a flash name would fetch a kernel: switch after loading, as transformers'
+        # `set_attn_implementation` does, without its kernel check
+        model = load_policy(*args, **kwargs)
+        model.config._attn_implementation_internal = FLASH_STAND_IN
+        return model
+
+    monkeypatch.setattr(train_module, "load_policy", load_with_stand_in)
+    return calls

@@ -41,7 +41,9 @@ class DATrainConfig(LoopConfig):
         "4D mask, the prompt encoded once for both completions and short pairs sharing a row "
         "(rlhf_core.packing; same log-probs); on CPU with SDPA a step's pairs share rows with no "
         "padding and attention runs pair by pair. Applies to causal models with SDPA or eager "
-        "attention; others (flash-attention 2, T5) run unpacked 2B rows",
+        "attention; under flash attention every completion with its prompt shares one row, "
+        "told apart by position ids (varlen: no padding, the prompt encoded per completion); "
+        "others (T5) run unpacked 2B rows",
     )
 
 

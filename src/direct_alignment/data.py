@@ -246,11 +246,18 @@ def collate_pairs(pairs: list[PreferencePair], pad_id: int) -> dict[str, torch.T
 
 
 def pack_pairs(
-    pairs: list[PreferencePair], pad_id: int, *, pack: bool = True, row_tokens: int | None = None
+    pairs: list[PreferencePair],
+    pad_id: int,
+    *,
+    pack: bool = True,
+    row_tokens: int | None = None,
+    flat: bool = False,
 ) -> dict[str, torch.Tensor]:
     """The pairs as packed rows [prompt | chosen | rejected] (`rlhf_core.packing.pack_groups`):
     each prompt encoded once for both completions, several short pairs per row (one per row
-    with `pack=False`; rows of up to `row_tokens` tokens for segmented attention). Streams 2i
+    with `pack=False`; rows of up to `row_tokens` tokens for segmented attention). `flat=True`
+    is flash attention's varlen layout instead: [prompt chosen][prompt rejected] for every pair
+    in one row, no padding, the prompt encoded once per completion. Streams 2i
     and 2i + 1 are pair i's chosen and rejected completions;
     `lengths` (2B,) are completion token counts, chosen then rejected (as `collate_pairs`);
     labels (B,) bool for unpaired rows."""
@@ -259,6 +266,7 @@ def pack_pairs(
         pad_id,
         pack=pack,
         row_tokens=row_tokens,
+        flat=flat,
     )
     per_pair = batch["branch_lengths"].view(-1, 2)
     batch["lengths"] = torch.cat([per_pair[:, 0], per_pair[:, 1]])

@@ -51,8 +51,8 @@ from rlhf_core.loop import (
 from rlhf_core.models import load_policy, load_reference, load_tokenizer
 from rlhf_core.packing import (
     SEGMENTED_ROW_TOKENS,
+    packing_layout,
     segmented_rows_pay,
-    supports_packing,
 )
 from rlhf_core.registry import build_from_spec
 from rlhf_core.rundir import managed_run, open_run_dir
@@ -123,10 +123,13 @@ def train(cfg: DAConfig, run: RunArgs) -> int:
     seed_everything(cfg.seed)
     policy = engine.prepare(load_policy(cfg.model, device, weights_from=ckpt).train())
     pad_id = tokenizer.pad_token_id
-    # pairs as packed rows, each prompt encoded once, where the attention takes a 4D mask; on
-    # CPU SDPA, rows with no padding and attention computed group by group
-    collate = pack_pairs if t.packing and supports_packing(policy) else collate_pairs
-    if collate is pack_pairs and segmented_rows_pay(policy):
+    # pairs as packed rows, each prompt encoded once, where the attention takes a 4D mask (on
+    # CPU SDPA, rows with no padding and attention computed group by group); under flash
+    # attention every completion with its prompt in one row by position ids (varlen)
+    layout = packing_layout(policy) if t.packing else None
+    collate = {"mask": pack_pairs, "flat": partial(pack_pairs, flat=True), None: collate_pairs}
+    collate = collate[layout]
+    if layout == "mask" and segmented_rows_pay(policy):
         collate = partial(pack_pairs, row_tokens=SEGMENTED_ROW_TOKENS)
     reference, ref_cache = None, None
     if loss_fn.needs_reference:

@@ -153,15 +153,23 @@ def collate(examples: list[SFTExample], pad_id: int) -> dict[str, torch.Tensor]:
 
 
 def pack(
-    examples: list[SFTExample], pad_id: int, *, row_tokens: int | None = None
+    examples: list[SFTExample],
+    pad_id: int,
+    *,
+    row_tokens: int | None = None,
+    flat: bool = False,
 ) -> dict[str, torch.Tensor]:
     """The examples packed several to a row (`rlhf_core.packing.pack_groups`: positions restart
     at every example, attention blocked across examples, rows no longer than the longest
-    example, or `row_tokens` for segmented attention), the targets being the completion tokens:
-    loss_mask (1, N) is all true, aligned with `rlhf_core.packing.batch_logprobs`. Same loss as
-    `collate` (tested)."""
+    example, or `row_tokens` for segmented attention; `flat=True`: all of them in one row with
+    no padding and no mask, flash attention's varlen layout), the targets being the completion
+    tokens: loss_mask (1, N) is all true, aligned with `rlhf_core.packing.batch_logprobs`. Same
+    loss as `collate` (tested)."""
     batch = pack_groups(
-        [(e.prompt_ids, (e.completion_ids,)) for e in examples], pad_id, row_tokens=row_tokens
+        [(e.prompt_ids, (e.completion_ids,)) for e in examples],
+        pad_id,
+        row_tokens=row_tokens,
+        flat=flat,
     )
     batch["loss_mask"] = torch.ones((1, batch["targets"].shape[0]), dtype=torch.bool)
     return batch

@@ -11,13 +11,15 @@ equal one process's; sampled ones are drawn from each process's own seeded strea
 
 from __future__ import annotations
 
+from functools import partial
+
 import torch
 
 from instruction_tuning.data import SFTData, collate, pack
 from instruction_tuning.losses import CompletionNLLLoss
 from rlhf_core.generation import Sampling, generate_completions
 from rlhf_core.models import with_padding_side
-from rlhf_core.packing import batch_logprobs, supports_packing
+from rlhf_core.packing import batch_logprobs, packing_layout
 from rlhf_core.scoring import exact_match, task_score
 
 
@@ -44,7 +46,8 @@ def evaluate(
     model.eval()
     nll_sum, tokens = 0.0, 0
     loss_fn = CompletionNLLLoss()
-    batcher = pack if packing and supports_packing(model) else collate
+    layout = packing_layout(model) if packing else None
+    batcher = {"mask": pack, "flat": partial(pack, flat=True), None: collate}[layout]
     for start in range(0, len(examples), batch_size):
         batch = batcher(examples[start : start + batch_size], tokenizer.pad_token_id)
         batch = {k: v.to(device) for k, v in batch.items()}

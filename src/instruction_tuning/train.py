@@ -40,8 +40,8 @@ from rlhf_core.models import load_policy, load_tokenizer
 from rlhf_core.packing import (
     SEGMENTED_ROW_TOKENS,
     batch_logprobs,
+    packing_layout,
     segmented_rows_pay,
-    supports_packing,
 )
 from rlhf_core.registry import build_from_spec
 from rlhf_core.rundir import managed_run, open_run_dir
@@ -110,8 +110,12 @@ def train(cfg: SFTConfig, run: RunArgs) -> int:
 
     # --- the loop
     pad_id = tokenizer.pad_token_id
-    batcher = pack if t.packing and supports_packing(model) else collate
-    if batcher is pack and segmented_rows_pay(model):  # CPU SDPA: rows not padded
+    # examples packed several to a row where the attention takes a 4D mask (on CPU SDPA, rows
+    # with no padding and attention computed example by example), in one row by position ids
+    # under flash attention (varlen), else padded rows
+    layout = packing_layout(model) if t.packing else None
+    batcher = {"mask": pack, "flat": partial(pack, flat=True), None: collate}[layout]
+    if layout == "mask" and segmented_rows_pay(model):
         batcher = partial(pack, row_tokens=SEGMENTED_ROW_TOKENS)
     step_loss = torch.zeros(())
 

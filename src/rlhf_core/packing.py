@@ -46,11 +46,19 @@ longer than the longest group, `pack_rows`).
 The results equal the unpacked forward's up to float rounding (tested in float64 to 1e-6).
 
 Attention: the 4D mask is for SDPA and eager attention (CPU and GPU); `supports_packing` says
-whether a model takes it. Flash-attention 2 takes no 4D mask; there transformers packs by
-position ids alone (its varlen path, `DataCollatorWithFlattening`), which expresses a block-
-diagonal mask (SFT rows) but not a prefix shared by two branches, so a flash-attention model is
-run unpacked here (a reward model shares its prompt through the KV cache instead). That varlen
-path is not used or tested by this library. SDPA computes the whole masked (L, L) score matrix of
+whether a model takes it. Flash attention takes no 4D mask; there transformers packs by position
+ids alone (its varlen path: one row, no attention mask, positions restarting at 0 for every
+sequence, the layout of TRL's `padding_free` and transformers' `DataCollatorWithFlattening`),
+which expresses a block-diagonal mask but not a prefix shared by two branches.
+`pack_groups(..., flat=True)` builds that layout: every stream (a group's prefix and one of its
+branches) becomes a sequence of its own, so the prompt is encoded once per completion again, but
+no position is padding. `supports_flat_packing` says where a trainer uses it (a causal LM whose
+attention is a flash-attention implementation); SFT and DPO do, a reward model shares its
+prompt through the KV cache instead. The flat batch is tested on the CPU through SDPA, where
+transformers reads the same position ids into a block-diagonal mask
+(`masking_utils.find_packed_sequence_indices`), and against the sequence boundaries transformers'
+flash path computes from them (`prepare_fa_kwargs_from_position_ids`); the flash kernel itself
+needs a GPU and is not run by the tests. SDPA computes the whole masked (L, L) score matrix of
 a row, so by default rows are kept no longer than the batch's longest group; that leaves padding
 (~25% of the positions on HH batches of 4 pairs). `row_tokens` lets rows grow to hold several
 groups with no padding, and `segmented_attention` then computes attention one segment (a group,
@@ -113,12 +121,18 @@ def pack_rows(
 
 
 def pack_groups(
-    groups: Sequence[Group], pad_id: int, *, pack: bool = True, row_tokens: int | None = None
+    groups: Sequence[Group],
+    pad_id: int,
+    *,
+    pack: bool = True,
+    row_tokens: int | None = None,
+    flat: bool = False,
 ) -> dict[str, torch.Tensor]:
     """Groups (prefix, [branches]) as packed rows (see the module docstring); `pack=False` puts
     each group in a row of its own (the prompt is still shared by its branches); `row_tokens`
     lets a row hold that many tokens when the longest group is shorter (for
-    `segmented_attention`: fewer rows, no padding).
+    `segmented_attention`: fewer rows, no padding); `flat=True` gives the flash-attention varlen
+    layout instead (`_pack_flat`: one row, no attention mask, no prefix shared).
 
     Streams are the branches in group-major order (group 0's branches, then group 1's ...).
     Returns, right-padded:
@@ -134,6 +148,8 @@ def pack_groups(
     """
     if not groups:
         raise ValueError("pack_groups: no groups")
+    if flat:
+        return _pack_flat(groups)
     sizes = [len(prefix) + sum(len(b) for b in branches) for prefix, branches in groups]
     if min(sizes) == 0:
         raise ValueError(f"pack_groups: group {sizes.index(0)} has no tokens")
@@ -199,9 +215,49 @@ def pack_groups(
     }
 
 
+def _pack_flat(groups: Sequence[Group]) -> dict[str, torch.Tensor]:
+    """`pack_groups(groups, flat=True)`: every stream (a group's prefix followed by one of its
+    branches, group-major) as a sequence of its own, all of them back to back in one row with
+    no padding; position ids restart at 0 at every sequence, which is all that tells the
+    sequences apart (no attention mask). Returns input_ids (1, T), position_ids (1, T) and the
+    targets and stream bookkeeping of `pack_groups` (sources, targets, owners, ends,
+    branch_lengths), with prefix_lengths and branches_per_group per stream (each stream is a
+    group of one branch here, so `unpacked_tokens` counts the same tokens)."""
+    streams = [(prefix, branch) for prefix, branches in groups for branch in branches]
+    ids: list[int] = []
+    positions: list[int] = []
+    sources, targets, owners, ends = [], [], [], []
+    for s, (prefix, branch) in enumerate(streams):
+        n_p, n_b, start = len(prefix), len(branch), len(ids)
+        if n_p + n_b == 0:
+            raise ValueError(f"pack_groups(flat=True): stream {s} has no tokens")
+        ids += [*prefix, *branch]
+        positions += range(n_p + n_b)
+        preceding = list(range(start + max(n_p, 1) - 1, start + n_p + n_b - 1))
+        sources += preceding
+        targets += list(branch[n_b - len(preceding) :])
+        owners += [s] * len(preceding)
+        ends.append(len(ids) - 1)
+    long = {"dtype": torch.long}
+    return {
+        "input_ids": torch.tensor([ids], **long),
+        "position_ids": torch.tensor([positions], **long),
+        "sources": torch.tensor(sources, **long),
+        "targets": torch.tensor(targets, **long),
+        "owners": torch.tensor(owners, **long),
+        "ends": torch.tensor(ends, **long),
+        "branch_lengths": torch.tensor([len(b) for _, b in streams], **long),
+        "prefix_lengths": torch.tensor([len(p) for p, _ in streams], **long),
+        "branches_per_group": torch.ones(len(streams), **long),
+    }
+
+
 def is_packed(batch: dict[str, torch.Tensor]) -> bool:
-    """True for a `pack_groups` batch (a 4D attention mask and explicit targets)."""
-    return "sources" in batch and batch["attention_mask"].dim() == 4
+    """True for a `pack_groups` batch (explicit targets, and a 4D attention mask or, in the
+    flat layout, none)."""
+    if "sources" not in batch:
+        return False
+    return "attention_mask" not in batch or batch["attention_mask"].dim() == 4
 
 
 def additive_mask(allowed: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -227,6 +283,26 @@ def supports_packing(model: torch.nn.Module) -> bool:
     if config is None or getattr(config, "is_encoder_decoder", False):
         return False
     return getattr(config, "_attn_implementation", None) in ("sdpa", "eager")
+
+
+def packing_layout(model: torch.nn.Module) -> str | None:
+    """The packed layout `model` takes: "mask" (`pack_groups`' rows with a 4D mask: SDPA or
+    eager), "flat" (`pack_groups(..., flat=True)`: flash attention's varlen) or None (run the
+    batch unpacked: encoder-decoder models, other attention implementations)."""
+    if supports_packing(model):
+        return "mask"
+    return "flat" if supports_flat_packing(model) else None
+
+
+def supports_flat_packing(model: torch.nn.Module) -> bool:
+    """Whether `model` takes the flat layout (`pack_groups(..., flat=True)`) where it cannot
+    take the 4D mask: a causal (decoder-only) model whose attention is a flash-attention
+    implementation (transformers' rule: "flash" in its name), which reads packed sequences from
+    the position ids (varlen)."""
+    config = getattr(_unwrapped(model), "config", None)
+    if config is None or getattr(config, "is_encoder_decoder", False):
+        return False
+    return "flash" in (getattr(config, "_attn_implementation", None) or "")
 
 
 #: The attention implementation `segmented_attention` switches an SDPA model to (registered with
@@ -374,6 +450,11 @@ def packed_token_logprobs(
     """Log-probs (N,) of a `pack_groups` batch's targets under a causal LM: one forward of the
     packed rows, the LM head on the target positions only (`causal_lm_logprobs_at`), attention
     segment by segment where that applies (`segmented_attention`)."""
+    if "attention_mask" not in batch:  # the flat layout: sequences told apart by position ids
+        return causal_lm_logprobs_at(
+            model, batch["input_ids"], None, batch["position_ids"], batch["sources"],
+            batch["targets"], temperature=temperature,
+        )  # fmt: skip
     dtype = _unwrapped(model).get_input_embeddings().weight.dtype
     if not dtype.is_floating_point:
         dtype = torch.float32

@@ -8,7 +8,12 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import assert_kill_resume_reproduces, metric_series, write_yaml
+from conftest import (
+    assert_kill_resume_reproduces,
+    flash_attention_stand_in,
+    metric_series,
+    write_yaml,
+)
 from safetensors.torch import load_file
 
 from direct_alignment.config import DAConfig
@@ -60,6 +65,26 @@ def test_micro_batches_train_as_one_forward_per_step(tiny_dpo_dict, tmp_path):
     a, b = (load_file(tmp_path / r / "final" / "model.safetensors") for r in ("one", "micro"))
     for name in a:
         torch.testing.assert_close(a[name], b[name], rtol=1e-4, atol=1e-5)  # fp32 sums
+
+
+def test_under_flash_attention_pairs_are_one_row_packed_by_position_ids(
+    tiny_dpo_dict, tmp_path, monkeypatch
+):
+    """A flash-attention policy gets the varlen layout (`conftest.flash_attention_stand_in`):
+    the step's 8 pairs as 16 sequences [prompt chosen], [prompt rejected] in one row; the
+    losses equal those of the run with SDPA and shared-prompt packing."""
+    import direct_alignment.train
+
+    tiny_dpo_dict["data"]["eval"] = None
+    tiny_dpo_dict["train"]["max_steps"] = 2
+    assert run_cfg(tiny_dpo_dict, tmp_path / "sdpa") == 0
+    calls = flash_attention_stand_in(monkeypatch, direct_alignment.train)
+    assert run_cfg(tiny_dpo_dict, tmp_path / "flat") == 0
+    assert calls and set(calls) == {16}
+    sdpa, flat = (metric_series(tmp_path / run, "train/loss") for run in ("sdpa", "flat"))
+    assert sdpa.keys() == flat.keys() == {1, 2}
+    for step in sdpa:
+        assert abs(sdpa[step] - flat[step]) < 1e-5, (step, sdpa[step], flat[step])
 
 
 @pytest.mark.parametrize("loss", ["ipo", "simpo", "orpo", "kto", "robust", "hinge"])

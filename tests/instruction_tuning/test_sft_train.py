@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 from conftest import (
+    flash_attention_stand_in,
     metric_series,
     start_module,
     wait_for_checkpoint,
@@ -155,3 +156,23 @@ def test_sigterm_saves_and_exits_143(tiny_sft_dict, tmp_path):
     assert "checkpoint saved" in output and f"--resume {out}" in output
     saved = sorted(p.name for p in (out / "checkpoints").iterdir())
     assert saved and all(name.startswith("checkpoint-") for name in saved)
+
+
+def test_under_flash_attention_a_micro_batch_is_one_row_packed_by_position_ids(
+    tiny_sft_dict, tmp_path, monkeypatch
+):
+    """A flash-attention model gets the varlen layout (`conftest.flash_attention_stand_in`: one
+    row, no mask, positions restarting at 0), and the losses equal those of the run with SDPA
+    and 4D-mask packing."""
+    import instruction_tuning.train
+
+    tiny_sft_dict["data"]["eval"] = None
+    tiny_sft_dict["train"]["max_steps"] = 2
+    assert run_cfg(tiny_sft_dict, tmp_path / "sdpa") == 0
+    calls = flash_attention_stand_in(monkeypatch, instruction_tuning.train)
+    assert run_cfg(tiny_sft_dict, tmp_path / "flat") == 0
+    assert calls and set(calls) == {16}  # each forward: the step's 16 examples in one row
+    sdpa, flat = losses(tmp_path / "sdpa"), losses(tmp_path / "flat")
+    assert sdpa.keys() == flat.keys() == {1, 2}
+    for step in sdpa:
+        assert abs(sdpa[step] - flat[step]) < 1e-5, (step, sdpa[step], flat[step])

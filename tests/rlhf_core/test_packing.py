@@ -17,12 +17,16 @@ from direct_alignment.data import PreferencePair, collate_pairs, pack_pairs
 from direct_alignment.reference import pair_logps
 from rlhf_core.models import ModelConfig, load_policy
 from rlhf_core.packing import (
+    is_packed,
     pack_groups,
     pack_rows,
+    packing_layout,
     segmented_attention,
     stream_sums,
+    supports_flat_packing,
     supports_packing,
     supports_segmented_attention,
+    unpacked_tokens,
 )
 
 
@@ -218,3 +222,99 @@ def test_packed_sft_loss_and_gradients_equal_the_padded_batch():
         for name, grad in grads_b.items():
             relative = (grad - grads_a[name]).norm() / grads_a[name].norm()
             assert relative <= 1e-5, (name, float(relative))
+
+
+# --- the flat layout (flash attention's varlen: one row, sequences told apart by position ids)
+
+
+def test_flat_layout_positions_targets_and_sequence_boundaries():
+    from transformers.masking_utils import find_packed_sequence_indices
+    from transformers.modeling_flash_attention_utils import (
+        _is_packed_sequence,
+        prepare_fa_kwargs_from_position_ids,
+    )
+
+    groups = [([10, 11], ([20, 21], [30])), ([], ([40, 41, 42],)), ([50], ([],))]
+    batch = pack_groups(groups, 0, flat=True)
+    # every stream a sequence of its own: the prefix repeated for its second branch, no padding
+    assert batch["input_ids"].tolist() == [[10, 11, 20, 21, 10, 11, 30, 40, 41, 42, 50]]
+    assert batch["position_ids"].tolist() == [[0, 1, 2, 3, 0, 1, 2, 0, 1, 2, 0]]
+    assert "attention_mask" not in batch and "segments" not in batch and is_packed(batch)
+    assert batch["sources"].tolist() == [1, 2, 5, 7, 8]
+    assert batch["targets"].tolist() == [20, 21, 30, 41, 42]
+    assert batch["owners"].tolist() == [0, 0, 1, 2, 2]
+    assert batch["ends"].tolist() == [3, 6, 9, 10]
+    assert stream_sums(torch.tensor([1.0, 2.0, 3.0, 4.0, 5.0]), batch).tolist() == [3, 3, 9, 0]
+    # the tokens the unpacked rows would hold, as for the 4D-mask layout
+    assert unpacked_tokens(batch) == unpacked_tokens(pack_groups(groups, 0)) == 11
+    # what transformers reads from these position ids: its mask's sequence index per position
+    # (SDPA, eager) and the varlen boundaries of its flash-attention path
+    assert find_packed_sequence_indices(batch["position_ids"]).tolist() == [
+        [0, 0, 0, 0, 1, 1, 1, 2, 2, 2, 3]
+    ]
+    assert _is_packed_sequence(batch["position_ids"], batch_size=1)
+    (cu_q, cu_k), (longest, _) = prepare_fa_kwargs_from_position_ids(batch["position_ids"])
+    assert cu_q.tolist() == cu_k.tolist() == [0, 4, 7, 10, 11] and int(longest) == 4
+    with pytest.raises(ValueError, match="stream 1 has no tokens"):
+        pack_groups([([], ([5], []))], 0, flat=True)
+
+
+@pytest.mark.parametrize("attention", ["sdpa", "eager"])
+def test_flat_dpo_log_probs_and_gradients_equal_the_two_row_forward(attention):
+    # transformers turns the position ids into a block-diagonal mask where no attention mask
+    # is given (its packed-sequence format), the same sequences flash attention's varlen
+    # kernel is handed on a GPU
+    model = tiny_policy(attention)
+    pairs = random_pairs(PAIRS)
+    full = collate_pairs(pairs, 0)
+    reference = logps_and_grads(model, full)
+    flat = pack_pairs(pairs, 0, flat=True)
+    assert flat["input_ids"].shape == (1, int(full["attention_mask"].sum()))  # no padding
+    assert flat["lengths"].tolist() == full["lengths"].tolist()
+    chosen, rejected, grads = logps_and_grads(model, flat)
+    assert_same_as(reference, chosen, rejected, grads)
+
+
+def test_flat_sft_loss_and_gradients_equal_the_padded_batch():
+    from instruction_tuning.data import SFTExample, collate, pack
+    from instruction_tuning.losses import CompletionNLLLoss
+    from rlhf_core.packing import batch_logprobs
+
+    model = tiny_policy("sdpa")
+    g = torch.Generator().manual_seed(2)
+    examples = [
+        SFTExample(torch.randint(6, 100, (p,), generator=g).tolist(),
+                   torch.randint(6, 100, (c,), generator=g).tolist(), "", "")
+        for p, c in [(4, 9), (2, 3), (7, 1), (1, 5), (3, 3)]
+    ]  # fmt: skip
+    results = []
+    for batch in (collate(examples, 0), pack(examples, 0, flat=True)):
+        model.zero_grad(set_to_none=True)
+        loss, metrics = CompletionNLLLoss()(batch_logprobs(model, batch), batch["loss_mask"], 21.0)
+        loss.backward()
+        grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+        results.append((loss.detach(), int(metrics["tokens"]), grads))
+    (loss_a, tokens_a, grads_a), (loss_b, tokens_b, grads_b) = results
+    assert tokens_a == tokens_b == 21
+    torch.testing.assert_close(loss_b, loss_a, rtol=0, atol=1e-6)
+    assert grads_a.keys() == grads_b.keys() and grads_a
+    for name, grad in grads_b.items():
+        relative = (grad - grads_a[name]).norm() / grads_a[name].norm()
+        assert relative <= 1e-5, (name, float(relative))
+
+
+def test_packing_layout_follows_the_attention_implementation():
+    # the trainers ask `packing_layout`: a 4D mask for SDPA / eager, the flat layout for any
+    # flash-attention implementation (transformers' rule: "flash" in the name), none for T5
+    from transformers import T5Config, T5ForConditionalGeneration
+
+    model = tiny_policy("sdpa")
+    assert packing_layout(model) == "mask" and not supports_flat_packing(model)
+    for name in ("flash_attention_2", "flash_attention_3", "kernels-community/flash-attn"):
+        model.config._attn_implementation_internal = name
+        assert model.config._attn_implementation == name
+        assert packing_layout(model) == "flat" and not supports_packing(model)
+    t5 = T5ForConditionalGeneration(T5Config(d_model=8, d_ff=8, num_layers=1, num_heads=1,
+                                             d_kv=8, vocab_size=32))  # fmt: skip
+    t5.config._attn_implementation_internal = "flash_attention_2"
+    assert packing_layout(t5) is None
