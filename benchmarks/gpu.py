@@ -9,6 +9,9 @@ What one step is (the library's own functions, as the trainers call them):
   SFT   `rlhf_core.logprobs.causal_lm_selected_logprobs` over `batch` rows of `seq_len` tokens (the
         LM head fused with the log-softmax on the completion positions: the second half of each
         row), masked NLL normalised by the completion tokens, backward, fused AdamW step
+  SFT, ragged  2 x `batch` examples of ragged lengths batched as the SFT trainer does: padded
+        rows against the packed layout the model takes (`rlhf_core.packing.packing_layout`:
+        flash attention's varlen row, or rows with a 4D mask under SDPA)
   DPO   the same forward on `batch` chosen + `batch` rejected rows in one concatenated batch, the
         reference forward (a frozen bf16 copy, no grad), the DPO sigmoid loss, backward, AdamW
   GRPO  `policy_gradients.rollout.generate_rollouts` (our KV-cache decode loop) of
@@ -173,6 +176,8 @@ def bench_sft_dpo(s: Settings, device, dtype, peak: float) -> dict[str, Any]:
         out["sft"]["peak_memory_gib"] = torch.cuda.max_memory_allocated() / 2**30
         torch.cuda.reset_peak_memory_stats()
 
+    out["sft_ragged"] = bench_sft_ragged(s, model, opt, device, gen)
+
     reference = copy.deepcopy(model).eval().requires_grad_(False)
     dpo_batch = rows(2 * s.batch)
 
@@ -197,6 +202,49 @@ def bench_sft_dpo(s: Settings, device, dtype, peak: float) -> dict[str, Any]:
     }  # fmt: skip
     if device.type == "cuda":
         out["dpo"]["peak_memory_gib"] = torch.cuda.max_memory_allocated() / 2**30
+    return out
+
+
+def bench_sft_ragged(s: Settings, model, opt, device, gen) -> dict[str, Any]:
+    """SFT on 2 x `batch` examples of ragged lengths (uniform in [seq_len / 8, seq_len], half
+    prompt, half completion) as the trainer batches them: padded rows (`collate`) against the
+    packed layout the model takes (`rlhf_core.packing.packing_layout`: the varlen row under flash
+    attention, rows with a 4D mask under SDPA). Tokens/s count the examples' tokens, not padding."""
+    import torch
+
+    from instruction_tuning.data import SFTExample, collate, pack
+    from instruction_tuning.losses import CompletionNLLLoss
+    from rlhf_core.packing import batch_logprobs, packing_layout
+
+    vocab = model.config.vocab_size
+    lengths = torch.randint(s.seq_len // 8, s.seq_len + 1, (2 * s.batch,), generator=gen).tolist()
+
+    def ids(n: int) -> list[int]:
+        return torch.randint(10, vocab, (n,), generator=gen).tolist()
+
+    examples = [SFTExample(ids(n // 2), ids(n - n // 2), "", "") for n in lengths]
+    layout = packing_layout(model)
+    batches = {"padded": collate(examples, 0)}
+    if layout is not None:
+        batches[f"packed ({layout})"] = pack(examples, 0, flat=layout == "flat")
+    completion_tokens = float(sum(n - n // 2 for n in lengths))
+    out: dict[str, Any] = {"layout": layout, "tokens": sum(lengths), "lengths": lengths}
+    for name, batch in batches.items():
+        batch = {k: v.to(device) for k, v in batch.items()}
+
+        def step(batch=batch):
+            logps = batch_logprobs(model, batch)
+            loss, _ = CompletionNLLLoss()(logps, batch["loss_mask"], completion_tokens)
+            loss.backward()
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+
+        step_s = sorted(time_steps(step, s, device))[s.steps // 2]
+        out[name] = {
+            "step_s": step_s, "tokens_per_s": out["tokens"] / step_s,
+            "positions": batch["input_ids"].numel(),
+        }  # fmt: skip
     return out
 
 
@@ -284,6 +332,20 @@ def render(r: dict[str, Any]) -> str:
             f"| {name.upper()} | {rows} x {s['seq_len']} | {m['step_s']:.3f} | "
             f"{m['tokens_per_s']:.0f} | {m['mfu']:.1%} | {m.get('peak_memory_gib', float('nan')):.1f} |"  # noqa: E501
         )
+    ragged = r["sft_dpo"]["sft_ragged"]
+    lines += [
+        "",
+        f"SFT on {len(ragged['lengths'])} ragged examples ({ragged['tokens']} tokens, "
+        f"{s['seq_len'] // 8}-{s['seq_len']} each), as the trainer batches them:",
+        "",
+        "| batch | positions | step s | tokens/s |",
+        "| --- | ---: | ---: | ---: |",
+    ]
+    for name, m in ragged.items():
+        if isinstance(m, dict):
+            lines.append(
+                f"| {name} | {m['positions']} | {m['step_s']:.3f} | {m['tokens_per_s']:.0f} |"
+            )
     g = r["grpo"]
     lines += [
         "",
