@@ -40,7 +40,7 @@ from rlhf_core.distributed import Engine, EngineSettings, is_sharded, local_tens
 from rlhf_core.errors import UserError
 from rlhf_core.models import resolve_model_path
 from rlhf_core.optim import EmbeddingGradBuffer, OptimConfig, build_optimizer, build_scheduler
-from rlhf_core.runtime import configure_threads, quiet_libraries
+from rlhf_core.runtime import configure_threads, quiet_libraries, retain_freed_memory
 
 
 class BaseLoopConfig(EngineSettings):
@@ -53,6 +53,12 @@ class BaseLoopConfig(EngineSettings):
     eval_size: int | None = Field(None, gt=0, description="held-out rows to use; null = all")
     threads: int | None = Field(None, gt=0, description="CPU threads; null = free cores")
     device: Literal["auto", "cpu", "cuda"] = Field("auto", description="auto = cuda if available")
+    retain_freed_memory: bool = Field(
+        True,
+        description="on the CPU (glibc): keep freed memory in the process for the next step "
+        "instead of returning it to the kernel and faulting it in again (no mmap, trim at 2 "
+        "GiB; rlhf_core.runtime.retain_freed_memory); false = glibc's defaults",
+    )
 
 
 class LoopConfig(BaseLoopConfig):
@@ -79,6 +85,8 @@ def start_accelerator(loop: BaseLoopConfig) -> tuple[Accelerator, int]:
     quiet_libraries()
     threads = configure_threads(loop.threads)
     use_cpu = loop.device == "cpu" or not torch.cuda.is_available()
+    if use_cpu and loop.retain_freed_memory:
+        retain_freed_memory()
     accelerator = Accelerator(cpu=use_cpu)
     plugin = getattr(accelerator.state, "deepspeed_plugin", None)
     refuse_sharded_parameters(accelerator.distributed_type, getattr(plugin, "zero_stage", None))
