@@ -51,7 +51,7 @@ def retain_freed_memory() -> bool:
     again from fresh zeroed pages: on the SFT benchmark (the `real` model, fp32, 2 threads) ~1.1
     million minor page faults and 4.4-4.9 system CPU-seconds per 8-step run. With mmap off
     (`M_MMAP_MAX` 0) and trimming at 2 GiB of free heap (`M_TRIM_THRESHOLD`) the heap keeps those
-    pages: ~0.7 million faults, 2.9-3.8 system seconds, the same peak RSS within 2%
+    pages: ~0.7 million faults, 2.6-3.8 system seconds, the same peak RSS within 3%
     (docs/performance.md). The process's resident memory then stays at its high-water mark
     instead of shrinking between steps."""
     if platform.system() != "Linux" or platform.libc_ver()[0] != "glibc":
