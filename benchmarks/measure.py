@@ -95,9 +95,20 @@ class PeakRSS:
 # ----------------------------------------------------------------------------- workers
 
 
+#: Set to 1 in the environment of a benchmark command to run *every* measured process, the
+#: peer's too, with glibc keeping freed memory (what our trainers do on the CPU since
+#: `train.retain_freed_memory`): the comparison in which neither arm pays glibc's page faults.
+RETAIN_ALL = "RLHF_BENCH_RETAIN_FREED_MEMORY"
+#: The glibc setting `rlhf_core.runtime.retain_freed_memory` applies, as a startup tunable.
+RETAIN_TUNABLES = "glibc.malloc.mmap_max=0:glibc.malloc.trim_threshold=2147483647"
+
+
 def worker_env(threads: int) -> dict[str, str]:
-    """Environment of a measured process: fixed thread counts, no network, quiet libraries."""
+    """Environment of a measured process: fixed thread counts, no network, quiet libraries;
+    with `RLHF_BENCH_RETAIN_FREED_MEMORY=1`, glibc keeping freed memory in every arm."""
     env = dict(os.environ)
+    if env.get(RETAIN_ALL) == "1":
+        env["GLIBC_TUNABLES"] = RETAIN_TUNABLES
     env.update({
         "OMP_NUM_THREADS": str(threads),
         "MKL_NUM_THREADS": str(threads),
@@ -216,6 +227,7 @@ def machine() -> dict[str, Any]:
         "platform": platform.platform(),
         "python": platform.python_version(),
         "load_average_at_start": [round(x, 2) for x in os.getloadavg()],
+        "every_arm_retains_freed_memory": os.environ.get(RETAIN_ALL) == "1",
         "versions": {
             d: _version(d) for d in ("torch", "transformers", "trl", "accelerate", "datasets")
         },
