@@ -49,7 +49,7 @@ def retain_freed_memory() -> bool:
     its heap once more than twice that is free. A training step on the CPU allocates and frees
     the same large activations and gradients every step, so each step faults all of them in
     again from fresh zeroed pages: on the SFT benchmark (the `real` model, fp32, 2 threads) ~1.1
-    million minor page faults and 4.4-4.9 system CPU-seconds per 8-step run. With mmap off
+    million minor page faults and 4.1-4.9 system CPU-seconds per 8-step run. With mmap off
     (`M_MMAP_MAX` 0) and trimming at 2 GiB of free heap (`M_TRIM_THRESHOLD`) the heap keeps those
     pages: ~0.7 million faults, 2.6-3.8 system seconds, the same peak RSS within 3%
     (docs/performance.md). The process's resident memory then stays at its high-water mark

@@ -9,13 +9,17 @@ import sys
 import pytest
 
 from rlhf_core.loop import BaseLoopConfig
-from rlhf_core.runtime import retain_freed_memory
 
-# a step's worth of large allocations, freed and made again: minor page faults per round
+# a step's worth of large allocations, freed and made again: minor page faults per round;
+# "retain" calls the function, "loop-on" / "loop-off" start a trainer's accelerator on the CPU
 PROBE = """
 import json, resource, sys, torch
+from rlhf_core.loop import BaseLoopConfig, start_accelerator
 from rlhf_core.runtime import retain_freed_memory
-applied = retain_freed_memory() if sys.argv[1] == "retain" else False
+mode = sys.argv[1]
+applied = retain_freed_memory() if mode == "retain" else None
+if mode.startswith("loop"):
+    start_accelerator(BaseLoopConfig(device="cpu", retain_freed_memory=mode == "loop-on"))
 faults = []
 for _ in range(8):
     before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
@@ -24,6 +28,7 @@ for _ in range(8):
     faults.append(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before)
 print(json.dumps({"applied": applied, "faults": faults}))
 """
+PAGES = 4 * (64 << 20) // 4096  # what 4 fresh 64 MiB tensors touch
 
 
 def probe(mode: str) -> dict:
@@ -33,20 +38,29 @@ def probe(mode: str) -> dict:
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
-@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="glibc's allocator")
+def faulted_every_round(result: dict) -> bool:
+    """glibc's default maps each block afresh and unmaps it on free: every round faults them."""
+    return min(result["faults"]) > 0.9 * PAGES
+
+
+def settles(result: dict) -> bool:
+    """Retained, the heap grows over the first rounds (small allocations between the large ones
+    shift where they fit), then the same pages serve every round."""
+    return result["faults"][0] > 0.9 * PAGES and max(result["faults"][-3:]) < 0.05 * PAGES
+
+
+linux_only = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="glibc's allocator")
+
+
+@linux_only
 def test_retained_memory_is_not_faulted_in_again_each_round():
     default, retained = probe("default"), probe("retain")
-    assert retained["applied"] and not default["applied"]
-    pages = 4 * (64 << 20) // 4096  # what 4 fresh 64 MiB tensors touch
-    # glibc's default maps each block afresh and unmaps it on free: every round faults them in
-    assert min(default["faults"]) > 0.9 * pages
-    # retained, the heap grows over the first rounds (small allocations between the large
-    # ones shift where they fit), then the same pages serve every round
-    assert retained["faults"][0] > 0.9 * pages
-    assert max(retained["faults"][-3:]) < 0.05 * pages
+    assert retained["applied"] is True
+    assert faulted_every_round(default) and settles(retained)
 
 
-def test_it_is_on_by_default_for_cpu_training_and_can_be_switched_off():
+@linux_only
+def test_a_cpu_trainer_retains_freed_memory_unless_switched_off():
+    # `start_accelerator` (every trainer's first step) applies `train.retain_freed_memory`
     assert BaseLoopConfig().retain_freed_memory is True
-    assert BaseLoopConfig(retain_freed_memory=False).retain_freed_memory is False
-    assert retain_freed_memory() in (True, False)  # never raises, whatever the platform
+    assert settles(probe("loop-on")) and faulted_every_round(probe("loop-off"))
