@@ -12,8 +12,8 @@ right-padded rows prompt + chosen then prompt + rejected) and
            masked L x L matrix), and converts them to FLOPs: matmul FLOPs 2 x parameters per
            position (body and head apart), attention 4 x heads x head_dim per score entry
            forward; the policy's backward 2x its forward plus the fused heads' recomputation of
-           the logits (both arms recompute), the reference one forward. The ratio TRL / ours of
-           those FLOPs is the speed-up the work alone predicts.
+           the logits (both arms recompute), the reference one forward (`benchmarks.flops`).
+           The ratio TRL / ours of those FLOPs is the speed-up the work alone predicts.
   measures (`--measure`) the same steps in one process, both arms' computations alternating
            batch by batch: policy forward, backward, reference forward and optimizer step
            (clip + fused AdamW), each as process CPU seconds (user + kernel, all threads) and
@@ -41,6 +41,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from benchmarks.flops import Shapes, segment_score_entries
 from benchmarks.measure import machine, median, timestamp, write_results
 from benchmarks.workload import MODEL_CHOICES, Workload, model_dir, prepare
 
@@ -49,18 +50,6 @@ from benchmarks.workload import MODEL_CHOICES, Workload, model_dir, prepare
 #: the longest pair, padded, the whole masked (L, L) attention of each row); trl: DPOTrainer's.
 ARMS = ("ours", "ours_rows", "trl")
 PHASES = ("policy_forward", "backward", "reference_forward", "optimizer")
-
-
-def shapes(config) -> dict[str, float]:
-    """Matmul parameters per position of the body and of the head, and attention widths."""
-    h, d = config.hidden_size, config.head_dim
-    nq, nkv = config.num_attention_heads, config.num_key_value_heads
-    per_layer = h * nq * d * 2 + h * nkv * d * 2 + 3 * h * config.intermediate_size
-    return {
-        "body_params": per_layer * config.num_hidden_layers,
-        "head_params": h * config.vocab_size,
-        "attn_width": nq * d * config.num_hidden_layers,  # summed over layers
-    }
 
 
 def batches(w: Workload, workdir: Path) -> dict[str, list[dict]]:
@@ -97,8 +86,9 @@ def batches(w: Workload, workdir: Path) -> dict[str, list[dict]]:
     return out
 
 
-def count(step: dict[str, dict], sizes: dict[str, float]) -> dict[str, dict[str, float]]:
-    """Positions, tokens, head positions, score entries and FLOPs of one step, per arm."""
+def count(step: dict[str, dict], sizes: Shapes) -> dict[str, dict[str, float]]:
+    """Positions, tokens, head positions, score entries and FLOPs (`benchmarks.flops`) of one
+    step, per arm."""
     out = {}
     for arm, b in step.items():
         rows, length = b["input_ids"].shape
@@ -110,21 +100,16 @@ def count(step: dict[str, dict], sizes: dict[str, float]) -> dict[str, dict[str,
             head = int(b["targets"].numel())
         positions = rows * length
         if "segments" in b:  # attention segment by segment
-            scores = int(((b["segments"][:, 2] - b["segments"][:, 1]) ** 2).sum())
+            scores = segment_score_entries(b["segments"])
         else:
             scores = rows * length * length
-        body_fwd = 2 * sizes["body_params"] * positions + 4 * sizes["attn_width"] * scores
-        head_fwd = 2 * sizes["head_params"] * head
         out[arm] = {
             "rows": rows, "row_length": length, "positions": positions, "non_pad_tokens": tokens,
             "padding_share": 1 - tokens / positions, "head_positions": head,
             "score_entries": scores,
-            # policy: forward 1x, backward 2x (attention 2.5x: the kernel recomputes the scores)
-            "policy_body_gflop": (3 * 2 * sizes["body_params"] * positions
-                                  + 14 * sizes["attn_width"] * scores) / 1e9,
-            # fused head: forward, then backward = recompute + grad hidden + grad weight
-            "policy_head_gflop": 4 * head_fwd / 1e9,
-            "reference_gflop": (body_fwd + head_fwd) / 1e9,
+            "policy_body_gflop": sizes.train_gflop(positions, 0, scores),
+            "policy_head_gflop": sizes.train_gflop(0, head, 0),
+            "reference_gflop": sizes.forward_gflop(positions, head, scores),
         }  # fmt: skip
         a = out[arm]
         a["total_gflop"] = a["policy_body_gflop"] + a["policy_head_gflop"] + a["reference_gflop"]
@@ -280,7 +265,7 @@ def run(w: Workload, do_measure: bool, rounds: int) -> dict[str, Any]:
     with tempfile.TemporaryDirectory(prefix="rlhf-bench-acct-") as tmp:
         prep = prepare(w, Path(tmp))
         arm_steps = batches(w, Path(tmp))
-    sizes = shapes(AutoConfig.from_pretrained(model_dir(w.model)))
+    sizes = Shapes.of(AutoConfig.from_pretrained(model_dir(w.model)))
     steps = [count({a: arm_steps[a][i] for a in ARMS}, sizes) for i in range(len(arm_steps["trl"]))]
     totals = {
         a: {k: sum(s[a][k] for s in steps) for k in steps[0][a] if k != "padding_share"}
@@ -296,7 +281,8 @@ def run(w: Workload, do_measure: bool, rounds: int) -> dict[str, Any]:
     }  # fmt: skip
     result: dict[str, Any] = {
         "machine": machine(), "workload": dataclasses.asdict(w), "prepare": prep,
-        "sizes": sizes, "steps": steps, "totals": totals, "ratios_trl_over_ours": ratios,
+        "sizes": dataclasses.asdict(sizes), "steps": steps, "totals": totals,
+        "ratios_trl_over_ours": ratios,
         "load_average_before": os.getloadavg()[0],
     }  # fmt: skip
     if do_measure:

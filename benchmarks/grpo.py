@@ -122,7 +122,56 @@ def prepare(w: Workload, workdir: Path) -> dict[str, Any]:
         "model": {"name": name, "parameters": count_params(config),
                   "vocab_size": config.vocab_size, "hidden_size": config.hidden_size,
                   "layers": config.num_hidden_layers},
+        "work": work(w, path, config),
     }  # fmt: skip
+
+
+def work(w: Workload, path: Path, config: Any) -> dict[str, Any]:
+    """What each arm computes per timed step (`benchmarks.flops`), every completion taken at
+    the `max_new_tokens` cap (an untrained model never stops early; both arms report their
+    mean completion length to check it), P the step's padded prompt width:
+
+    - generation, both: C - 1 single-token forwards of the N x G rows after the prefill
+      (`decode_gflop`); the prefill: ours N rows (each prompt once, its KV cache shared by its
+      G samples), TRL's `generate` the N x G repeated prompts;
+    - training, per micro-batch of m rows: ours (`shared_prompt_logprobs`, groups contiguous)
+      its m / G prompts once, then m rows of C completion positions attending to P + C, the
+      head on the m x C targets; TRL m rows of P + C positions, the whole (P + C)^2 attention,
+      the head on every position (its fused head, `fused_lm_head=True`, scores all of them
+      without Triton)."""
+    from benchmarks.flops import Shapes
+    from rlhf_core.chat import render_prompt
+    from rlhf_core.data import EpochSampler, ReasoningGymSource, reasoning_gym_dataset
+    from rlhf_core.models import ModelConfig, load_tokenizer
+
+    shapes = Shapes.of(config)
+    tokenizer = load_tokenizer(ModelConfig(name_or_path=str(path)), padding_side="left")
+    entries = list(reasoning_gym_dataset(ReasoningGymSource(**_rg_source(w))))
+    order = EpochSampler(len(entries), w.seed).next_batch(w.prompts_per_step * w.steps)
+    n, g, c, m = w.prompts_per_step, w.group_size, w.max_new_tokens, w.micro
+    parts = {a: {"generation": 0.0, "training": 0.0} for a in ARMS}
+    for s in range(w.warmup_steps, w.steps):
+        texts = [
+            render_prompt(tokenizer, [{"role": "user", "content": entries[i]["question"]}])
+            for i in order[s * n : (s + 1) * n]
+        ]
+        p = max(len(tokenizer(t, add_special_tokens=False)["input_ids"]) for t in texts)
+        decode = shapes.decode_gflop(n * g, p, c)
+        parts["ours"]["generation"] += shapes.forward_gflop(n * p, n, n * p * p) + decode
+        parts["trl"]["generation"] += shapes.forward_gflop(n * g * p, n * g, n * g * p * p) + decode
+        for _ in range(n * g // m):
+            u = max(m // g, 1)  # the micro-batch's distinct prompts
+            parts["ours"]["training"] += shapes.train_gflop(
+                u * p + m * c, m * c, u * p * p + m * c * (p + c)
+            )
+            parts["trl"]["training"] += shapes.train_gflop(
+                m * (p + c), m * (p + c - 1), m * (p + c) ** 2
+            )
+    timed = w.steps - w.warmup_steps
+    return {
+        a: {k: v / timed for k, v in {**d, "step": sum(d.values())}.items()}
+        for a, d in parts.items()
+    }
 
 
 def run_ours(w: Workload, workdir: Path) -> dict[str, Any]:
@@ -274,6 +323,14 @@ def compare(w: Workload, rounds: int, timeout: float = 600) -> dict[str, Any]:
     speedup = median([p["trl"]["step_s_median"] / p["ours"]["step_s_median"]
                       for p in by_round.values()])  # fmt: skip
     ours = [r for r in runs if r["impl"] == "ours"]
+    done = prep["work"]
+    # CPU-seconds per step = step seconds x tokens/s / tokens per CPU-second
+    cpu_s = {a: arms[a]["step_s_median"] * arms[a]["tokens_per_s"] / arms[a]["tokens_per_cpu_s"]
+             for a in ARMS}  # fmt: skip
+    work_summary = {
+        "trl_over_ours_gflop": done["trl"]["step"] / done["ours"]["step"],
+        "gflop_per_cpu_s": {a: done[a]["step"] / cpu_s[a] for a in ARMS},
+    }
     return {
         "machine": host, "workload": asdict(w), "prepare": prep, "runs": runs,
         "summary": {
@@ -294,6 +351,7 @@ def compare(w: Workload, rounds: int, timeout: float = 600) -> dict[str, Any]:
                 for k in ours[0]["phase_s_mean"]
             },
             "load_average_range": spread([r["load_average_before"] for r in runs]),
+            "work": work_summary,
         },
     }  # fmt: skip
 
@@ -340,6 +398,24 @@ def markdown(result: dict[str, Any]) -> str:
         "Where our timed steps go (mean s/step): "
         + ", ".join(f"{k.split('time/')[-1]} {v:.2f}" for k, v in s["ours_phase_s_mean"].items())
         + ".",
+        "",
+    ]
+    done, ws = result["prepare"]["work"], s["work"]
+    lines += [
+        "Work per timed step (`benchmarks.flops`; every completion at the cap; generation "
+        "includes the prefill, training is forward + backward) and the rate each arm did it "
+        "at. The step-rate ratio is about the work ratio times the rate ratio: where the work "
+        "ratio is below a target, only less work or a slower peer meets it.",
+        "",
+        "| arm | generation GFLOP | training GFLOP | step GFLOP | GFLOP per CPU-s |",
+        "| --- | ---: | ---: | ---: | ---: |",
+        *(
+            f"| {LABELS[a]} | {done[a]['generation']:.0f} | {done[a]['training']:.0f} | "
+            f"{done[a]['step']:.0f} | {ws['gflop_per_cpu_s'][a]:.1f} |"
+            for a in ARMS
+        ),
+        "",
+        f"TRL / ours work: {ws['trl_over_ours_gflop']:.2f}x.",
         "",
     ]
     return "\n".join(lines)

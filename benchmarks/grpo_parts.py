@@ -16,9 +16,11 @@ and without its technique, alternating the variants in one process:
 
 Reported: median seconds per call and the peak RSS during the calls of each variant (the
 high-water mark restarted before each call; it includes the resident model). For the two training
-variants also where the time goes: the FLOPs of the call (matmuls of the decoder's linear layers
-over every position the variant computes, padding included, the LM head over completion tokens,
-attention scores and values; forward + backward = 3 x forward), the process CPU-seconds of the
+variants also where the time goes: the FLOPs of the call (`benchmarks.flops`: matmuls of the
+decoder's linear layers over every position the variant computes, padding included, the LM head
+over completion tokens, attention scores and values; forward + backward, the fused head's
+recomputation of its logits included; before this count moved to `benchmarks.flops` it took
+3 x the forward for all of it, ~9% less for the GRPO workload), the process CPU-seconds of the
 call (all threads; robust to other work on the machine, unlike wall time), and the share of this
 machine's matmul rate those FLOPs reach (GFLOP per CPU-second of one fp32 matmul of the same
 width, measured in the same process). A variant near 100% is compute-bound: only fewer FLOPs
@@ -38,6 +40,7 @@ import sys
 import time
 from typing import Any
 
+from benchmarks.flops import Shapes
 from benchmarks.measure import (
     median,
     peak_rss_mb,
@@ -194,20 +197,11 @@ def measure(model_name: str, prompts_per_step: int, group_size: int, max_new_tok
 
 
 def train_flops(model: Any, *, rows: int, queries: int, keys: int, head_tokens: int) -> float:
-    """Forward + backward FLOPs (3 x forward) of `rows` rows of `queries` positions attending to
-    `keys` positions each: 2 per weight of the decoder's linear layers per position, the LM head
-    per `head_tokens`, and attention's scores and weighted values (2 x 2 x q x k x width per
-    layer and row)."""
-    import torch
-
-    head = model.get_output_embeddings()
-    linear = sum(m.weight.numel() for m in model.modules()
-                 if isinstance(m, torch.nn.Linear) and m is not head)  # fmt: skip
-    c = model.config
-    width = c.num_attention_heads * getattr(c, "head_dim", c.hidden_size // c.num_attention_heads)
-    forward = (2 * linear * rows * queries + 2 * head.weight.numel() * head_tokens
-               + c.num_hidden_layers * rows * 4 * queries * keys * width)  # fmt: skip
-    return 3.0 * forward
+    """Forward + backward FLOPs of `rows` rows of `queries` positions attending to `keys`
+    positions each, the LM head on `head_tokens` (`benchmarks.flops.Shapes.train_gflop`: the
+    fused head recomputes its logits, attention's backward recomputes the scores)."""
+    shapes = Shapes.of(model.config)
+    return 1e9 * shapes.train_gflop(rows * queries, head_tokens, rows * queries * keys)
 
 
 def matmul_gflop_per_cpu_s(

@@ -41,6 +41,7 @@ from functools import partial
 from pathlib import Path
 from typing import Any
 
+from benchmarks.flops import per_cpu_second
 from benchmarks.measure import (
     PeakRSS,
     machine,
@@ -102,6 +103,7 @@ def prepare(w: Workload, workdir: Path) -> dict[str, Any]:
         sum(len(r) for r in rows[s * w.batch_size : (s + 1) * w.batch_size]) for s in range(w.steps)
     ]
     (workdir / "sft_expected.json").write_text(json.dumps({"rows": rows}))
+    split = [(e["prompt_ids"], e["chosen_ids"]) for e in expected]
     widths = [
         max(len(r) for r in rows[s * w.batch_size : (s + 1) * w.batch_size]) * w.batch_size
         for s in range(w.steps)
@@ -110,7 +112,55 @@ def prepare(w: Workload, workdir: Path) -> dict[str, Any]:
         "model_dir": info["model_dir"], "model": info["model"], "rows": len(rows),
         "step_tokens": step_tokens, "padding_share": 1 - sum(step_tokens) / sum(widths),
         "sequence_tokens_mean": sum(len(r) for r in rows) / len(rows),
+        "work": work(w, split, info["model_dir"]),
     }  # fmt: skip
+
+
+def work(w: Workload, rows: list[tuple[list[int], list[int]]], path: str) -> dict[str, Any]:
+    """What each arm computes in the timed steps (`benchmarks.flops`): body positions, LM-head
+    positions, attention score entries and forward + backward GFLOP, from the batches each
+    arm builds.
+
+    - ours: the batcher our trainer picks for this model (`packing_layout`,
+      `segmented_rows_pay`), its rows, its attention segments, the head on completion targets;
+    - TRL padded: `batch_size` rows of the step's longest row, the whole L x L per row, the head
+      on every position (its fused head scores every position without Triton);
+    - TRL padding-free: one row of all the step's tokens; transformers builds a block-diagonal
+      mask from the restarting positions and SDPA computes the whole T x T of it."""
+    from transformers import AutoModelForCausalLM
+
+    from benchmarks.flops import Shapes, segment_score_entries
+    from instruction_tuning.data import SFTExample, pack
+    from rlhf_core.packing import SEGMENTED_ROW_TOKENS, packing_layout, segmented_rows_pay
+
+    model = AutoModelForCausalLM.from_pretrained(path, attn_implementation="sdpa")
+    shapes = Shapes.of(model.config)
+    assert packing_layout(model) == "mask", "the SFT benchmark's arm packs with a 4D mask"
+    row_tokens = SEGMENTED_ROW_TOKENS if segmented_rows_pay(model) else None
+    del model
+    counts = {arm: {"positions": 0, "head_positions": 0, "score_entries": 0} for arm in ARMS}
+
+    def add(arm: str, positions: int, head: int, scores: int) -> None:
+        for key, value in zip(counts[arm], (positions, head, scores), strict=True):
+            counts[arm][key] += value
+
+    for s in range(w.warmup_steps, w.steps):
+        step = rows[s * w.batch_size : (s + 1) * w.batch_size]
+        examples = [SFTExample(list(p), list(c), "", "") for p, c in step]
+        ours = pack(examples, 0, row_tokens=row_tokens)
+        positions = ours["input_ids"].numel()
+        if "segments" in ours:
+            scores = segment_score_entries(ours["segments"])
+        else:
+            scores = ours["input_ids"].shape[0] * ours["input_ids"].shape[1] ** 2
+        add("ours", positions, int(ours["targets"].numel()), scores)
+        longest = max(len(p) + len(c) for p, c in step)
+        add("trl", len(step) * longest, len(step) * (longest - 1), len(step) * longest**2)
+        total = sum(len(p) + len(c) for p, c in step)
+        add("trl-padding-free", total, total - 1, total**2)
+    for c in counts.values():
+        c["gflop"] = shapes.train_gflop(c["positions"], c["head_positions"], c["score_entries"])
+    return {"shapes": dataclasses.asdict(shapes), "arms": counts}
 
 
 def run_ours(w: Workload, workdir: Path) -> dict[str, Any]:
@@ -191,11 +241,21 @@ def compare(w: Workload, rounds: int, timeout: float = 900) -> dict[str, Any]:
     )
     ratios = {peer: round_ratios(by_round, "ours", peer) for peer in ARMS[1:]}
     fastest_trl = min(ratios[p]["tokens_per_s"] for p in ARMS[1:])
+    done = prep["work"]["arms"]
+    timed_tokens = sum(prep["step_tokens"][w.warmup_steps :])
+    work_summary = {
+        "trl_over_ours_gflop": {p: done[p]["gflop"] / done["ours"]["gflop"] for p in ARMS[1:]},
+        "gflop_per_cpu_s": {
+            a: per_cpu_second(done[a]["gflop"], timed_tokens, arms[a]["tokens_per_cpu_s"])
+            for a in ARMS
+        },
+    }
     return {
         "machine": host, "workload": dataclasses.asdict(w), "prepare": prep, "runs": runs,
         "summary": {
             "arms": arms, "ratios_ours_over": ratios,
             "target_tokens_per_s_1_5x_over_fastest_trl": fastest_trl >= 1.5,
+            "work": work_summary,
             **run_checks(w, prep, runs),
         },
     }  # fmt: skip
@@ -222,6 +282,26 @@ def markdown(result: dict[str, Any]) -> str:
     lines += [*arm_rows(s["arms"], LABELS), ""]
     for peer in ARMS[1:]:
         lines.append(ratio_line("ours", LABELS[peer], s["ratios_ours_over"][peer]))
+    done, ws = result["prepare"]["work"]["arms"], s["work"]
+    lines += [
+        "",
+        "Work in the timed steps (`benchmarks.flops`: forward + backward; what each arm's batches "
+        "make it compute) and the rate each arm did it at. The tokens/CPU-s ratio is the work "
+        "ratio times the rate ratio: where the work ratio is below a target, only less work or "
+        "a slower peer meets it.",
+        "",
+        "| arm | body positions | LM-head positions | attention score entries | GFLOP | "
+        "TRL arm / ours GFLOP | GFLOP per CPU-s |",
+        "| --- | ---: | ---: | ---: | ---: | ---: | ---: |",
+    ]
+    for arm in ARMS:
+        c = done[arm]
+        versus = f"{ws['trl_over_ours_gflop'][arm]:.2f}x" if arm != "ours" else ""
+        lines.append(
+            f"| {LABELS[arm]} | {c['positions']:,} | {c['head_positions']:,} | "
+            f"{c['score_entries']:,} | {c['gflop']:.0f} | {versus} | "
+            f"{ws['gflop_per_cpu_s'][arm]:.1f} |"
+        )
     lines += [
         "",
         f"Target >= 1.5x TRL tokens/s (over its faster arm): "
