@@ -26,7 +26,7 @@ right-padded rows prompt + chosen then prompt + rejected) and
            from what the trainer loops add.
 
     uv run --group bench python -m benchmarks.dpo_accounting --model real --steps 6 \
-        [--measure --rounds 2 --threads 1]
+        [--micro-batch-size 2] [--measure --rounds 2 --threads 1]
 
 Writes `benchmarks/results/<stamp>-dpo-accounting.{json,md}`.
 """
@@ -53,14 +53,14 @@ PHASES = ("policy_forward", "backward", "reference_forward", "optimizer")
 
 
 def batches(w: Workload, workdir: Path) -> dict[str, list[dict]]:
-    """The timed steps' batches of each arm: ours (`pack_pairs` as the trainer calls it), ours
-    before (`pack_pairs` default rows, no attention segments) and TRL's (its collator)."""
+    """The timed steps' batches of each arm, one per micro-batch of `micro_batch_size` pairs
+    (the whole step without it): ours (`pack_pairs` as the trainer calls it), ours before
+    (`pack_pairs` default rows, no attention segments) and TRL's (its collator)."""
     from trl.trainer.dpo_trainer import DataCollatorForPreference
 
-    from direct_alignment.data import build_preference_data, pack_pairs
+    from direct_alignment.data import build_preference_data
     from rlhf_core.data import DataSource, EpochSampler
     from rlhf_core.models import ModelConfig, load_tokenizer
-    from rlhf_core.packing import SEGMENTED_ROW_TOKENS
 
     tokenizer = load_tokenizer(
         ModelConfig(name_or_path=str(model_dir(w.model))), padding_side="right"
@@ -73,17 +73,27 @@ def batches(w: Workload, workdir: Path) -> dict[str, list[dict]]:
     collator = DataCollatorForPreference(pad_token_id=tokenizer.pad_token_id)
     out: dict[str, list[dict]] = {a: [] for a in ARMS}
     pad = tokenizer.pad_token_id
+    micro = w.micro_batch_size or w.batch_size
     for s in range(w.warmup_steps, w.steps):
-        step = [data.pairs[i] for i in order[s * w.batch_size : (s + 1) * w.batch_size]]
-        out["ours"].append(pack_pairs(step, pad, row_tokens=SEGMENTED_ROW_TOKENS))
-        rows = pack_pairs(step, pad)
-        rows.pop("segments")  # no segments: SDPA over each whole row, as before
-        out["ours_rows"].append(rows)
-        out["trl"].append(collator([
-            {"prompt_ids": p.prompt_ids, "chosen_ids": p.chosen_ids,
-             "rejected_ids": p.rejected_ids} for p in step
-        ]))  # fmt: skip
+        pairs = [data.pairs[i] for i in order[s * w.batch_size : (s + 1) * w.batch_size]]
+        for m in range(0, len(pairs), micro):  # micro-batches, as both trainers split a step
+            add_batches(out, pairs[m : m + micro], collator, pad)
     return out
+
+
+def add_batches(out: dict[str, list[dict]], step: list, collator: Any, pad: int) -> None:
+    """Append each arm's batch of the pairs `step` to `out`."""
+    from direct_alignment.data import pack_pairs
+    from rlhf_core.packing import SEGMENTED_ROW_TOKENS
+
+    out["ours"].append(pack_pairs(step, pad, row_tokens=SEGMENTED_ROW_TOKENS))
+    rows = pack_pairs(step, pad)
+    rows.pop("segments")  # no segments: SDPA over each whole row, as before
+    out["ours_rows"].append(rows)
+    out["trl"].append(collator([
+        {"prompt_ids": p.prompt_ids, "chosen_ids": p.chosen_ids,
+         "rejected_ids": p.rejected_ids} for p in step
+    ]))  # fmt: skip
 
 
 def count(step: dict[str, dict], sizes: Shapes) -> dict[str, dict[str, float]]:
@@ -295,14 +305,16 @@ def markdown(result: dict[str, Any]) -> str:
     w, t, s = result["workload"], result["totals"], result["sizes"]
     r = result["ratios_trl_over_ours"]
     timed = w["steps"] - w["warmup_steps"]
+    micro = w.get("micro_batch_size") or w["batch_size"]
+    unit = "step" if micro == w["batch_size"] else f"micro-batch of {micro} pairs"
     lines = [
         f"### DPO step accounting: ours vs TRL (model `{w['model']}`, {timed} timed steps of "
-        f"{w['batch_size']} pairs)",
+        f"{w['batch_size']} pairs, in micro-batches of {micro})",
         "",
         f"Body {s['body_params'] / 1e6:.1f}M matmul parameters per position, LM head "
-        f"{s['head_params'] / 1e6:.1f}M. Totals over the timed steps. `ours`: one row per step, "
-        "no padding, attention pair by pair; `ours_rows`: the previous layout (rows no longer "
-        "than the longest pair, whole-row attention).",
+        f"{s['head_params'] / 1e6:.1f}M. Totals over the timed steps. `ours`: one row per "
+        "micro-batch, no padding, attention pair by pair; `ours_rows`: the previous layout "
+        "(rows no longer than the longest pair, whole-row attention).",
         "",
         "| | ours | ours_rows | TRL | TRL / ours | TRL / ours_rows |",
         "| --- | ---: | ---: | ---: | ---: | ---: |",
@@ -331,7 +343,8 @@ def markdown(result: dict[str, Any]) -> str:
         lines += [
             "",
             f"Measured in one process, arms rotating batch by batch, {m['threads']} thread(s), "
-            f"median of {m['rounds']} rounds, CPU seconds (wall) per step; load average "
+            f"median of {m['rounds']} rounds, CPU seconds (wall) per {unit} (an optimizer step, "
+            f"at lr 0, after each); load average "
             f"{result['load_average_before']:.1f} -> {result['load_average_after']:.1f}:",
             "",
             "| phase | ours CPU-s (wall) | ours_rows CPU-s (wall) | TRL CPU-s (wall) "
@@ -353,13 +366,18 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--model", choices=MODEL_CHOICES, default="real")
     parser.add_argument("--steps", type=int, default=6)
     parser.add_argument("--batch-size", type=int, default=4)
+    parser.add_argument(
+        "--micro-batch-size", type=int, default=None,
+        help="pairs per forward/backward in both arms (benchmarks.dpo --micro-batch-size "
+        "--trl-micro-batches); default: the whole step",
+    )  # fmt: skip
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--measure", action="store_true", help="also time both arms' steps")
     parser.add_argument("--rounds", type=int, default=2)
     args = parser.parse_args(argv)
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     w = Workload(model=args.model, steps=args.steps, batch_size=args.batch_size,
-                 threads=args.threads)  # fmt: skip
+                 micro_batch_size=args.micro_batch_size, threads=args.threads)  # fmt: skip
     result = run(w, args.measure, args.rounds)
     text = markdown(result)
     print(text)
