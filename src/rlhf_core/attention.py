@@ -142,3 +142,52 @@ def short_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
         bias = bias.view(bias.shape[0], hk, g, *bias.shape[-2:])
     grouped = query.reshape(b, hk, g, q_len, d)  # a view: query head j*G + i is (j, i)
     return _ShortAttention.apply(grouped, key, value, bias, scale).view(b, h, q_len, d)
+
+
+def folds_query_groups(query: torch.Tensor, key: torch.Tensor, mask: torch.Tensor | None) -> bool:
+    """Whether `grouped_decode_attention` is the faster way for a call of `query` (B, H, 1, D)
+    over `key` (B, H_kv, K, D) on the CPU: one query position (a decoding step), grouped heads
+    (H_kv < H), bf16/fp16, and a mask (if any) shared by every head and the query
+    (B or 1, 1, 1, K)."""
+    shared_mask = mask is None or (mask.dim() == 4 and mask.shape[1] == 1 and mask.shape[2] == 1)
+    return (
+        query.dtype in (torch.bfloat16, torch.float16) and query.shape[2] == 1
+        and key.shape[1] < query.shape[1] and query.shape[1] % key.shape[1] == 0
+        and shared_mask
+    )  # fmt: skip
+
+
+def grouped_decode_attention(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    mask: torch.Tensor | None,
+    scale: float | None,
+) -> torch.Tensor:
+    """Attention of one query position, query (B, H, 1, D), over grouped key/value heads
+    (B, H_kv, K, D) -> (B, H, 1, D): the G = H / H_kv query heads that share a key/value head
+    become G query rows of one SDPA call on that head, (B, H_kv, G, D), instead of SDPA's
+    `enable_gqa=True` (what transformers passes for a decoding step without a mask). The same
+    softmax(q k^T * scale + mask) v for every head; with one query position there is no causal
+    structure among the G rows, and the mask, one per key, serves all of them.
+
+    Why: on the CPU in bf16, SDPA with `enable_gqa=True` and one query position is 3-4x slower
+    than the same call with the groups as query rows. Measured on this machine (64 rows, 8 query
+    heads over 4 key/value heads of width 64, keys a view of a reserved cache as `decode` keeps
+    it; 2 threads, median of 40 calls, an ad-hoc probe):
+
+        keys        bf16: enable_gqa    grouped rows      fp32: enable_gqa    grouped rows
+        41                  1.72 ms       0.52 ms                0.31 ms        0.67 ms
+        72                  2.58 ms       0.68 ms                0.42 ms        0.81 ms
+        150                 4.83 ms       1.13 ms                1.01 ms        1.31 ms
+        300                 9.74 ms       2.43 ms                2.49 ms        2.82 ms
+
+    so only bf16/fp16 calls come here (`folds_query_groups`). The outputs were bitwise equal up
+    to 72 keys and differed by at most 6e-5 beyond (a rounding of the bf16 output), and are as
+    close to float64 attention as SDPA's (tested)."""
+    b, h, _, d = query.shape
+    grouped = query.reshape(b, key.shape[1], h // key.shape[1], d)  # query head j*G + i is (j, i)
+    out = torch.nn.functional.scaled_dot_product_attention(
+        grouped, key, value, attn_mask=mask, scale=scale
+    )
+    return out.reshape(b, h, 1, d)

@@ -50,6 +50,7 @@ from dataclasses import dataclass
 import torch
 from transformers.cache_utils import DynamicLayer
 
+from rlhf_core.packing import grouped_query_attention
 from rlhf_core.policy_model import base_model, decoder_start_id, is_encoder_decoder
 
 Generators = torch.Generator | Sequence[torch.Generator] | None
@@ -313,20 +314,21 @@ def decode(
     pad = torch.full_like(done, pad_token_id, dtype=input_ids.dtype)
     ones = torch.ones(batch, 1, dtype=mask.dtype, device=mask.device)
     new_tokens, workspace = [], {}
-    for step in range(max_new_tokens):
-        token = sampling.next_token(logits, generator, workspace)
-        token = torch.where(done, pad, token.to(input_ids.dtype))
-        new_tokens.append(token)
-        done = done | (token == eos_token_id)
-        if step == max_new_tokens - 1 or bool(done.all()):  # one host sync per token, as generate
-            break
-        mask = torch.cat([mask, ones], dim=1)
-        out = model(
-            input_ids=token[:, None], attention_mask=mask, position_ids=next_position,
-            past_key_values=cache, use_cache=True, **keep,
-        )  # fmt: skip
-        logits, cache = out.logits[:, -1], out.past_key_values
-        next_position = next_position + 1
+    with grouped_query_attention(model):  # a step's grouped heads as query rows (bf16, CPU)
+        for step in range(max_new_tokens):
+            token = sampling.next_token(logits, generator, workspace)
+            token = torch.where(done, pad, token.to(input_ids.dtype))
+            new_tokens.append(token)
+            done = done | (token == eos_token_id)
+            if step == max_new_tokens - 1 or bool(done.all()):  # one host sync per token
+                break
+            mask = torch.cat([mask, ones], dim=1)
+            out = model(
+                input_ids=token[:, None], attention_mask=mask, position_ids=next_position,
+                past_key_values=cache, use_cache=True, **keep,
+            )  # fmt: skip
+            logits, cache = out.logits[:, -1], out.past_key_values
+            next_position = next_position + 1
     return torch.cat([input_ids, torch.stack(new_tokens, dim=1)], dim=1)
 
 

@@ -232,3 +232,40 @@ def test_decode_writes_its_kv_cache_in_place_and_draws_what_concatenation_draws(
     concatenated = decode(model, enc["input_ids"], enc["attention_mask"],
                           generator=row_generators(range(6), "cpu"), **args)  # fmt: skip
     assert torch.equal(reserved, concatenated)
+
+
+def test_bf16_decoding_steps_take_a_groups_query_heads_as_rows(monkeypatch):
+    """On the CPU in bf16 a grouped-query model's decoding steps (not its prefill) go through
+    `rlhf_core.attention.grouped_decode_attention`, left padding's mask included, and draw the
+    tokens transformers' own attention path draws (greedy and sampled)."""
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    import rlhf_core.packing as packing
+
+    config = Qwen3Config(
+        vocab_size=97, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=16, attn_implementation="sdpa",
+    )  # fmt: skip
+    torch.manual_seed(0)
+    model = Qwen3ForCausalLM(config).to(torch.bfloat16).eval()
+    ids = torch.randint(3, 97, (2, 7))
+    mask = torch.ones_like(ids)
+    mask[1, :3] = 0  # left padding
+    calls = []
+    original = packing.grouped_decode_attention
+
+    def counted(query, key, value, attention_mask, scale):
+        calls.append((query.shape[2], attention_mask is not None))
+        return original(query, key, value, attention_mask, scale)
+
+    monkeypatch.setattr(packing, "grouped_decode_attention", counted)
+    for temperature in (0.0, 1.0):
+        args = {"max_new_tokens": 8, "eos_token_id": -1, "pad_token_id": 0,
+                "sampling": Sampling(temperature=temperature), "group_size": 2}  # fmt: skip
+        calls.clear()
+        ours = decode(model, ids, mask, generator=row_generators(range(4), "cpu"), **args)
+        assert calls == [(1, True)] * (7 * 2)  # 7 steps after the prefill's token, 2 layers
+        with monkeypatch.context() as m:
+            m.setattr(packing, "folds_query_groups", lambda *a: False)
+            theirs = decode(model, ids, mask, generator=row_generators(range(4), "cpu"), **args)
+        assert torch.equal(ours, theirs)
