@@ -166,8 +166,9 @@ def grouped_decode_attention(
 ) -> torch.Tensor:
     """Attention of one query position, query (B, H, 1, D), over grouped key/value heads
     (B, H_kv, K, D) -> (B, H, 1, D): the G = H / H_kv query heads that share a key/value head
-    become G query rows of one SDPA call on that head, (B, H_kv, G, D), instead of SDPA's
-    `enable_gqa=True` (what transformers passes for a decoding step without a mask). The same
+    become G query rows of one SDPA call on that head, (B, H_kv, G, D). transformers does the
+    same for a decoding step with a mask (`pack_gqa`) but calls SDPA with `enable_gqa=True` for
+    one without (no row padded: equal-length prompts, or a single prompt). The same
     softmax(q k^T * scale + mask) v for every head; with one query position there is no causal
     structure among the G rows, and the mask, one per key, serves all of them.
 
@@ -182,9 +183,10 @@ def grouped_decode_attention(
         150                 4.83 ms       1.13 ms                1.01 ms        1.31 ms
         300                 9.74 ms       2.43 ms                2.49 ms        2.82 ms
 
-    so only bf16/fp16 calls come here (`folds_query_groups`). The outputs were bitwise equal up
-    to 72 keys and differed by at most 6e-5 beyond (a rounding of the bf16 output), and are as
-    close to float64 attention as SDPA's (tested)."""
+    so only bf16/fp16 calls come here (`folds_query_groups`; fp16 not measured): whole bf16
+    decodes without padding of the benchmarks' real model 8-18% faster (docs/performance.md).
+    The outputs were bitwise equal up to 72 keys and differed by at most 6e-5 beyond (a
+    rounding of the bf16 output), and are as close to float64 attention as SDPA's (tested)."""
     b, h, _, d = query.shape
     grouped = query.reshape(b, key.shape[1], h // key.shape[1], d)  # query head j*G + i is (j, i)
     out = torch.nn.functional.scaled_dot_product_attention(

@@ -27,10 +27,12 @@ gain on CPU (0.7-3% of a GRPO rollout of the real model, in-process A/Bs; docs/p
 A decoding step's attention under grouped-query attention in bf16 on the CPU (`decode` runs its
 steps inside `rlhf_core.packing.grouped_query_attention`): the G query heads that share a
 key/value head are G query rows of one SDPA call on that head
-(`rlhf_core.attention.grouped_decode_attention`), not transformers' `enable_gqa=True` call, which
-torch's CPU kernel runs 3-4x slower in bf16 for one query position. The same attention (bitwise
-at short caches; tested through `decode`, same tokens); a 64-row rollout of the benchmarks' real
-model with 40-token prompts went from 3.84 to 3.24 s. The prefill keeps transformers' path.
+(`rlhf_core.attention.grouped_decode_attention`). transformers does that for a step with a mask
+(padded rows) and calls SDPA with `enable_gqa=True` for one without, which torch's CPU kernel runs
+3-4x slower in bf16: decodes without padding (equal-length prompts, a single prompt) of the
+benchmarks' real model ran 8-18% faster (64 rows of 40-token prompts, 8 of 100, one of 200; one
+row of 40 tokens 1%), the same tokens up to ~72 positions (tested through `decode`). The
+prefill keeps transformers' path.
 
 An encoder-decoder policy (T5) takes the same call and returns the same layout, [prompt |
 completion]: the encoder runs once on the left-padded prompts, the decoder starts from its start
