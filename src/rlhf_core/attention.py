@@ -48,6 +48,10 @@ A query whose keys are all masked (a left-padding position) gets zeros, as from 
 no gradient; such a position's output is read by no other position, so the log-probs and
 gradients of real tokens do not depend on it (tests: float64 equal to autograd's
 attention, bf16 as close to float64 as SDPA's flash kernel, `tests/rlhf_core/test_attention.py`).
+
+The module also holds `grouped_decode_attention`, a decoding step's attention under grouped-query
+attention with each key/value head's query heads as query rows of one SDPA call (bf16/fp16 on
+the CPU, where SDPA's `enable_gqa=True` call is 3-4x slower; see its docstring).
 """
 
 from __future__ import annotations
