@@ -36,6 +36,7 @@ from functools import partial
 from pathlib import Path
 from typing import Any
 
+from benchmarks.flops import per_cpu_second
 from benchmarks.measure import (
     PeakRSS,
     machine,
@@ -52,7 +53,6 @@ from benchmarks.workload import (
     count_trl_tokens,
     last_logged_loss,
     model_dir,
-    prepare,
     ratio_line,
     round_ratios,
     run_checks,
@@ -65,6 +65,7 @@ from benchmarks.workload import (
     worker_parser,
     worker_result,
 )
+from benchmarks.workload import prepare as prepare_pairs
 
 ARMS = ("ours", "trl", "ours-unshared")
 # 32 steps of 4 pairs (128 HH pairs, 31 timed steps): at ~40 ms a step the DPO workload's 8 steps
@@ -75,6 +76,51 @@ LABELS = {
     "trl": "TRL RewardTrainer",
     "ours-unshared": "ours without the shared prompt (share_prompt: false)",
 }
+
+
+def prepare(w: Workload, workdir: Path) -> dict[str, Any]:
+    """The DPO benchmark's pairs (`benchmarks.workload.prepare`), and the work of each arm."""
+    info = prepare_pairs(w, workdir)
+    expected = json.loads((workdir / "expected.json").read_text())["pairs"]
+    return {**info, "work": work(w, expected, info["model_dir"])}
+
+
+def work(w: Workload, pairs: list[dict[str, list[int]]], path: str) -> dict[str, Any]:
+    """What each arm's backbone computes in the timed steps (`benchmarks.flops`: forward +
+    backward; the scalar head, hidden x 1 per position, left out), from the batches each arm
+    builds:
+
+    - ours: the collate our trainer picks for this model (`reward_models.train.
+      shared_prompt_collate`: on the CPU with SDPA, `pack_pairs` rows with attention pair by
+      pair), each prompt once;
+    - ours-unshared: `collate_pairs`, 2B right-padded rows, the whole L x L per row;
+    - TRL: the same 2B right-padded rows (its collator pads chosen and rejected together)."""
+    from transformers import AutoModel
+
+    from benchmarks.flops import Shapes, segment_score_entries
+    from reward_models.data import PreferencePair, collate_pairs, pack_pairs
+    from rlhf_core.packing import SEGMENTED_ROW_TOKENS, segmented_rows_pay
+
+    backbone = AutoModel.from_pretrained(path, attn_implementation="sdpa")
+    shapes = Shapes.of(backbone.config)
+    row_tokens = SEGMENTED_ROW_TOKENS if segmented_rows_pay(backbone) else None
+    del backbone
+    counts = {arm: {"positions": 0, "score_entries": 0} for arm in ARMS}
+    for s in range(w.warmup_steps, w.steps):
+        step = [PreferencePair(**p) for p in pairs[s * w.batch_size : (s + 1) * w.batch_size]]
+        ours = pack_pairs(step, 0, row_tokens=row_tokens)
+        rows, length = ours["input_ids"].shape
+        counts["ours"]["positions"] += rows * length
+        counts["ours"]["score_entries"] += (
+            segment_score_entries(ours["segments"]) if row_tokens else rows * length**2
+        )
+        padded = collate_pairs(step, 0)["input_ids"]
+        for arm in ("ours-unshared", "trl"):
+            counts[arm]["positions"] += padded.numel()
+            counts[arm]["score_entries"] += padded.shape[0] * padded.shape[1] ** 2
+    for c in counts.values():
+        c["gflop"] = shapes.train_gflop(c["positions"], 0, c["score_entries"])
+    return {"shapes": dataclasses.asdict(shapes), "arms": counts}
 
 
 def run_ours(w: Workload, workdir: Path, *, share_prompt: bool = True) -> dict[str, Any]:
@@ -156,12 +202,22 @@ def compare(w: Workload, rounds: int, timeout: float = 900) -> dict[str, Any]:
             arms[a]["ratio_over_trl"] = round_ratios(by_round, a, "trl")
     ratios = arms["ours"]["ratio_over_trl"]
     target = 2.0 if w.model == "real" else 1.5  # issue 15's at real proportions
+    done = prep["work"]["arms"]
+    timed_tokens = sum(prep["step_tokens"][w.warmup_steps :])
+    work_summary = {
+        "trl_over_gflop": {a: done["trl"]["gflop"] / done[a]["gflop"] for a in ARMS},
+        "gflop_per_cpu_s": {
+            a: per_cpu_second(done[a]["gflop"], timed_tokens, arms[a]["tokens_per_cpu_s"])
+            for a in ARMS
+        },
+    }
     return {
         "machine": host, "workload": dataclasses.asdict(w), "prepare": prep, "runs": runs,
         "summary": {
             "arms": arms, "ratios_ours_over_trl": ratios,
             "target_tokens_per_s": target,
             "target_tokens_per_s_met": ratios["tokens_per_s"] >= target,
+            "work": work_summary,
             **run_checks(w, prep, runs),
         },
     }  # fmt: skip
@@ -187,6 +243,23 @@ def markdown(result: dict[str, Any]) -> str:
     lines += [*arm_rows(s["arms"], LABELS), ""]
     for arm in ("ours", "ours-unshared"):
         lines.append(ratio_line(LABELS[arm], "TRL", s["arms"][arm]["ratio_over_trl"]))
+    done, ws = result["prepare"]["work"]["arms"], s["work"]
+    lines += [
+        "",
+        "Work in the timed steps (`benchmarks.flops`: the backbone's forward + backward; the "
+        "scalar head left out) and the rate each arm did it at; the tokens/CPU-s ratio is the "
+        "work ratio times the rate ratio.",
+        "",
+        "| arm | body positions | attention score entries | GFLOP | TRL / arm GFLOP "
+        "| GFLOP per CPU-s |",
+        "| --- | ---: | ---: | ---: | ---: | ---: |",
+        *(
+            f"| {LABELS[a]} | {done[a]['positions']:,} | {done[a]['score_entries']:,} | "
+            f"{done[a]['gflop']:.0f} | {ws['trl_over_gflop'][a]:.2f}x | "
+            f"{ws['gflop_per_cpu_s'][a]:.1f} |"
+            for a in ARMS
+        ),
+    ]
     lines += ["", f"Target >= {s['target_tokens_per_s']}x TRL tokens/s (as shipped): "
               f"{'met' if s['target_tokens_per_s_met'] else 'NOT met'}.", ""]  # fmt: skip
     return "\n".join(lines)
