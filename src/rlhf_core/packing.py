@@ -61,9 +61,11 @@ flash path computes from them (`prepare_fa_kwargs_from_position_ids`); the flash
 needs a GPU and is not run by the tests. SDPA computes the whole masked (L, L) score matrix of
 a row, so by default rows are kept no longer than the batch's longest group; that leaves padding
 (~25% of the positions on HH batches of 4 pairs). `row_tokens` lets rows grow to hold several
-groups with no padding, and `segmented_attention` then computes attention one segment (a group,
-or a row's padding tail) at a time, so no score between two groups is ever computed: the cost
-of attention is the sum of the groups' squared lengths, whatever the rows hold. The 4D mask stays
+groups with no padding, and `segmented_attention` then computes attention one segment (a group)
+at a time, so no score between two groups is ever computed, nor any for a row's padding after
+its groups: the cost of attention is the sum of the groups' squared lengths, whatever the rows
+hold. Where that many calls cost more than the scores they skip (`segments_pay`: a narrow
+model's short rows), it makes one call over the rows instead. The 4D mask stays
 the definition (each segment's block of it is passed to SDPA, and every entry outside the blocks
 is masked), so a forward outside the context (eager attention, activation recomputation) gives
 the same result, only with the whole (L, L) matrix computed.
@@ -148,8 +150,9 @@ def pack_groups(
       (a branch's first token from the prefix's last position; not a target if the prefix is
       empty); ends (S,): flat position of each stream's last token (its prefix's last token
       for an empty branch); branch_lengths (S,); prefix_lengths (G,); segments (K, 3): (row,
-      start, end) of every group and every row's padding tail, covering all positions, each row's
-      in order (no query attends outside its segment: `segmented_attention`).
+      start, end) of every group, each row's in order and back to back from its start; a row's
+      positions after its last segment are padding (no query attends outside its segment, and
+      nothing attends to padding: `segmented_attention`).
     """
     if not groups:
         raise ValueError("pack_groups: no groups")
@@ -197,8 +200,6 @@ def pack_groups(
                 ends[s] = at + n_b - 1 if n_b else start + n_p - 1
                 at += n_b
             start = at
-        if start - r * longest < longest:  # the padding tail: each query sees itself only
-            segments.append((r, start - r * longest, longest))
     index = torch.arange(longest)
     causal = index[None, :, None] >= index[None, None, :]  # (1, L, L): query >= key
     q_group, k_group = group_of[:, :, None], group_of[:, None, :]
@@ -333,11 +334,15 @@ def supports_segmented_attention(model: torch.nn.Module) -> bool:
 
 #: Below this hidden size a trainer keeps rows of at most `max_length` tokens instead of
 #: segmented rows (`segmented_rows_pay`). Each segment costs one SDPA call per layer, forward and
-#: backward (~1 ms each on this CPU, whatever the segment's size); what segmented rows save is the
-#: padding at the ends of max_length rows, worth ~72 x hidden^2 FLOPs per padded token and layer.
-#: Measured, 30 steps of the quickstart's SFT stage (tiny-qwen3, hidden 128, ~31-token examples,
-#: 64 per step): segmented rows 31.7 s, max_length rows 7.6 s, padded rows 5.9 s. On the benchmarks'
-#: `real` model (hidden 512) segmented rows took a DPO step from 7.16 to 5.79 CPU-seconds.
+#: backward (`SEGMENT_CALL_UNITS`); what segmented rows save is the padding at the ends of
+#: max_length rows, worth ~72 x hidden^2 FLOPs per padded token and layer. Measured, 30 steps of
+#: the quickstart's SFT stage (tiny-qwen3, hidden 128, ~68-token examples, 64 per step, 2
+#: threads; the trainer's wall_time_s): segmented rows 10.0-10.3 s, max_length rows (one
+#: attention call per layer, `segments_pay`) 4.8-5.0 s, padded rows 4.4-4.8 s (before the split
+#: per row, the uncomputed padding tail and `segments_pay`, max_length rows took 6.7 s; with the
+#: split alone segmented rows took 25.9 s, most of it the second row's padding tail). On the
+#: benchmarks' `real` model (hidden 512) segmented rows took a DPO step from 7.16 to 5.79
+#: CPU-seconds.
 SEGMENTED_MIN_HIDDEN = 256
 
 
@@ -395,33 +400,81 @@ def _segmented_sdpa(module, query, key, value, attention_mask, *args, **kwargs):
     """SDPA attention (`_grouped_sdpa`), called once per segment of the packed rows (`_SEGMENTS`)
     when there are segments: query (B, H, L, D), key/value (B, H_kv, L, D), mask (B, 1, L, L) ->
     (B, L, H, D). Queries of a segment attend only to keys of the same segment (the mask says
-    so), so the result is the full call's; only the scores between segments, all masked, are
-    never computed."""
+    so), so the result is the full call's at every segment's position; the scores between
+    segments, all masked, are never computed, nor a row's padding after its last segment (no
+    query attends to it; its output is zeros where the full call's lets each padding query see
+    itself)."""
     segments = _SEGMENTS.get()
     whole = query.shape[2] != key.shape[2] or attention_mask is None or attention_mask.dim() != 4
     if segments is None or whole:  # not a packed forward: the whole call
         return _grouped_sdpa(module, query, key, value, attention_mask, *args, **kwargs)
-    rows: list[list[torch.Tensor]] = [[] for _ in range(query.shape[0])]
+    # One split per tensor and row, not a slice per segment: the backward of a slice writes the
+    # segment's gradient into a zero tensor the size of the whole input, so K segments would
+    # cost K whole-size tensors per layer (quadratic in the segments of a row); a split's
+    # backward concatenates its parts once.
+    length = query.shape[2]
+    sizes: list[list[int]] = [[] for _ in range(query.shape[0])]
     for r, s, e in segments:
-        out, _ = _grouped_sdpa(
-            module, query[r : r + 1, :, s:e], key[r : r + 1, :, s:e], value[r : r + 1, :, s:e],
-            attention_mask[r : r + 1, :, s:e, s:e], *args, **kwargs,
-        )  # fmt: skip
-        rows[r].append(out)
-    return torch.cat([torch.cat(parts, 1) for parts in rows], 0), None
+        sizes[r].append(e - s)
+    rows = []
+    for r, qkv in enumerate(zip(query.split(1), key.split(1), value.split(1), strict=True)):
+        used = sum(sizes[r])
+        parts, s = [], 0
+        chunks = [x.split([*sizes[r], length - used], 2) for x in qkv]
+        for q_seg, k_seg, v_seg in zip(*chunks, strict=True):
+            e = s + q_seg.shape[2]
+            if s == used:  # the row's padding tail: read by no query, so not computed (zeros)
+                parts.append(q_seg.new_zeros(1, e - s, q_seg.shape[1], q_seg.shape[3]))
+                continue
+            out, _ = _grouped_sdpa(
+                module, q_seg, k_seg, v_seg, attention_mask[r : r + 1, :, s:e, s:e],
+                *args, **kwargs,
+            )  # fmt: skip
+            parts.append(out)
+            s = e
+        rows.append(torch.cat(parts, 1))
+    return torch.cat(rows, 0), None
 
 
 @contextmanager
 def segmented_attention(model: torch.nn.Module, segments: torch.Tensor | None) -> Iterator[None]:
     """Inside this context, `model`'s forwards compute attention one segment of `segments` (K, 3)
-    = (row, start, end) at a time (`pack_groups`' segments, which must cover every position,
-    each row's in order); nothing changes where `supports_segmented_attention` is false or
-    `segments` is None. The backward needs no context (autograd kept each segment's call)."""
+    = (row, start, end) at a time (`pack_groups`' segments: each row's back to back from its
+    start, in order; the positions after a row's last one are padding) where that is cheaper
+    (`segments_pay`), else in one call over the rows with their masks
+    (`grouped_query_attention`); nothing changes where `supports_segmented_attention` is false
+    or `segments` is None. The backward needs no context (autograd kept each call)."""
     if segments is None or not supports_segmented_attention(model):
         yield
         return
-    with _our_sdpa(model, [tuple(x) for x in segments.tolist()]):
+    spans = [tuple(x) for x in segments.tolist()]
+    with _our_sdpa(model, spans if segments_pay(model, spans) else None):
         yield
+
+
+#: What one more SDPA call per layer costs (its forward and backward, the split and the autograd
+#: nodes around it), in units of attention work: score entries x query heads x head size. On this
+#: CPU a call costs ~0.15-0.2 ms and a unit ~1e-10 s (fp32 and bf16 alike): a 60-step run of
+#: `configs/instruction_tuning/tiny_sft.yaml` (64 rows of at most 96 tokens, ~3 sequences each)
+#: took 12.0 s segment by segment and 10.3 s one call per layer, where the segments' calls save
+#: 17M units per layer against ~70 extra calls.
+SEGMENT_CALL_UNITS = 2_000_000
+
+
+def segments_pay(model: torch.nn.Module, spans: list[tuple[int, int, int]]) -> bool:
+    """Whether attention segment by segment (one SDPA call per segment of every row) is cheaper
+    for `model` than one call over all rows with their masks: the score entries it skips (those
+    between segments, all masked) times the query heads' width must outweigh its extra calls
+    (`SEGMENT_CALL_UNITS` each). Long rows of many sequences (segmented rows) always pay; rows of
+    a few short sequences in a narrow model (the tiny world's) do not. Both compute the same
+    attention (the skipped entries are masked)."""
+    config = _unwrapped(model).config
+    heads = config.num_attention_heads
+    width = heads * (getattr(config, "head_dim", None) or config.hidden_size // heads)
+    rows = {r for r, _, _ in spans}
+    length = max(e for _, _, e in spans)
+    skipped = len(rows) * length**2 - sum((e - s) ** 2 for _, s, e in spans)
+    return skipped * width > (len(spans) - 1) * SEGMENT_CALL_UNITS
 
 
 @contextmanager

@@ -107,7 +107,9 @@ def test_one_row_with_segmented_attention_equals_the_two_row_forward(attention, 
 
         return call
 
-    # a segment's call goes to SDPA, or in bf16 with few keys to `short_attention`
+    # a segment's call goes to SDPA, or in bf16 with few keys to `short_attention`; a call per
+    # segment even where one call over the row is cheaper (this narrow model: `segments_pay`)
+    monkeypatch.setattr(packing, "SEGMENT_CALL_UNITS", 0)
     sdpa = torch.nn.functional.scaled_dot_product_attention
     monkeypatch.setattr(torch.nn.functional, "scaled_dot_product_attention", spy(sdpa))
     monkeypatch.setattr(packing, "short_attention", spy(packing.short_attention))
@@ -147,6 +149,64 @@ def test_bf16_packed_segments_through_short_attention_are_as_close_as_flat_rows(
     assert all(torch.isfinite(g).all() for g in packed[2].values())
 
 
+def test_segments_pay_where_the_masked_scores_they_skip_outweigh_their_calls(monkeypatch):
+    """`segments_pay`: the tiny world's SFT rows (at most 96 tokens, ~3 sequences each, 64 rows
+    of a 128-wide model) run one SDPA call per layer; one long row of 64 sequences, or a
+    real-proportions model's row of two DPO pairs (width 512), a call per segment. The forward
+    follows the choice, and either way equals the flat rows."""
+    tiny = tiny_policy("sdpa")
+    config = tiny.config
+    assert config.num_attention_heads * config.head_dim == 128
+    short_rows = [(r, s, s + 32) for r in range(64) for s in (0, 32, 64)]
+    assert not packing.segments_pay(tiny, short_rows)
+    assert packing.segments_pay(tiny, [(0, s, s + 36) for s in range(0, 64 * 36, 36)])
+    two_pairs = [(0, 0, 235), (0, 235, 470)]
+    with monkeypatch.context() as m:  # 4 heads x 128: the benchmarks' `real` model's width
+        m.setattr(config, "head_dim", 128)
+        assert packing.segments_pay(tiny, two_pairs)
+        assert not packing.segments_pay(tiny, [(0, 0, 40), (0, 40, 80)])
+
+    pairs = random_pairs(PAIRS)
+    reference = logps_and_grads(tiny, collate_pairs(pairs, 0))
+    packed = pack_pairs(pairs, 0, row_tokens=80)  # 6 segments in one 74-token row: one call
+    calls = []
+    sdpa = torch.nn.functional.scaled_dot_product_attention
+
+    def spy(query, *args, **kwargs):
+        calls.append(query.shape[-2])
+        return sdpa(query, *args, **kwargs)
+
+    monkeypatch.setattr(torch.nn.functional, "scaled_dot_product_attention", spy)
+    assert_same_as(reference, *logps_and_grads(tiny, packed))
+    assert calls == [74, 74]  # one call per layer, forward
+    calls.clear()
+    monkeypatch.setattr(packing, "SEGMENT_CALL_UNITS", 4000)  # now the 6 calls pay
+    assert_same_as(reference, *logps_and_grads(tiny, packed))
+    assert calls == [22, 15, 14, 14, 5, 4] * 2
+
+
+def test_padding_after_a_rows_last_segment_is_not_computed_and_changes_nothing(monkeypatch):
+    """Segment by segment, a row's padding after its last segment goes to no SDPA call (no query
+    of a segment attends to it; its attention output is zeros): only the 74 real positions are
+    attended, and log-probs and gradients equal the flat rows'."""
+    monkeypatch.setattr(packing, "SEGMENT_CALL_UNITS", 0)  # a call per segment
+    model = tiny_policy("sdpa")
+    pairs = random_pairs(PAIRS)
+    reference = logps_and_grads(model, collate_pairs(pairs, 0))
+    packed = pack_pairs(pairs, 0)  # rows of 22: 22 | 15 + 5 | 14 + 4 | 14, tails of 2, 4, 8
+    assert packed["input_ids"].shape == (4, 22)
+    calls = []
+    sdpa = torch.nn.functional.scaled_dot_product_attention
+
+    def spy(query, *args, **kwargs):
+        calls.append(query.shape[-2])
+        return sdpa(query, *args, **kwargs)
+
+    monkeypatch.setattr(torch.nn.functional, "scaled_dot_product_attention", spy)
+    assert_same_as(reference, *logps_and_grads(model, packed))
+    assert sorted(calls) == sorted([22, 15, 5, 14, 4, 14] * 2)  # 2 layers
+
+
 def test_segmented_attention_restores_the_model_after_an_error():
     model = tiny_policy("sdpa")
     segments = pack_pairs(random_pairs(PAIRS[:2]), 0)["segments"]
@@ -170,8 +230,8 @@ def test_packed_layout_positions_and_targets():
     assert batch["targets"].tolist() == [20, 21, 30, 41, 42]
     assert batch["owners"].tolist() == [0, 0, 1, 2, 2]
     assert batch["ends"].tolist() == [3, 4, 7]
-    # attention segments (row, start, end): each group, and row 1's padding tail
-    assert batch["segments"].tolist() == [[0, 0, 5], [1, 0, 3], [1, 3, 5]]
+    # attention segments (row, start, end): each group (row 1's padding tail is none)
+    assert batch["segments"].tolist() == [[0, 0, 5], [1, 0, 3]]
     sums = stream_sums(torch.tensor([1.0, 2.0, 3.0, 4.0, 5.0]), batch)
     assert sums.tolist() == [3.0, 3.0, 9.0]
 
