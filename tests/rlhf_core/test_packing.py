@@ -149,6 +149,19 @@ def test_bf16_packed_segments_through_short_attention_are_as_close_as_flat_rows(
     assert all(torch.isfinite(g).all() for g in packed[2].values())
 
 
+def sdpa_query_lengths(monkeypatch) -> list[int]:
+    """The query length of every SDPA call from here on in the test, in call order."""
+    lengths = []
+    sdpa = torch.nn.functional.scaled_dot_product_attention
+
+    def spy(query, *args, **kwargs):
+        lengths.append(query.shape[-2])
+        return sdpa(query, *args, **kwargs)
+
+    monkeypatch.setattr(torch.nn.functional, "scaled_dot_product_attention", spy)
+    return lengths
+
+
 def test_segments_pay_where_the_masked_scores_they_skip_outweigh_their_calls(monkeypatch):
     """`segments_pay`: the tiny world's SFT rows (at most 96 tokens, ~3 sequences each, 64 rows
     of a 128-wide model) run one SDPA call per layer; one long row of 64 sequences, or a
@@ -169,14 +182,7 @@ def test_segments_pay_where_the_masked_scores_they_skip_outweigh_their_calls(mon
     pairs = random_pairs(PAIRS)
     reference = logps_and_grads(tiny, collate_pairs(pairs, 0))
     packed = pack_pairs(pairs, 0, row_tokens=80)  # 6 segments in one 74-token row: one call
-    calls = []
-    sdpa = torch.nn.functional.scaled_dot_product_attention
-
-    def spy(query, *args, **kwargs):
-        calls.append(query.shape[-2])
-        return sdpa(query, *args, **kwargs)
-
-    monkeypatch.setattr(torch.nn.functional, "scaled_dot_product_attention", spy)
+    calls = sdpa_query_lengths(monkeypatch)
     assert_same_as(reference, *logps_and_grads(tiny, packed))
     assert calls == [74, 74]  # one call per layer, forward
     calls.clear()
@@ -195,14 +201,7 @@ def test_padding_after_a_rows_last_segment_is_not_computed_and_changes_nothing(m
     reference = logps_and_grads(model, collate_pairs(pairs, 0))
     packed = pack_pairs(pairs, 0)  # rows of 22: 22 | 15 + 5 | 14 + 4 | 14, tails of 2, 4, 8
     assert packed["input_ids"].shape == (4, 22)
-    calls = []
-    sdpa = torch.nn.functional.scaled_dot_product_attention
-
-    def spy(query, *args, **kwargs):
-        calls.append(query.shape[-2])
-        return sdpa(query, *args, **kwargs)
-
-    monkeypatch.setattr(torch.nn.functional, "scaled_dot_product_attention", spy)
+    calls = sdpa_query_lengths(monkeypatch)
     assert_same_as(reference, *logps_and_grads(model, packed))
     assert sorted(calls) == sorted([22, 15, 5, 14, 4, 14] * 2)  # 2 layers
 
