@@ -36,7 +36,7 @@ EXIT_2_WITHOUT_GPU = "exit 2 without a GPU"
 PLAN: dict[str, str] = {
     "uv run python -m <package>.train --config configs/<package>/<algo>.yaml "
     "[--set key.path=value ...]": "a template, not a command",
-    "uv run rlhf-lab quickstart": "about 6 CPU minutes; its --fast form is "
+    "uv run rlhf-lab quickstart": "about 4 CPU minutes; its --fast form is "
     "tests/rlhf_lab/test_quickstart.py, and each stage runs below",
     "uv run pytest": "the whole suite",
     "uv run python -m instruction_tuning.train --config configs/quickstart/sft.yaml "
