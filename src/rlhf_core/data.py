@@ -19,6 +19,7 @@ from typing import Any, Literal
 import torch
 from pydantic import Field, model_validator
 
+from rlhf_core.columns import Columns
 from rlhf_core.config import StrictModel
 from rlhf_core.encoding import MAX_PROMPT_LENGTH_HELP
 from rlhf_core.errors import UserError, UserFileNotFound
@@ -82,6 +83,12 @@ class SplitDataConfig(StrictModel):
 
     train: DataSource = Field(description="training rows (file, hub id, or reasoning-gym)")
     eval: DataSource | None = Field(None, description="held-out rows")
+    columns: Columns | None = Field(
+        None,
+        description="the data set's column for each standard key, e.g. {prompt: question}, "
+        "when its names differ (rlhf_core.columns); a 'system' column becomes a leading "
+        "system message of the prompt",
+    )
 
     @model_validator(mode="after")
     def _heldout_is_heldout(self) -> SplitDataConfig:
