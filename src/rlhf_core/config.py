@@ -30,6 +30,7 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from rlhf_core.errors import UserError
+from rlhf_core.user_modules import import_modules
 
 C = TypeVar("C", bound=BaseModel)
 
@@ -86,8 +87,6 @@ class RunConfig(StrictModel):
     @field_validator("imports")
     @classmethod
     def _import_user_modules(cls, modules: list[str]) -> list[str]:
-        from rlhf_core.registry import import_modules  # registry imports this module
-
         import_modules(modules)
         return modules
 
@@ -195,8 +194,6 @@ def validate_config(cls: type[C], data: dict[str, Any], source: str = "<config>"
     """Validate `data` against `cls`, turning pydantic's errors into one readable ConfigError."""
     imports = data.get("imports")
     if isinstance(imports, list):  # first, so a missing module is its own one-line error
-        from rlhf_core.registry import import_modules
-
         import_modules(imports, where=f"{source}: imports")
     try:
         return cls.model_validate(data)

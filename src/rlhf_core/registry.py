@@ -25,8 +25,9 @@ User code needs no wrapper script, in either of two ways:
     loss: {name: my_dpo}                  # imported before validation, so its @register runs
 
 A `module:attribute` name must be a subclass of the registry's `base` (the package's base class);
-`import_modules` and `resolve_object` raise `UserError` naming what was tried. Modules are found on
-`sys.path`, which for `python -m ...` starts with the current directory.
+`resolve_object` and `rlhf_core.user_modules.import_modules` raise `UserError` naming what was
+tried. Modules are found on `sys.path`, which for `python -m ...` starts with the current
+directory.
 """
 
 from __future__ import annotations
@@ -34,7 +35,6 @@ from __future__ import annotations
 import functools
 import importlib
 import inspect
-import sys
 import typing
 from collections.abc import Callable, Iterator, Mapping
 from typing import Annotated, Any, Generic, TypeVar
@@ -43,6 +43,7 @@ from pydantic import AfterValidator, ConfigDict, ValidationError, create_model
 
 from rlhf_core.config import check_scalar_kind
 from rlhf_core.errors import UserError
+from rlhf_core.user_modules import import_module_named
 
 T = TypeVar("T")
 
@@ -185,35 +186,13 @@ def _with_defaults(init: Callable, defaults: dict[str, Any], owner: str) -> Call
     return __init__
 
 
-def import_modules(modules: list[str], *, where: str = "imports") -> None:
-    """Import each user module (so its `@REGISTRY.register(...)` decorators run); a module that
-    cannot be imported raises UserError naming it and where it was looked for."""
-    for module in modules:
-        _import(module, where=f"{where}: {module!r}")
-
-
-def _import(module: str, *, where: str) -> Any:
-    if not isinstance(module, str) or not module.strip():
-        raise UserError(f"{where}: expected a module name like my_pkg.my_losses")
-    try:
-        return importlib.import_module(module)
-    except ModuleNotFoundError as exc:
-        if exc.name is not None and module.startswith(exc.name):  # the module itself is missing
-            first = sys.path[0] or "."
-            raise UserError(
-                f"{where}: module {exc.name!r} not found on sys.path (which starts with {first}); "
-                "run from the directory that holds it, or add that directory to PYTHONPATH"
-            ) from None
-        raise  # the user's module imports something missing: keep its traceback
-
-
 def resolve_object(name: str, *, what: str = "object") -> Any:
     """The object named by `module:attribute` (attribute may be dotted); UserError naming what
     was tried when the module or the attribute is missing."""
     module_name, _, attr = name.partition(":")
     if not module_name or not attr:
         raise UserError(f"{what} {name!r}: expected 'module:attribute', e.g. my_pkg.losses:MyDPO")
-    obj = _import(module_name, where=f"{what} {name!r}")
+    obj = import_module_named(module_name, where=f"{what} {name!r}")
     for part in attr.split("."):
         if not hasattr(obj, part):
             public = sorted(n for n in vars(obj) if not n.startswith("_")) if part else []
