@@ -4,7 +4,9 @@ The workload (identical for both, checked token by token):
   model       a Qwen3 built from config with the real GPT-2 tokenizer (vocab 50,257), fp32, SDPA:
               `tiny` = the preset `tiny-qwen3-gpt2` (hidden 64, 2 layers, 3.3M parameters, 96% of
               them in the tied embedding / LM head), or `small` (hidden 256, 4 layers, MLP 768,
-              16.3M parameters, a bigger transformer body), built once into the rlhf-lab cache
+              16.3M parameters, a bigger transformer body), or at real proportions (LM head ~27%
+              of forward FLOPs) `real` (hidden 512, 22 layers, GQA 8/4) or `wide` (hidden 768,
+              16 layers, GQA 12/3), built once into the rlhf-lab cache
   data        the first `pairs` pairs of the vendored Anthropic HH harmless-base test split whose
               prompt fits `max_prompt_length` and whose longest sequence fits `max_length`, so
               neither trainer truncates anything (TRL 1.16 has no prompt-length limit and truncates
@@ -247,8 +249,9 @@ def summarize(prep: dict[str, Any], runs: list[dict[str, Any]]) -> dict[str, Any
             out["arms"][arm][f"ratio_{key}"] = median(
                 [p[arm][key] / p["trl"][key] for p in by_round.values() if arm in p and "trl" in p]
             )
-        # issue 15's targets at real proportions; the tiny model's were 2x and 60%
-        speed, memory = (2.5, 0.50) if prep["model"]["name"] == "real" else (2.0, 0.60)
+        # issue 15's targets at real proportions (`real`, `wide`); the tiny model's were 2x, 60%
+        real = prep["model"]["name"] in ("real", "wide")
+        speed, memory = (2.5, 0.50) if real else (2.0, 0.60)
         out["arms"][arm]["targets_met"] = {
             f"tokens_per_s >= {speed}x": out["arms"][arm]["ratio_tokens_per_s"] >= speed,
             f"peak_rss <= {memory:.0%}": out["arms"][arm]["ratio_peak_rss_mb"] <= memory,

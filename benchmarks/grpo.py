@@ -2,7 +2,8 @@
 
 The workload (the same for both):
   model       `--model real` (the headline: a Qwen3 with Qwen3-0.6B's proportions, hidden 512,
-              22 layers, 95.0M parameters, LM head ~27% of forward FLOPs), `small`, or `tiny`
+              22 layers, 95.0M parameters, LM head ~27% of forward FLOPs), `wide` (a second
+              real-proportion shape: hidden 768, 16 layers, GQA 12/3, head ~26%), `small`, or `tiny`
               (the preset `tiny-qwen3-gpt2`, hidden 64, 2 layers: head-dominated), all with the
               real GPT-2 tokenizer (`benchmarks.workload.model_dir`), fp32 (`--dtype bf16`: both
               arms load the weights in bf16 and train them so, AdamW state included, no autocast:
@@ -427,7 +428,8 @@ def main(argv: list[str] | None = None) -> int:
         "--model",
         choices=MODEL_CHOICES,
         default="tiny",
-        help="benchmark model (real: Qwen3-0.6B proportions, the headline)",
+        help="benchmark model (real: Qwen3-0.6B proportions, the headline; wide: a second "
+        "real-proportion shape)",
     )
     fields = (
         "model", "prompts_per_step", "group_size", "max_new_tokens", "steps", "threads",

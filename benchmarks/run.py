@@ -5,6 +5,7 @@
     uv run --group bench python -m benchmarks.run --only techniques
     uv run --group bench python -m benchmarks.run --only reward_model --only grpo
     uv run --group bench python -m benchmarks.run --only sft --model real --rounds 2
+    uv run --group bench python -m benchmarks.run --only dpo --model wide --rounds 1
     uv run --group bench python -m benchmarks.run --only generation
     uv run --group bench python -m benchmarks.techniques --profile   # torch.profiler tables
 
@@ -40,7 +41,10 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--only", choices=SECTIONS, action="append", help="run only this section")
     parser.add_argument("--rounds", type=int, default=3, help="alternating rounds per comparison")
-    parser.add_argument("--model", choices=MODEL_CHOICES, default=defaults.model)
+    parser.add_argument(
+        "--model", choices=MODEL_CHOICES, default=defaults.model,
+        help="benchmark model (benchmarks.workload.BENCH_MODELS; real and wide: real proportions)",
+    )  # fmt: skip
     parser.add_argument("--batch-size", type=int, default=defaults.batch_size, help="pairs")
     parser.add_argument(
         "--micro-batch-size",

@@ -2,8 +2,8 @@
 
     Workload       model, batch, steps, lengths, threads, lr, beta, seed (a frozen dataclass, passed
                    to worker processes as JSON)
-    model_dir      the benchmark model's directory (`tiny` = the preset tiny-qwen3-gpt2, `small` =
-                   a bigger Qwen3 body, built once into the rlhf-lab cache)
+    model_dir      the benchmark model's directory (`tiny` = the preset tiny-qwen3-gpt2, the others
+                   (`BENCH_MODELS`: `small`, `real`, `wide`) built once into the rlhf-lab cache)
     prepare        select the HH pairs neither trainer truncates and write both trainers' inputs
     count_params   parameters of a tied-embedding Qwen3 config
     StepClock      optimizer-step end times, CPU times and non-pad tokens of a timed window
@@ -49,6 +49,9 @@ HH_PATH = REPO_ROOT / "data" / "hh-rlhf" / "harmless-base-test.jsonl.gz"
 #: LM head, so a trainer that skips the head on prompt positions looks far faster than it would on
 #: a real model. `real` has Qwen3-0.6B's proportions: its LM head is ~27% of forward FLOPs
 #: (Qwen3-0.6B: ~26%), 95.0M parameters (hidden 512, 22 layers, GQA 8/4 heads, MLP 3x hidden).
+#: `wide` is a second real-proportion shape, wider, shallower and with a higher GQA ratio than
+#: `real` (hidden 768, 16 layers, GQA 12/3 heads, MLP 3x hidden): its LM head is ~26% of forward
+#: FLOPs, 147M parameters; speed rules tuned on `real` are checked on it.
 BENCH_MODELS: dict[str, dict[str, int]] = {
     "small": {
         "hidden_size": 256,
@@ -64,6 +67,14 @@ BENCH_MODELS: dict[str, dict[str, int]] = {
         "num_attention_heads": 8,
         "num_key_value_heads": 4,
         "intermediate_size": 1536,
+        "max_position_embeddings": 1024,
+    },
+    "wide": {
+        "hidden_size": 768,
+        "num_hidden_layers": 16,
+        "num_attention_heads": 12,
+        "num_key_value_heads": 3,
+        "intermediate_size": 2304,
         "max_position_embeddings": 1024,
     },
 }
@@ -87,7 +98,7 @@ TORCH_DTYPES = {"fp32": "float32", "bf16": "bfloat16"}
 
 @dataclass(frozen=True)
 class Workload(JsonDataclass):
-    model: str = "tiny"  # one of MODEL_CHOICES: "tiny" (preset tiny-qwen3-gpt2), "small", "real"
+    model: str = "tiny"  # one of MODEL_CHOICES: "tiny" (preset tiny-qwen3-gpt2) or BENCH_MODELS
     batch_size: int = 4
     # ours (DPO): the step's pairs in micro-batches of this many, gradients accumulated (same
     # effective batch and loss); None = one forward per step, like the TRL arm

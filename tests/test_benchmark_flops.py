@@ -5,6 +5,7 @@ the counts must be right for that split to mean anything. torch's `FlopCounterMo
 matmuls an eager forward dispatches: the linear layers, the LM head and eager attention's two
 batched products (every score of the L x L block, as the CPU kernels compute it)."""
 
+import ast
 import importlib.util
 import sys
 
@@ -80,3 +81,46 @@ def test_segments_and_rates():
     assert segment_score_entries(segments) == 25 + 49 + 9
     # 100 GFLOP over 50 tokens at 10 tokens per CPU-second: 5 CPU-seconds, 20 GFLOP per second
     assert per_cpu_second(100.0, 50, 10.0) == 20.0
+
+
+def _bench_models() -> dict[str, dict[str, int]]:
+    """`benchmarks.workload.BENCH_MODELS`, read from the file's literal (importing the module
+    needs the repository root on sys.path, see above)."""
+    tree = ast.parse((REPO / "benchmarks/workload.py").read_text())
+    for node in tree.body:
+        if isinstance(node, ast.AnnAssign) and getattr(node.target, "id", "") == "BENCH_MODELS":
+            return ast.literal_eval(node.value)
+    raise AssertionError("benchmarks/workload.py defines no BENCH_MODELS")
+
+
+def _bench_shapes(name: str) -> tuple[Qwen3Config, Shapes]:
+    """A benchmark model's config as `model_dir` builds it (GPT-2 vocabulary, tied embeddings,
+    head_dim = hidden / heads) and its `Shapes`."""
+    arch = _bench_models()[name]
+    config = Qwen3Config(
+        vocab_size=50257, tie_word_embeddings=True,
+        head_dim=arch["hidden_size"] // arch["num_attention_heads"], **arch,
+    )  # fmt: skip
+    return config, Shapes.of(config)
+
+
+def test_real_proportion_shapes_have_a_real_head_share():
+    # the LM head's share of a position's forward matmul FLOPs (Qwen3-0.6B: ~26%)
+    for name in ("real", "wide"):
+        _, shapes = _bench_shapes(name)
+        share = shapes.head_params / (shapes.head_params + shapes.body_params)
+        assert 0.20 <= share <= 0.30, (name, share)
+
+
+def test_wide_differs_from_real_in_width_depth_and_gqa_ratio():
+    real, _ = _bench_shapes("real")
+    wide, _ = _bench_shapes("wide")
+    assert wide.hidden_size != real.hidden_size
+    assert wide.num_hidden_layers != real.num_hidden_layers
+
+    def gqa(c: Qwen3Config) -> float:
+        return c.num_attention_heads / c.num_key_value_heads
+
+    assert gqa(wide) != gqa(real)
+    # the same MLP proportion (3x hidden): the differences are width, depth and GQA ratio
+    assert wide.intermediate_size / wide.hidden_size == real.intermediate_size / real.hidden_size
