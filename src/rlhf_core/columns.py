@@ -79,6 +79,8 @@ LAYOUTS: dict[str, tuple[str, ...]] = {
     "messages": ("messages",),
     "prompt_only": ("prompt",),
 }
+LAYOUT_NOTES = {"implicit_preference": "as HH transcripts or message lists, no prompt"}
+HH_ASSISTANT = "\n\nAssistant:"
 
 
 def apply_columns(row: dict[str, Any], columns: Columns | None, where: str) -> dict[str, Any]:
@@ -119,6 +121,25 @@ def _missing(row: dict[str, Any], layout: str) -> list[str]:
     return [key for key in LAYOUTS[layout] if row.get(key) is None]
 
 
+def _lacks(row: dict[str, Any], layout: str) -> list[str]:
+    """The keys a row needs for `layout` and does not have; a pair of plain strings (no HH
+    turns) lacks the prompt it would need (it cannot be split off the completions)."""
+    missing = _missing(row, layout)
+    if not missing and layout == "implicit_preference":
+        pair = (row["chosen"], row["rejected"])
+        carries_prompt = all(isinstance(v, list) for v in pair) or all(
+            isinstance(v, str) and HH_ASSISTANT in v for v in pair
+        )
+        return [] if carries_prompt else ["prompt"]
+    return missing
+
+
+def describe_layout(layout: str) -> str:
+    """'name (key + key ...[, note])', as errors list the accepted layouts."""
+    note = f", {LAYOUT_NOTES[layout]}" if layout in LAYOUT_NOTES else ""
+    return f"{layout} ({' + '.join(LAYOUTS[layout])}{note})"
+
+
 def detect_layout(row: dict[str, Any], wanted: tuple[str, ...], where: str) -> str:
     """The standard layout of a (renamed) row among `wanted`: the first of `LAYOUTS`' order whose
     keys the row has. None fits: one error naming `where` (file and row), the columns found, and
@@ -127,16 +148,18 @@ def detect_layout(row: dict[str, Any], wanted: tuple[str, ...], where: str) -> s
     if unknown or not wanted:
         raise ValueError(f"detect_layout: unknown layouts {unknown}; known: {list(LAYOUTS)}")
     for layout in LAYOUTS:
-        if layout in wanted and not _missing(row, layout):
+        if layout in wanted and not _lacks(row, layout):
             return layout
     order = list(LAYOUTS)
-    closest = min(wanted, key=lambda name: (len(_missing(row, name)), order.index(name)))
-    missing = _missing(row, closest)
+    closest = min(wanted, key=lambda name: (len(_lacks(row, name)), order.index(name)))
+    missing = _lacks(row, closest)
     found = sorted(k for k, v in row.items() if v is not None)
-    accepted = ", ".join(f"{name} ({' + '.join(LAYOUTS[name])})" for name in wanted)
+    accepted = "; ".join(describe_layout(name) for name in wanted)
     example = ", ".join(f"{key}: <your column>" for key in missing)
     raise UserError(
-        f"{where}: columns {found} match no layout this trainer reads ({accepted}). Closest: "
-        f"{closest}, which is missing {', '.join(repr(k) for k in missing)}; name the columns "
-        f"that hold them with data.columns, e.g. data.columns: {{{example}}}"
+        f"{where} is missing column{'s' if len(missing) > 1 else ''} "
+        f"{', '.join(repr(k) for k in missing)} of layout {describe_layout(closest)}, the "
+        f"closest of the layouts read here ({accepted}); columns found: {found}. If the data "
+        f"set names them differently, map them with data.columns, e.g. "
+        f"data.columns: {{{example}}}"
     )
