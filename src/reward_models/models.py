@@ -28,13 +28,12 @@ import torch
 
 from reward_models.config import RMConfig
 from reward_models.losses import RewardLoss
+from rlhf_core.lm_likelihood import add_lm_likelihood
 from rlhf_core.packing import additive_mask, segmented_attention, shared_prefix_forward
-from rlhf_core.scalar_head import (
-    ScalarHeadInfo,
-    ScalarHeadModel,
-    export_sequence_classification,
-    pool_completion,
-)
+from rlhf_core.scalar_head import ScalarHeadModel
+from rlhf_core.scalar_head_format import ScalarHeadInfo
+from rlhf_core.scalar_head_scoring import pool_completion
+from rlhf_core.sequence_classification import export_sequence_classification
 
 
 class BaseRewardModel(ScalarHeadModel):
@@ -105,7 +104,9 @@ class BaseRewardModel(ScalarHeadModel):
             previous = hidden.gather(
                 1, source.clamp(min=0)[..., None].expand(-1, -1, hidden.shape[-1])
             )
-            scores = self.add_lm_likelihood(scores, previous, input_ids, source >= 0)
+            scores = add_lm_likelihood(
+                scores, self.likelihood_weight, self.backbone, previous, input_ids, source >= 0
+            )
         return scores
 
     def _shared_prefix_forward(
@@ -131,7 +132,9 @@ class BaseRewardModel(ScalarHeadModel):
         if self.info.lm_likelihood:  # the first token is predicted from its prefix's last one
             previous = torch.cat([prefix_hidden[prefix_of, -1:], hidden[:, :-1]], 1)
             predicted = torch.ones_like(input_ids, dtype=torch.bool)
-            scores = self.add_lm_likelihood(scores, previous, input_ids, predicted)
+            scores = add_lm_likelihood(
+                scores, self.likelihood_weight, self.backbone, previous, input_ids, predicted
+            )
         return scores
 
     @classmethod
@@ -167,7 +170,7 @@ class BaseRewardModel(ScalarHeadModel):
 
     def export_sequence_classification(self, out_dir: str | Path, *, tokenizer: Any = None) -> Path:
         """Write a transformers `AutoModelForSequenceClassification` directory (preference only);
-        see `rlhf_core.scalar_head.export_sequence_classification`."""
+        see `rlhf_core.sequence_classification.export_sequence_classification`."""
         if self.info.kind != "preference":
             raise ValueError(f"only preference models export to sequence classification, this "
                              f"one is {self.info.kind!r}")  # fmt: skip

@@ -45,7 +45,7 @@ from rlhf_core.packing import SEGMENTED_ROW_TOKENS, segmented_rows_pay
 from rlhf_core.registry import build_from_spec
 from rlhf_core.rundir import managed_run, open_run_dir
 from rlhf_core.runtime import seed_everything
-from rlhf_core.scalar_head import check_sequence_classification_export
+from rlhf_core.sequence_classification import check_sequence_classification_export
 
 PACKAGE = "reward_models"
 

@@ -9,7 +9,11 @@ dtype `auto`: bf16 on a CUDA device that supports it, else fp32. attention `auto
 when it is installed and the device is CUDA, else PyTorch SDPA.
 
 Tokenizers: padding side is an explicit argument (left for generation, right for training); a
-tokenizer without a pad token gets pad = eos with a warning.
+tokenizer without a pad token gets pad = eos with a warning, unless `pad_token` names one: then a
+tokenizer whose pad is missing or equal to eos gets that token (added to its vocabulary if new),
+and every model loaded with the same config has its embeddings resized to hold it (a GPT-2-style
+model, pad = eos, can so export to `...ForSequenceClassification`). An encoder tokenizer with no
+eos (BERT's WordPiece) uses its sep token as eos.
 
 Reference policy: `ReferencePolicy(policy, mode="copy")` keeps a frozen deep copy; with a LoRA
 policy, `mode="adapter"` runs the same model with the adapter disabled (no second copy of weights).
@@ -74,6 +78,13 @@ class ModelConfig(StrictModel):
         description="tiny preset name (e.g. tiny-qwen3), local model directory, or hub id"
     )
     tokenizer: str | None = Field(None, description="tokenizer dir/id if not the model's own")
+    pad_token: str | None = Field(
+        None,
+        description="a distinct pad token (e.g. '<|pad|>') for a tokenizer that has none or pads "
+        "with eos (GPT-2): added to the tokenizer if new, the model's embeddings resized to "
+        "hold it; needed to export a reward model to ...ForSequenceClassification. null = keep "
+        "the tokenizer's pad (eos if it has none)",
+    )
     revision: str | None = Field(None, description="hub revision (branch, tag or commit)")
     dtype: Literal["auto", "fp32", "bf16", "fp16"] = Field(
         "auto", description="weights dtype; auto = bf16 on capable CUDA, else fp32"
@@ -148,8 +159,12 @@ def load_tokenizer(cfg: ModelConfig, *, padding_side: Literal["left", "right"]):
     tokenizer = AutoTokenizer.from_pretrained(
         source, revision=cfg.revision, trust_remote_code=cfg.trust_remote_code
     )
+    if tokenizer.eos_token is None and tokenizer.sep_token is not None:
+        tokenizer.eos_token = tokenizer.sep_token  # an encoder's (BERT): [SEP] ends a sequence
     if tokenizer.eos_token is None:
         raise UserError(f"tokenizer {source!r} has no eos token; set one in its tokenizer_config")
+    if cfg.pad_token is not None:
+        set_pad_token(tokenizer, cfg.pad_token, where=f"tokenizer {source!r}")
     if tokenizer.pad_token is None:
         warnings.warn(
             f"tokenizer {source!r} has no pad token; using eos {tokenizer.eos_token!r} as pad",
@@ -160,6 +175,37 @@ def load_tokenizer(cfg: ModelConfig, *, padding_side: Literal["left", "right"]):
     ensure_chat_template(tokenizer, cfg.chat_template)
     set_thinking(tokenizer, cfg.enable_thinking)
     return tokenizer
+
+
+def set_pad_token(tokenizer, pad_token: str, *, where: str) -> None:
+    """Give `tokenizer` the distinct pad token `pad_token` (`ModelConfig.pad_token`), added as a
+    special token if it is not in the vocabulary; a tokenizer with a distinct pad keeps it."""
+    if tokenizer.pad_token is not None and tokenizer.pad_token_id != tokenizer.eos_token_id:
+        return
+    if pad_token == tokenizer.eos_token:
+        raise UserError(
+            f"model.pad_token {pad_token!r} is {where}'s eos token; name a distinct token"
+        )
+    tokenizer.add_special_tokens({"pad_token": pad_token})
+
+
+def fit_embeddings_to_pad(model: torch.nn.Module, cfg: ModelConfig) -> None:
+    """Resize `model`'s token embeddings (and a tied LM head) to hold the pad token that
+    `cfg.pad_token` adds to its tokenizer; nothing when it fits already (a checkpoint saved
+    resized, or a vocabulary padded past the tokenizer's size). New rows: transformers' mean
+    resizing; the pad row never reaches a real token's output (pad positions are masked)."""
+    if cfg.pad_token is None:
+        return
+    tokenizer = load_tokenizer(cfg, padding_side="right")
+    rows = model.get_input_embeddings().weight.shape[0]
+    if tokenizer.pad_token_id < rows:
+        return
+    if getattr(model, "is_quantized", False):
+        raise UserError(
+            f"model.pad_token {cfg.pad_token!r} needs the embeddings resized, which k-bit "
+            "(model.quantization) weights cannot be; save the resized model unquantized first"
+        )
+    model.resize_token_embeddings(len(tokenizer))
 
 
 @contextmanager
@@ -225,8 +271,8 @@ def load_pretrained(auto, cfg: ModelConfig, path: str, device: torch.device) -> 
     """`auto.from_pretrained(path)` (a transformers Auto class: causal LM, seq2seq LM, bare
     backbone) with `cfg`'s revision (for `cfg.name_or_path` itself, not another directory),
     dtype, attention and quantization, on `device`; QLoRA's backward hook, lean activations
-    (`rlhf_core.lean`: SwiGLU MLPs and RMSNorms) and gradient checkpointing as configured. No
-    adapter: the caller adds or loads one."""
+    (`rlhf_core.lean`: SwiGLU MLPs and RMSNorms), gradient checkpointing and the embeddings
+    resized for `cfg.pad_token` as configured. No adapter: the caller adds or loads one."""
     base_path = resolve_model_path(cfg.name_or_path)
     dtype = resolve_dtype(cfg, device)
     model = auto.from_pretrained(
@@ -241,6 +287,7 @@ def load_pretrained(auto, cfg: ModelConfig, path: str, device: torch.device) -> 
         model = model.to(device)
     else:  # its full-precision tensors out of the checkpoint's file mapping (CPU)
         release_checkpoint_pages(model)
+    fit_embeddings_to_pad(model, cfg)
     if cfg.quantization is not None and cfg.lora is not None:  # QLoRA training
         keep_backward_through_4bit(model)
     if cfg.lean_activations:

@@ -13,7 +13,9 @@ from reward_models.models import BaseRewardModel
 from rlhf_core.encoding import last_token_index, pad_sequences
 from rlhf_core.errors import UserError
 from rlhf_core.models import LoraConfig, ModelConfig, load_tokenizer
-from rlhf_core.scalar_head import HEAD_CONFIG, ScalarHeadInfo, ScalarHeadModel, pool_last_token
+from rlhf_core.scalar_head import ScalarHeadInfo, ScalarHeadModel
+from rlhf_core.scalar_head_format import HEAD_CONFIG
+from rlhf_core.scalar_head_scoring import pool_last_token
 
 PROMPTS = ["Spell this word backward: cat", "hi", [{"role": "user", "content": "Reverse: abcdef"}]]
 COMPLETIONS = ["tac", "a much longer completion than the others", "fedcba"]
