@@ -37,7 +37,6 @@ from direct_alignment.reference import (
     save_reference_cache,
 )
 from rlhf_core.bookkeeping import start_bookkeeping
-from rlhf_core.checkpoint import StopSignal
 from rlhf_core.config import RunArgs, parse_run_args
 from rlhf_core.errors import UserError, run_main
 from rlhf_core.loop import (
@@ -57,6 +56,7 @@ from rlhf_core.packing import (
 from rlhf_core.registry import build_from_spec
 from rlhf_core.rundir import managed_run, open_run_dir
 from rlhf_core.runtime import seed_everything
+from rlhf_core.stop_signal import StopSignal
 
 PACKAGE = "direct_alignment"
 

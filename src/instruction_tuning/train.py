@@ -25,7 +25,6 @@ from instruction_tuning.data import build_sft_data, collate, pack
 from instruction_tuning.evaluate import evaluate
 from instruction_tuning.losses import LOSSES
 from rlhf_core.bookkeeping import start_bookkeeping
-from rlhf_core.checkpoint import StopSignal
 from rlhf_core.config import RunArgs, parse_run_args
 from rlhf_core.errors import run_main
 from rlhf_core.loop import (
@@ -46,6 +45,7 @@ from rlhf_core.packing import (
 from rlhf_core.registry import build_from_spec
 from rlhf_core.rundir import managed_run, open_run_dir
 from rlhf_core.runtime import seed_everything
+from rlhf_core.stop_signal import StopSignal
 
 PACKAGE = "instruction_tuning"
 

@@ -28,7 +28,6 @@ from reward_models.evaluate import COLLATE, evaluate
 from reward_models.losses import LOSSES
 from reward_models.models import BaseRewardModel, compute_loss
 from rlhf_core.bookkeeping import start_bookkeeping
-from rlhf_core.checkpoint import StopSignal
 from rlhf_core.config import RunArgs, parse_run_args
 from rlhf_core.errors import UserError, run_main
 from rlhf_core.loop import (
@@ -46,6 +45,7 @@ from rlhf_core.registry import build_from_spec
 from rlhf_core.rundir import managed_run, open_run_dir
 from rlhf_core.runtime import seed_everything
 from rlhf_core.sequence_classification import check_sequence_classification_export
+from rlhf_core.stop_signal import StopSignal
 
 PACKAGE = "reward_models"
 

@@ -28,20 +28,19 @@ import torch
 from accelerate import Accelerator
 from pydantic import Field
 
-from rlhf_core.checkpoint import CheckpointConfig, StopSignal
-from rlhf_core.config import RunArgs, RunConfig
-from rlhf_core.data import EpochSampler
-from rlhf_core.loop import (
-    Batch,
-    SkippedSteps,
-    announce_stop,
-    micro_batches,
+from rlhf_core.checkpoint import (
+    CheckpointConfig,
     restore_checkpoint,
+    save_best,
     save_final,
     save_training_state,
 )
+from rlhf_core.config import RunArgs, RunConfig
+from rlhf_core.data import EpochSampler
+from rlhf_core.loop import Batch, SkippedSteps, announce_stop, micro_batches
 from rlhf_core.optim import OptimConfig
 from rlhf_core.selection import ModelSelector
+from rlhf_core.stop_signal import StopSignal
 from rlhf_core.tracking import Tracker, TrackingConfig
 
 Facts = dict[str, Any]  # named figures: metrics, summary entries
@@ -159,7 +158,16 @@ class Bookkeeping:
             return False
         evaluation = run_eval()
         self.tracker.log(step, evaluation)
-        return self.selector.observe(step, evaluation, self.model, self.tokenizer)
+        return self.observe(step, evaluation)
+
+    def observe(self, step: int, evaluation: Facts) -> bool:
+        """Let the selector see an evaluation; on a new best write best/ and best.json
+        (`rlhf_core.checkpoint.save_best`). True = stop early."""
+        stop = self.selector.observe(step, evaluation)
+        if self.selector.improved:
+            model = self.model if self.selector.cfg.save_best else None
+            save_best(self.accelerator, model, self.tokenizer, self.run_dir, self.selector.record())
+        return stop
 
     def checkpoint(self, step: int, stop: StopSignal) -> int | None:
         """Save checkpoint-<step> when due (`checkpoint.save_every`) or after a stop signal;
@@ -180,7 +188,7 @@ class Bookkeeping:
         """Log the final evaluation, let the selector see it, write `final/` (when configured)."""
         if final_eval:
             self.tracker.log(step, final_eval)
-        self.selector.observe(step, final_eval, self.model, self.tokenizer)
+        self.observe(step, final_eval)
         if self.cfg.checkpoint.save_final:
             save_final(self.accelerator, self.model, self.tokenizer, self.run_dir / "final")
 
@@ -229,7 +237,7 @@ def start_bookkeeping(
     sampler = EpochSampler(num_rows, cfg.seed)
     skips = SkippedSteps(cfg.optim.max_consecutive_skips)
     periodic_eval = has_eval and bool(cfg.train.eval_every)
-    selector = ModelSelector(cfg.checkpoint.best, run_dir, accelerator, periodic_eval=periodic_eval)
+    selector = ModelSelector(cfg.checkpoint.best, accelerator, periodic_eval=periodic_eval)
     step, restored = 0, {}
     if ckpt is not None:
         step, restored = restore_checkpoint(

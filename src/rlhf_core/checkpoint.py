@@ -1,27 +1,29 @@
-"""Atomic, resumable checkpoints and a signal-safe stop.
+"""Checkpoints, in one place: atomic save and restore of a run, sharded (FSDP2) state, `final/`
+and `best/`.
 
 A checkpoint is `<run_dir>/checkpoints/checkpoint-<step>/`, a plain Hugging Face directory:
 
     config.json, model.safetensors     (or adapter_config.json + adapter_model.safetensors for LoRA)
     tokenizer files
     trainer_state.pt                   optimizer, scheduler, step, data position, RNG states
-
+    sharded/                           instead of the weights, for a sharded (FSDP2) model
     manifest.json                      written last: every file's size and sha256
 
-It loads with plain `AutoModelForCausalLM.from_pretrained(dir)` (or `PeftModel.from_pretrained`),
-no rlhf-lab needed. It is written into a hidden temporary directory, its manifest written last,
-and renamed into place, so a directory named `checkpoint-<step>` is complete when it appears;
-`latest_checkpoint` ignores anything else. Re-saving a step renames the old directory aside
-first, moves the new one in, and only then deletes the old, so no instant leaves a half-deleted
-directory under the real name. Bytes can still rot after the rename (a disk error, a copy cut
-short): `newest_valid_checkpoint` checks the manifest (sizes and checksums) and falls back to the
-newest checkpoint that verifies, with a warning. A model with a non-finite parameter is never
-written. `trainer_state.pt` holds only tensors and plain Python containers and is read with
-`torch.load(..., weights_only=True)`.
+It loads with plain `AutoModelForCausalLM.from_pretrained(dir)` (or `PeftModel.from_pretrained`).
+It is written into a hidden temporary directory and renamed into place, so a directory named
+`checkpoint-<step>` is complete when it appears; re-saving a step renames the old one aside
+first and deletes it last. Bytes can still rot after the rename: `newest_valid_checkpoint`
+checks the manifest and falls back to the newest checkpoint that verifies, with a warning. A
+model with a non-finite parameter is never written. `trainer_state.pt` holds only tensors and
+plain containers, read with `torch.load(..., weights_only=True)`.
 
-`StopSignal` turns SIGINT/SIGTERM into a flag that the training loop checks at safe points (after
-an optimizer step); the loop then saves, prints how to resume, and exits 130 (SIGINT) / 143
-(SIGTERM).
+The train loops call, on every process: `save_training_state` (checkpoint-<step>; a sharded
+model's shards written by every process with torch.distributed.checkpoint, the rest by the main
+process), `restore_checkpoint`, `save_final` (`final/`, a sharded model gathered onto the main
+process first) and `save_best` (`best/`, when `rlhf_core.selection` says so).
+
+Not here: which run directory and checkpoint a run uses (`rlhf_core.rundir`), when a model is
+best (`rlhf_core.selection`), the stop after SIGINT/SIGTERM (`rlhf_core.stop_signal`).
 """
 
 from __future__ import annotations
@@ -29,22 +31,22 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-import random
 import re
 import shutil
-import signal
 import sys
 import tempfile
 from pathlib import Path
-from types import FrameType
 from typing import Any
 
-import numpy as np
 import torch
+from accelerate import Accelerator
+from accelerate.utils import broadcast_object_list, gather_object
 from pydantic import Field
 
 from rlhf_core.config import StrictModel
+from rlhf_core.distributed import is_sharded, local_tensor
 from rlhf_core.errors import UserError
+from rlhf_core.runtime import capture_rng_state, restore_rng_state
 from rlhf_core.selection import SelectionConfig
 
 CHECKPOINT_RE = re.compile(r"^checkpoint-(\d+)$")
@@ -75,39 +77,6 @@ class CheckpointConfig(StrictModel):
     )
 
 
-# ----------------------------------------------------------------------------- RNG
-
-
-def capture_rng_state() -> dict[str, Any]:
-    """Every RNG the loop may touch (python, numpy, torch CPU/CUDA) as weights_only-safe data."""
-    py_version, py_state, py_gauss = random.getstate()
-    np_kind, np_keys, np_pos, np_has_gauss, np_gauss = np.random.get_state()
-    state: dict[str, Any] = {
-        "python": [py_version, list(py_state), py_gauss],
-        "numpy": [
-            np_kind,
-            torch.from_numpy(np_keys.astype(np.int64)),
-            np_pos,
-            np_has_gauss,
-            np_gauss,
-        ],
-        "torch": torch.get_rng_state(),
-    }
-    if torch.cuda.is_available():
-        state["cuda"] = torch.cuda.get_rng_state_all()
-    return state
-
-
-def restore_rng_state(state: dict[str, Any]) -> None:
-    version, py_state, gauss = state["python"]
-    random.setstate((version, tuple(py_state), gauss))
-    kind, keys, pos, has_gauss, cached = state["numpy"]
-    np.random.set_state((kind, keys.numpy().astype(np.uint32), pos, has_gauss, cached))
-    torch.set_rng_state(state["torch"])
-    if "cuda" in state and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all(state["cuda"])
-
-
 # ----------------------------------------------------------------------------- save / load
 
 
@@ -125,21 +94,14 @@ def save_checkpoint(
     staged: dict[str, Path] | None = None,
     rng_per_rank: list[dict[str, Any]] | None = None,
 ) -> Path:
-    """Write checkpoint-<step> atomically, then delete all but the newest `keep_last`.
-
-    `extra_models` (e.g. {"value": value_model}) are saved with `save_pretrained` into
-    subdirectories of the same checkpoint, inside the same atomic rename.
-
-    `state` is the loop's own resumable state (data position, counters); it must contain only
-    tensors, numbers, strings, lists and dicts.
-
-    A sharded checkpoint (`rlhf_core.distributed`) passes `model=None, optimizer=None`, the
-    directory every process wrote its shards into as `staged={SHARDED_DIR: dir}` (moved inside
-    the same atomic rename; the manifest covers its files) and every process's RNG states as
-    `rng_per_rank`.
-    """
+    """Write checkpoint-<step> atomically (the main process), then delete all but the newest
+    `keep_last`. `extra_models` (e.g. {"value": value_model}) go into subdirectories, inside the
+    same rename. `state` is the loop's own state (data position, counters): only tensors,
+    numbers, strings, lists and dicts. A sharded checkpoint passes `model=None, optimizer=None`,
+    the directory every process wrote its shards into as `staged={SHARDED_DIR: dir}` (moved in,
+    covered by the manifest) and every process's RNG states as `rng_per_rank`."""
     checkpoints_dir = Path(checkpoints_dir)
-    if model is not None:  # (a sharded model is checked by every process, rlhf_core.loop)
+    if model is not None:  # (a sharded model is checked by every process: save_training_state)
         assert_finite_parameters(model, where=f"checkpoint-{step}")
     for name, extra in (extra_models or {}).items():
         assert_finite_parameters(extra, where=f"checkpoint-{step}/{name}")
@@ -175,13 +137,11 @@ def save_checkpoint(
         if tmp is not None:
             shutil.rmtree(tmp, ignore_errors=True)
         good = newest_valid_checkpoint(checkpoints_dir, quiet=True)
+        last = "There is no earlier checkpoint." if good is None else (
+            f"The last good checkpoint is {good} (resume with --resume {good.parent.parent})"
+        )  # fmt: skip
         raise CheckpointWriteError(
-            f"could not write checkpoint-{step} in {checkpoints_dir}: {exc}. "
-            + (
-                f"The last good checkpoint is {good} (resume with --resume {good.parent.parent})"
-                if good is not None
-                else "There is no earlier checkpoint."
-            )
+            f"could not write checkpoint-{step} in {checkpoints_dir}: {exc}. {last}"
         ) from exc
     except BaseException:
         if tmp is not None:
@@ -325,7 +285,7 @@ def restore_training_state(
     payload: dict[str, Any], *, optimizer: torch.optim.Optimizer, scheduler: Any
 ) -> dict[str, Any]:
     """Load optimizer/scheduler/RNG from a trainer_state payload; return the loop's own state.
-    (A sharded checkpoint's optimizer is in its SHARDED_DIR; `rlhf_core.distributed` loads it.)"""
+    (A sharded checkpoint's optimizer is in its SHARDED_DIR; `restore_checkpoint` loads it.)"""
     if payload["optimizer"] is not None:
         optimizer.load_state_dict(payload["optimizer"])
     if scheduler is not None and payload.get("scheduler") is not None:
@@ -334,60 +294,204 @@ def restore_training_state(
     return payload["state"]
 
 
-# ----------------------------------------------------------------------------- signals
+# ----------------------------------------------------------------------------- a run's state
 
 
-class StopSignal:
-    """Context manager: SIGINT/SIGTERM set `requested` instead of killing the process.
+def save_training_state(
+    accelerator: Accelerator,
+    run_dir: Path,
+    step: int,
+    *,
+    model: torch.nn.Module,
+    tokenizer: Any,
+    optimizer: torch.optim.Optimizer,
+    scheduler: Any,
+    state: dict[str, Any],
+    keep_last: int,
+    extra_models: dict[str, torch.nn.Module] | None = None,
+    extra_optimizers: dict[str, torch.optim.Optimizer] | None = None,
+) -> None:
+    """All processes sync; the main process writes checkpoint-<step> atomically. A sharded
+    (FSDP2) model: every process writes its shards of the models and optimizers
+    (`extra_optimizers` pairs with `extra_models` by key) into a staging directory, to which the
+    main process adds the trainer state, with every process's RNGs, and renames it into place.
+    Unsharded, an extra optimizer's state is saved in the loop state as `<key>_optimizer`."""
+    if is_sharded(model):
+        staging = run_dir / "checkpoints" / f".sharded-{step}"
+        if accelerator.is_main_process:
+            if staging.exists():
+                shutil.rmtree(staging)
+            staging.mkdir(parents=True)
+        staging = Path(broadcast_object_list([str(staging)], from_process=0)[0])
+        assert_finite_shards(accelerator, [model, *(extra_models or {}).values()], step)
+        models = {"policy": (model, optimizer)}
+        for key, extra in (extra_models or {}).items():
+            models[key] = (extra, (extra_optimizers or {}).get(key))
+        save_sharded(staging, models)
+        rngs = gather_object([capture_rng_state()])
+        if accelerator.is_main_process:
+            save_checkpoint(
+                run_dir / "checkpoints", step, model=None, tokenizer=tokenizer, optimizer=None,
+                scheduler=scheduler, state=state, keep_last=keep_last,
+                staged={SHARDED_DIR: staging}, rng_per_rank=rngs,
+            )  # fmt: skip
+        accelerator.wait_for_everyone()
+        return
+    for key, extra_opt in (extra_optimizers or {}).items():
+        state = {**state, f"{key}_optimizer": extra_opt.state_dict()}
+    accelerator.wait_for_everyone()
+    if accelerator.is_main_process:
+        save_checkpoint(
+            run_dir / "checkpoints", step, model=accelerator.unwrap_model(model),
+            tokenizer=tokenizer, optimizer=optimizer, scheduler=scheduler, state=state,
+            keep_last=keep_last,
+            extra_models={k: accelerator.unwrap_model(m) for k, m in (extra_models or {}).items()},
+        )  # fmt: skip
 
-    A second signal of the same kind restores the default behaviour (so Ctrl-C twice still kills).
-    Nested in another StopSignal (a pipeline such as the quickstart holds one around the trainers
-    it runs), it starts with the outer one's pending signal and hands its own back on exit, so a
-    Ctrl-C is never lost between or inside stages. (Python's default handler raises
-    KeyboardInterrupt wherever the main thread is, and one raised inside a `__del__`, such as a
-    progress bar's while weights load, is printed as "Exception ignored" and dropped: the likely
-    way the quickstart test once saw a Ctrl-C lost and the run exit 0.)
-    """
 
-    def __init__(self) -> None:
-        self.signum: int | None = None
-        self._previous: dict[int, Any] = {}
-
-    @property
-    def requested(self) -> bool:
-        return self.signum is not None
-
-    @property
-    def exit_code(self) -> int:
-        return 128 + (self.signum or 0)
-
-    def _handle(self, signum: int, frame: FrameType | None) -> None:
-        if self.signum is not None:
-            signal.signal(signum, signal.SIG_DFL)
-            os.kill(os.getpid(), signum)
-            return
-        self.signum = signum
-
-    def __enter__(self) -> StopSignal:
-        for sig in (signal.SIGINT, signal.SIGTERM):
-            try:
-                self._previous[sig] = signal.signal(sig, self._handle)
-            except ValueError:  # not the main thread: signals cannot be caught here
-                continue
-            outer = _stop_signal_of(self._previous[sig])
-            if outer is not None and outer.signum is not None and self.signum is None:
-                self.signum = outer.signum  # a signal that came before this block
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        for sig, handler in self._previous.items():
-            signal.signal(sig, handler)
-            outer = _stop_signal_of(handler)
-            if outer is not None and outer.signum is None and self.signum is not None:
-                outer.signum = self.signum
+def restore_checkpoint(
+    ckpt: Path,
+    *,
+    optimizer: torch.optim.Optimizer,
+    scheduler: Any,
+    sampler: Any,
+    model: torch.nn.Module | None = None,
+    extra: dict[str, tuple[torch.nn.Module, torch.optim.Optimizer | None]] | None = None,
+) -> tuple[int, dict[str, Any]]:
+    """Load optimizer, scheduler, RNGs and the data position (`sampler`, an `EpochSampler`);
+    return (step, the loop's state). `extra` maps a name to (model, optimizer or None), as
+    `save_training_state`'s `extra_models` / `extra_optimizers`: their optimizers are restored
+    too. A sharded checkpoint also restores the (sharded) `model` and `extra` models from its
+    shards, and each process's own RNGs."""
+    payload = load_trainer_state(ckpt)
+    if is_sharded_checkpoint(ckpt):
+        if model is None or not is_sharded(model):
+            raise UserError(
+                f"{ckpt} is a sharded (FSDP2) checkpoint: resume it with train.engine fsdp2"
+            )
+        models = {"policy": (model, optimizer), **(extra or {})}
+        load_sharded(ckpt / SHARDED_DIR, models)
+    state = restore_training_state(payload, optimizer=optimizer, scheduler=scheduler)
+    for key, (_, extra_opt) in (extra or {}).items():
+        if extra_opt is not None and f"{key}_optimizer" in state:  # unsharded: in the state
+            extra_opt.load_state_dict(state[f"{key}_optimizer"])
+    if "rng_per_rank" in payload:
+        restore_rng_state(payload["rng_per_rank"][torch.distributed.get_rank()])
+    sampler.load_state_dict(state["sampler"])
+    print(f"resumed from {ckpt} at step {payload['step']}", file=sys.stderr)
+    return payload["step"], state
 
 
-def _stop_signal_of(handler: Any) -> StopSignal | None:
-    """The StopSignal whose handler `handler` is, if it is one."""
-    owner = getattr(handler, "__self__", None)
-    return owner if isinstance(owner, StopSignal) else None
+def assert_finite_shards(
+    accelerator: Accelerator, models: list[torch.nn.Module], where: str | int
+) -> None:
+    """`assert_finite_parameters` for sharded models: every process checks its own shards and
+    all of them learn whether any was not finite (every process must call it)."""
+    bad = [
+        name for m in models for name, p in m.named_parameters()
+        if not bool(torch.isfinite(local_tensor(p.detach())).all())
+    ]  # fmt: skip
+    flag = accelerator.reduce(torch.tensor(float(bool(bad)), device=accelerator.device), "sum")
+    if float(flag) > 0:
+        named = f"parameter {bad[0]} holds" if bad else "a parameter shard on another process holds"
+        raise NonFiniteModelError(
+            f"{where}: {named} NaN/inf values; refusing to save a broken model"
+        )
+
+
+# ----------------------------------------------------------------------------- sharded state
+
+Models = dict[str, tuple[torch.nn.Module, "torch.optim.Optimizer | None"]]  # name -> both
+
+
+def full_state_dict(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """A sharded model's whole state dict, gathered onto rank 0 in CPU memory (empty on the
+    other ranks); every process must call it. Keys are the model's own (no wrapper prefix)."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+    options = StateDictOptions(full_state_dict=True, cpu_offload=True)
+    state = get_model_state_dict(model, options=options)
+    # a tied parameter (an LM head sharing the input embedding) once, under its first name, as
+    # save_pretrained writes it from an unsharded model
+    seen: set[int] = set()
+    for name, param in model.named_parameters(remove_duplicate=False):
+        if id(param) in seen:
+            state.pop(name, None)
+        seen.add(id(param))
+    return state
+
+
+def _sharded_state(models: Models) -> dict[str, Any]:
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+
+    state: dict[str, Any] = {}
+    for key, (model, opt) in models.items():
+        msd, osd = get_state_dict(model, [opt] if opt is not None else [])
+        state[f"{key}.model"] = msd
+        if opt is not None:
+            state[f"{key}.optimizer"] = osd
+    return state
+
+
+def save_sharded(directory: Path, models: Models) -> None:
+    """Every process writes its shards of `models` to `directory` (torch.distributed.checkpoint)."""
+    import torch.distributed.checkpoint as dcp
+
+    dcp.save(_sharded_state(models), checkpoint_id=str(directory))
+
+
+def load_sharded(directory: Path, models: Models) -> None:
+    """Read what `save_sharded` wrote into the (already sharded) models and optimizers."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import set_state_dict
+
+    state = _sharded_state(models)
+    dcp.load(state, checkpoint_id=str(directory))
+    for key, (model, opt) in models.items():
+        set_state_dict(
+            model, [opt] if opt is not None else [], model_state_dict=state[f"{key}.model"],
+            optim_state_dict=state.get(f"{key}.optimizer", {}),
+        )  # fmt: skip
+
+
+# ----------------------------------------------------------------------------- final/ and best/
+
+
+def save_final(
+    accelerator: Accelerator, model: torch.nn.Module, tokenizer: Any, path: Path
+) -> None:
+    """The trained model as a plain Hugging Face directory (written by the main process; a
+    sharded model's full state dict is gathered onto it first, every process taking part)."""
+    accelerator.wait_for_everyone()
+    sharded, state = is_sharded(model), None
+    if sharded:
+        assert_finite_shards(accelerator, [model], str(path))
+        state = full_state_dict(model)
+    if accelerator.is_main_process:
+        unwrapped = model if sharded else accelerator.unwrap_model(model)
+        if not sharded:
+            assert_finite_parameters(unwrapped, where=str(path))
+        tmp = path.with_name(f".tmp-{path.name}")
+        shutil.rmtree(tmp, ignore_errors=True)
+        unwrapped.save_pretrained(tmp, state_dict=state)
+        tokenizer.save_pretrained(tmp)
+        replace_dir(tmp, path)
+    if sharded:
+        accelerator.wait_for_everyone()
+
+
+def save_best(
+    accelerator: Accelerator,
+    model: torch.nn.Module | None,
+    tokenizer: Any,
+    run_dir: Path,
+    record: dict[str, Any],
+) -> None:
+    """After an improvement (`rlhf_core.selection.ModelSelector.improved`): `<run_dir>/best/` as
+    `save_final` writes `final/` (skipped when `model` is None: `checkpoint.best.save_best`
+    false), and `<run_dir>/best.json`, the selector's `record()`. Every process calls it."""
+    if model is not None:
+        save_final(accelerator, model, tokenizer, run_dir / "best")
+    if accelerator.is_main_process:
+        run_dir.mkdir(parents=True, exist_ok=True)
+        (run_dir / "best.json").write_text(json.dumps(record) + "\n")

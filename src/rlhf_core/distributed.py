@@ -29,10 +29,8 @@ The operations that differ under sharding each have one owner here:
   - `run_as_root_forward`: the fused completion-only LM head (`rlhf_core.logprobs`) runs the
     decoder and the head weight inside the root module's FSDP forward, so it sees the real,
     gathered head weight and its gradient is reduce-scattered;
-  - checkpoints: `save_sharded` / `load_sharded` (torch.distributed.checkpoint, model and
-    optimizer, every rank writing its shard) and `full_state_dict` (gathered on rank 0, for the
-    Hugging Face `final/`), which `rlhf_core.loop.save_training_state` / `restore_checkpoint` /
-    `save_final` call for a sharded model.
+  - checkpoints of a sharded model (torch.distributed.checkpoint, every rank writing its shard;
+    a gathered Hugging Face `final/`) live with every other checkpoint in `rlhf_core.checkpoint`.
 
 Left out: DeepSpeed ZeRO-3 (refused in `rlhf_core.loop`), tensor/pipeline parallelism, HSDP,
 the fused LM head under DDP (DDP's gradient hooks need its own forward). Learned reward models
@@ -45,7 +43,6 @@ from __future__ import annotations
 import os
 from collections.abc import Iterator
 from contextlib import ExitStack, contextmanager
-from pathlib import Path
 from typing import Any, Literal
 
 import torch
@@ -258,62 +255,6 @@ def shard_model(model: torch.nn.Module, fsdp: FSDPConfig, device: torch.device) 
         unit.rlhf_root_forward = _root_forward.__get__(unit)
         register_fsdp_forward_method(unit, ROOT_FORWARD)
     return model
-
-
-# ----------------------------------------------------------------------------- state dicts
-
-Models = dict[str, tuple[torch.nn.Module, "torch.optim.Optimizer | None"]]
-
-
-def full_state_dict(model: torch.nn.Module) -> dict[str, torch.Tensor]:
-    """A sharded model's whole state dict, gathered onto rank 0 in CPU memory (empty on the
-    other ranks); every process must call it. Keys are the model's own (no wrapper prefix)."""
-    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
-
-    options = StateDictOptions(full_state_dict=True, cpu_offload=True)
-    state = get_model_state_dict(model, options=options)
-    # a tied parameter (an LM head sharing the input embedding) once, under its first name, as
-    # save_pretrained writes it from an unsharded model
-    seen: set[int] = set()
-    for name, param in model.named_parameters(remove_duplicate=False):
-        if id(param) in seen:
-            state.pop(name, None)
-        seen.add(id(param))
-    return state
-
-
-def _sharded_state(models: Models) -> dict[str, Any]:
-    from torch.distributed.checkpoint.state_dict import get_state_dict
-
-    state: dict[str, Any] = {}
-    for key, (model, opt) in models.items():
-        msd, osd = get_state_dict(model, [opt] if opt is not None else [])
-        state[f"{key}.model"] = msd
-        if opt is not None:
-            state[f"{key}.optimizer"] = osd
-    return state
-
-
-def save_sharded(directory: Path, models: Models) -> None:
-    """Every process writes its shards of each (model, optimizer or None) in `models` into
-    `directory` with torch.distributed.checkpoint."""
-    import torch.distributed.checkpoint as dcp
-
-    dcp.save(_sharded_state(models), checkpoint_id=str(directory))
-
-
-def load_sharded(directory: Path, models: Models) -> None:
-    """Read what `save_sharded` wrote into the (already sharded) models and optimizers."""
-    import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint.state_dict import set_state_dict
-
-    state = _sharded_state(models)
-    dcp.load(state, checkpoint_id=str(directory))
-    for key, (model, opt) in models.items():
-        set_state_dict(
-            model, [opt] if opt is not None else [], model_state_dict=state[f"{key}.model"],
-            optim_state_dict=state.get(f"{key}.optimizer", {}),
-        )  # fmt: skip
 
 
 # ----------------------------------------------------------------------------- the engine

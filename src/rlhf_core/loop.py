@@ -3,15 +3,14 @@
 A package's `train.py` reads top to bottom and calls these for the parts that are the same
 everywhere: process set-up (`start_accelerator`), how many steps (`plan_steps`), the optimizer
 and its schedule (`start_optimizer`), the dry-run report, one step's micro-batches and their
-accumulated gradients (`micro_batches`, `accumulate_gradients`), restoring a checkpoint, the
-clipped optimizer step that skips non-finite losses, saving, and the message after a stop
-signal.
+accumulated gradients (`micro_batches`, `accumulate_gradients`), the clipped optimizer step that
+skips non-finite losses, and the message after a stop signal. Saving and restoring are
+`rlhf_core.checkpoint`'s; `rlhf_core.bookkeeping` calls them.
 """
 
 from __future__ import annotations
 
 import math
-import shutil
 import sys
 from collections.abc import Callable
 from pathlib import Path
@@ -23,20 +22,8 @@ from accelerate.utils import DistributedType
 from pydantic import BaseModel, Field
 from torch.optim.lr_scheduler import LambdaLR
 
-from rlhf_core.checkpoint import (
-    SHARDED_DIR,
-    assert_finite_parameters,
-    capture_rng_state,
-    is_sharded_checkpoint,
-    load_trainer_state,
-    replace_dir,
-    restore_rng_state,
-    restore_training_state,
-    save_checkpoint,
-)
 from rlhf_core.config import RunArgs, dump_config
-from rlhf_core.data import EpochSampler
-from rlhf_core.distributed import Engine, EngineSettings, is_sharded, local_tensor
+from rlhf_core.distributed import Engine, EngineSettings
 from rlhf_core.errors import UserError
 from rlhf_core.models import resolve_model_path
 from rlhf_core.optim import EmbeddingGradBuffer, OptimConfig, build_optimizer, build_scheduler
@@ -230,42 +217,6 @@ def print_dry_run(
         print(f"{key + ':':{width}} {value}")
 
 
-def restore_checkpoint(
-    ckpt: Path,
-    *,
-    optimizer: torch.optim.Optimizer,
-    scheduler: Any,
-    sampler: EpochSampler,
-    model: torch.nn.Module | None = None,
-    extra: dict[str, tuple[torch.nn.Module, torch.optim.Optimizer | None]] | None = None,
-) -> tuple[int, dict[str, Any]]:
-    """Load optimizer, scheduler, RNGs and sampler position; return (step, the loop's state).
-
-    `extra` maps a name to (model, optimizer or None), as `save_training_state`'s
-    `extra_models` / `extra_optimizers`: their optimizers are restored too. A sharded checkpoint
-    also restores the (sharded) `model` and `extra` models from its torch.distributed.checkpoint
-    shards, and each process's own RNGs."""
-    payload = load_trainer_state(ckpt)
-    if is_sharded_checkpoint(ckpt):
-        if model is None or not is_sharded(model):
-            raise UserError(
-                f"{ckpt} is a sharded (FSDP2) checkpoint: resume it with train.engine fsdp2"
-            )
-        from rlhf_core.distributed import load_sharded
-
-        models = {"policy": (model, optimizer), **(extra or {})}
-        load_sharded(ckpt / SHARDED_DIR, models)
-    state = restore_training_state(payload, optimizer=optimizer, scheduler=scheduler)
-    for key, (_, extra_opt) in (extra or {}).items():
-        if extra_opt is not None and f"{key}_optimizer" in state:  # unsharded: in the state
-            extra_opt.load_state_dict(state[f"{key}_optimizer"])
-    if "rng_per_rank" in payload:
-        restore_rng_state(payload["rng_per_rank"][torch.distributed.get_rank()])
-    sampler.load_state_dict(state["sampler"])
-    print(f"resumed from {ckpt} at step {payload['step']}", file=sys.stderr)
-    return payload["step"], state
-
-
 def clip_grad_norm(
     accelerator: Accelerator, model: torch.nn.Module, max_norm: float | None
 ) -> float:
@@ -357,83 +308,6 @@ def optimizer_step(
     return grad_norm, skipped
 
 
-def save_training_state(
-    accelerator: Accelerator,
-    run_dir: Path,
-    step: int,
-    *,
-    model: torch.nn.Module,
-    tokenizer: Any,
-    optimizer: torch.optim.Optimizer,
-    scheduler: Any,
-    state: dict[str, Any],
-    keep_last: int,
-    extra_models: dict[str, torch.nn.Module] | None = None,
-    extra_optimizers: dict[str, torch.optim.Optimizer] | None = None,
-) -> None:
-    """All processes sync; the main process writes checkpoint-<step> atomically.
-
-    A sharded (FSDP2) model is saved as torch.distributed.checkpoint shards: every process
-    writes its part of the models and optimizers (`extra_optimizers` pairs with `extra_models`
-    by key) into a staging directory, then the main process adds the trainer state, with every
-    process's RNG states, and renames it into place. Unsharded, an extra optimizer's state is
-    saved in the loop state as `<key>_optimizer`."""
-    if is_sharded(model):
-        from accelerate.utils import broadcast_object_list, gather_object
-
-        from rlhf_core.distributed import save_sharded
-
-        staging = run_dir / "checkpoints" / f".sharded-{step}"
-        if accelerator.is_main_process:
-            if staging.exists():
-                shutil.rmtree(staging)
-            staging.mkdir(parents=True)
-        staging = Path(broadcast_object_list([str(staging)], from_process=0)[0])
-        assert_finite_shards(accelerator, [model, *(extra_models or {}).values()], step)
-        models = {"policy": (model, optimizer)}
-        for key, extra in (extra_models or {}).items():
-            models[key] = (extra, (extra_optimizers or {}).get(key))
-        save_sharded(staging, models)
-        rngs = gather_object([capture_rng_state()])
-        if accelerator.is_main_process:
-            save_checkpoint(
-                run_dir / "checkpoints", step, model=None, tokenizer=tokenizer, optimizer=None,
-                scheduler=scheduler, state=state, keep_last=keep_last,
-                staged={SHARDED_DIR: staging}, rng_per_rank=rngs,
-            )  # fmt: skip
-        accelerator.wait_for_everyone()
-        return
-    for key, extra_opt in (extra_optimizers or {}).items():
-        state = {**state, f"{key}_optimizer": extra_opt.state_dict()}
-    accelerator.wait_for_everyone()
-    if accelerator.is_main_process:
-        save_checkpoint(
-            run_dir / "checkpoints", step, model=accelerator.unwrap_model(model),
-            tokenizer=tokenizer, optimizer=optimizer, scheduler=scheduler, state=state,
-            keep_last=keep_last,
-            extra_models={k: accelerator.unwrap_model(m) for k, m in (extra_models or {}).items()},
-        )  # fmt: skip
-
-
-def assert_finite_shards(
-    accelerator: Accelerator, models: list[torch.nn.Module], where: str | int
-) -> None:
-    """`assert_finite_parameters` for sharded models: every process checks its own shards and
-    all of them learn whether any was not finite (every process must call it)."""
-    bad = [
-        name for m in models for name, p in m.named_parameters()
-        if not bool(torch.isfinite(local_tensor(p.detach())).all())
-    ]  # fmt: skip
-    flag = accelerator.reduce(torch.tensor(float(bool(bad)), device=accelerator.device), "sum")
-    if float(flag) > 0:
-        from rlhf_core.checkpoint import NonFiniteModelError
-
-        named = f"parameter {bad[0]} holds" if bad else "a parameter shard on another process holds"
-        raise NonFiniteModelError(
-            f"{where}: {named} NaN/inf values; refusing to save a broken model"
-        )
-
-
 def announce_stop(package: str, run: RunArgs, run_dir: Path, signum: int | None, step: int) -> None:
     """After a stop signal: the command that continues this run, verbatim (the run dir holds
     its resolved config, every --set included)."""
@@ -442,32 +316,3 @@ def announce_stop(package: str, run: RunArgs, run_dir: Path, signum: int | None,
         f"  python -m {package}.train --resume {run_dir}",
         file=sys.stderr,
     )
-
-
-def save_final(
-    accelerator: Accelerator, model: torch.nn.Module, tokenizer: Any, path: Path
-) -> None:
-    """The trained model as a plain Hugging Face directory (written by the main process; a
-    sharded model's full state dict is gathered onto it first, every process taking part)."""
-    accelerator.wait_for_everyone()
-    if is_sharded(model):
-        from rlhf_core.distributed import full_state_dict
-
-        assert_finite_shards(accelerator, [model], str(path))
-        state = full_state_dict(model)
-        if accelerator.is_main_process:
-            tmp = path.with_name(f".tmp-{path.name}")
-            shutil.rmtree(tmp, ignore_errors=True)
-            model.save_pretrained(tmp, state_dict=state)
-            tokenizer.save_pretrained(tmp)
-            replace_dir(tmp, path)
-        accelerator.wait_for_everyone()
-        return
-    if accelerator.is_main_process:
-        unwrapped = accelerator.unwrap_model(model)
-        assert_finite_parameters(unwrapped, where=str(path))
-        tmp = path.with_name(f".tmp-{path.name}")
-        shutil.rmtree(tmp, ignore_errors=True)
-        unwrapped.save_pretrained(tmp)
-        tokenizer.save_pretrained(tmp)
-        replace_dir(tmp, path)

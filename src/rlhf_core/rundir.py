@@ -27,6 +27,7 @@ import contextlib
 import functools
 import json
 import os
+import re
 import socket
 import sys
 import time
@@ -40,6 +41,7 @@ from rlhf_core.checkpoint import (
     checkpoint_step,
     list_checkpoints,
     newest_valid_checkpoint,
+    verify_checkpoint,
 )
 from rlhf_core.errors import UserError
 
@@ -240,8 +242,6 @@ def find_resume(
 
     `auto` looks in `--output-dir` if given, else in the newest `outputs/<package>/<name>-*` run
     with a valid checkpoint. A PATH is a checkpoint directory or a run directory."""
-    import re
-
     if resume == "auto":
         if output_dir is not None:
             runs = [Path(output_dir)]
@@ -261,8 +261,6 @@ def find_resume(
     if CHECKPOINT_RE.match(path.name) and path.parent.name == "checkpoints":
         if not path.is_dir():
             raise UserError(f"--resume {resume}: no such checkpoint directory")
-        from rlhf_core.checkpoint import verify_checkpoint
-
         problem = verify_checkpoint(path)
         if problem:
             raise UserError(f"--resume {resume}: the checkpoint is damaged: {problem}")

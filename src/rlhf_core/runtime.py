@@ -1,4 +1,5 @@
-"""Process-level set-up shared by the trainers: seeds, CPU threads, quiet libraries, the device.
+"""Process-level set-up shared by the trainers: seeds and the RNGs' state (saved in checkpoints),
+CPU threads, quiet libraries, the device.
 
 `configure_threads`: torch's default is one thread per core it can see, which oversubscribes when
 several processes share a machine; we use the cores this process may actually run on
@@ -11,6 +12,7 @@ import ctypes
 import os
 import platform
 import random
+from typing import Any
 
 import numpy as np
 import torch
@@ -22,6 +24,37 @@ def seed_everything(seed: int) -> None:
     torch.manual_seed(seed)
     if torch.cuda.is_available():
         torch.cuda.manual_seed_all(seed)
+
+
+def capture_rng_state() -> dict[str, Any]:
+    """Every RNG the loop may touch (python, numpy, torch CPU/CUDA) as weights_only-safe data."""
+    py_version, py_state, py_gauss = random.getstate()
+    np_kind, np_keys, np_pos, np_has_gauss, np_gauss = np.random.get_state()
+    state: dict[str, Any] = {
+        "python": [py_version, list(py_state), py_gauss],
+        "numpy": [
+            np_kind,
+            torch.from_numpy(np_keys.astype(np.int64)),
+            np_pos,
+            np_has_gauss,
+            np_gauss,
+        ],
+        "torch": torch.get_rng_state(),
+    }
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    return state
+
+
+def restore_rng_state(state: dict[str, Any]) -> None:
+    """Set every RNG to a `capture_rng_state` result."""
+    version, py_state, gauss = state["python"]
+    random.setstate((version, tuple(py_state), gauss))
+    kind, keys, pos, has_gauss, cached = state["numpy"]
+    np.random.set_state((kind, keys.numpy().astype(np.uint32), pos, has_gauss, cached))
+    torch.set_rng_state(state["torch"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda"])
 
 
 def available_cores() -> int:

@@ -3,12 +3,13 @@
     checkpoint:
       best: {metric: eval/loss, mode: min, min_delta: 0.0, patience: 3}
 
-After each periodic evaluation (`train.eval_every`) and the final one, the train loop calls
-`ModelSelector.observe(step, eval_metrics, model, tokenizer)`:
+After each periodic evaluation (`train.eval_every`) and the final one, the train loop
+(`rlhf_core.bookkeeping`) calls `ModelSelector.observe(step, eval_metrics)`:
 
   - an improvement (better than the best so far by more than `min_delta`; the first evaluation
-    always is) saves the model to `<run_dir>/best/`, a plain Hugging Face directory like `final/`,
-    and records `{step, metric, value}` in `<run_dir>/best.json`;
+    always is) sets `improved`: the loop then saves the model to `<run_dir>/best/`, a plain
+    Hugging Face directory like `final/`, and `record()` ({step, metric, value}) to
+    `<run_dir>/best.json` (`rlhf_core.checkpoint.save_best`);
   - `patience` evaluations in a row without one return True: the loop stops early (then runs its
     final evaluation and saves `final/` as usual; `summary.json` says where it stopped).
 
@@ -16,16 +17,16 @@ The decision is taken on the main process and broadcast, so every process stops 
 and all of them take part in the (collective) save. The selector's state travels in checkpoints,
 so a resumed run keeps its best value and patience count.
 
-Not here: keeping the top-k, averaging checkpoints, or selecting on a training metric.
+Not here: writing best/ (`rlhf_core.checkpoint`), keeping the top-k, averaging checkpoints, or
+selecting on a training metric.
 """
 
 from __future__ import annotations
 
-import json
 import math
-from pathlib import Path
 from typing import Any, Literal
 
+from accelerate.utils import broadcast_object_list
 from pydantic import Field, model_validator
 
 from rlhf_core.config import StrictModel
@@ -55,17 +56,16 @@ class SelectionConfig(StrictModel):
 
 
 class ModelSelector:
-    """Tracks the best value of `cfg.metric`; saves best/ and says when to stop."""
+    """Tracks the best value of `cfg.metric`; says when best/ is due and when to stop."""
 
-    def __init__(
-        self, cfg: SelectionConfig, run_dir: Path, accelerator: Any, *, periodic_eval: bool
-    ) -> None:
+    def __init__(self, cfg: SelectionConfig, accelerator: Any, *, periodic_eval: bool) -> None:
         if cfg.metric is not None and not periodic_eval:
             raise UserError(
                 f"checkpoint.best.metric {cfg.metric!r} needs periodic held-out evaluation: set "
                 "train.eval_every > 0 and give held-out data (data.eval)"
             )
-        self.cfg, self.run_dir, self.accelerator = cfg, Path(run_dir), accelerator
+        self.cfg, self.accelerator = cfg, accelerator
+        self.improved = False  # whether the last `observe` saw a new best
         self.best: float | None = None
         self.best_step: int | None = None
         self.bad_evals = 0
@@ -82,8 +82,10 @@ class ModelSelector:
         delta = self.best - value if self.cfg.mode == "min" else value - self.best
         return delta > self.cfg.min_delta
 
-    def observe(self, step: int, metrics: dict[str, float], model: Any, tokenizer: Any) -> bool:
-        """Record one evaluation at `step`; save best/ on an improvement; True = stop now."""
+    def observe(self, step: int, metrics: dict[str, float]) -> bool:
+        """Record one evaluation at `step` (every process calls it); `improved` says whether it
+        is a new best (the caller saves best/). True = stop now."""
+        self.improved = False
         if not self.enabled or step == self.last_step:
             return False
         self.last_step = step
@@ -99,20 +101,10 @@ class ModelSelector:
             improved = math.isfinite(value) and self._improves(value)
             decision = [(improved, value)]
         if self.accelerator.num_processes > 1:
-            from accelerate.utils import broadcast_object_list
-
             decision = broadcast_object_list(decision, from_process=0)
         improved, value = decision[0]
         if improved:
-            self.best, self.best_step, self.bad_evals = value, step, 0
-            if self.cfg.save_best:
-                from rlhf_core.loop import save_final
-
-                save_final(self.accelerator, model, tokenizer, self.run_dir / "best")
-            if self.accelerator.is_main_process:
-                record = {"step": step, "metric": self.cfg.metric, "value": value}
-                self.run_dir.mkdir(parents=True, exist_ok=True)
-                (self.run_dir / "best.json").write_text(json.dumps(record) + "\n")
+            self.best, self.best_step, self.bad_evals, self.improved = value, step, 0, True
         else:
             self.bad_evals += 1
         if self.cfg.patience is not None and self.bad_evals >= self.cfg.patience:
@@ -125,6 +117,10 @@ class ModelSelector:
                 )
             return True
         return False
+
+    def record(self) -> dict[str, Any]:
+        """The best evaluation so far, as best.json holds it."""
+        return {"step": self.best_step, "metric": self.cfg.metric, "value": self.best}
 
     def summary(self) -> dict[str, Any]:
         if not self.enabled:

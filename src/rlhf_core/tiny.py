@@ -21,6 +21,9 @@ Tokenizers (all deterministic, no downloads):
 Presets (hidden 128, 2 layers, 4 heads, MLP 512, tied embeddings ~0.53M params, unless noted):
   tiny-qwen3 (char), tiny-qwen3-arith (arith), tiny-qwen3-gpt2 (gpt2, hidden 64, MLP 256),
   tiny-qwen3-facts (facts: the reward models of the long-form task).
+  tiny-gpt2: a GPT-2-architecture `GPT2LMHeadModel` (gpt2 tokenizer; learned positions up to
+  1024, GELU MLP 512, tied embeddings, no dropout; ~7.0M params, 6.4M of them the embedding), the
+  policy of the GPT-2 + HH workflow (docs/workflows/gpt2_hh.md).
   tiny-t5-facts: an encoder-decoder `T5ForConditionalGeneration` (facts; d_model 64, 2 encoder +
   2 decoder layers, 4 heads, d_ff 256, tied embeddings, decoder start = pad as in T5), the
   encoder-decoder policy of `rlhf_core.policy_model`.
@@ -75,7 +78,7 @@ class TinyPreset:
     intermediate_size: int = 512
     max_position_embeddings: int = 512
     seed: int = 0
-    architecture: str = "qwen3"  # or "t5" (encoder-decoder)
+    architecture: str = "qwen3"  # or "t5" (encoder-decoder), "gpt2"
 
 
 PRESETS: dict[str, TinyPreset] = {
@@ -88,6 +91,7 @@ PRESETS: dict[str, TinyPreset] = {
     "tiny-t5-facts": TinyPreset(
         tokenizer="facts", hidden_size=64, intermediate_size=256, architecture="t5"
     ),
+    "tiny-gpt2": TinyPreset(tokenizer="gpt2", max_position_embeddings=1024, architecture="gpt2"),
 }
 
 
@@ -218,9 +222,26 @@ def build_tiny_t5(preset: TinyPreset, eos_id: int, pad_id: int, vocab_size: int)
         return AutoModelForSeq2SeqLM.from_config(config, dtype=torch.float32)
 
 
+def build_tiny_gpt2(preset: TinyPreset, eos_id: int, vocab_size: int):
+    """A seeded, randomly initialised GPT-2 causal LM (dropout off: RL scores the same tokens
+    in rollout and update; bos = eos = pad as in GPT-2)."""
+    from transformers import AutoModelForCausalLM, GPT2Config
+
+    config = GPT2Config(
+        vocab_size=vocab_size, n_positions=preset.max_position_embeddings,
+        n_embd=preset.hidden_size, n_layer=preset.num_hidden_layers,
+        n_head=preset.num_attention_heads, n_inner=preset.intermediate_size,
+        resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, tie_word_embeddings=True,
+        bos_token_id=eos_id, eos_token_id=eos_id,
+    )  # fmt: skip
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(preset.seed)
+        return AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+
+
 def build_tiny_model(preset: TinyPreset, tokenizer):
-    """A seeded, randomly initialised Qwen3 causal LM (or T5, per `preset.architecture`) sized
-    for the tokenizer."""
+    """A seeded, randomly initialised Qwen3 causal LM (or T5 or GPT-2, per
+    `preset.architecture`) sized for the tokenizer."""
     from transformers import AutoModelForCausalLM, Qwen3Config
 
     eos_id = tokenizer.convert_tokens_to_ids(tokenizer.eos_token)
@@ -230,6 +251,11 @@ def build_tiny_model(preset: TinyPreset, tokenizer):
         model.generation_config.eos_token_id = eos_id
         model.generation_config.pad_token_id = pad_id
         model.generation_config.decoder_start_token_id = pad_id
+        return model
+    if preset.architecture == "gpt2":
+        model = build_tiny_gpt2(preset, eos_id, len(tokenizer))
+        model.generation_config.eos_token_id = eos_id
+        model.generation_config.pad_token_id = pad_id
         return model
     config = Qwen3Config(
         vocab_size=len(tokenizer),

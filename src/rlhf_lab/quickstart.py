@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from rlhf_core.checkpoint import StopSignal
+    from rlhf_core.stop_signal import StopSignal
 
 REPO_CONFIGS = Path("configs") / "quickstart"
 HELDOUT = {
@@ -348,9 +348,9 @@ def _plot(out: Path, figures: dict[str, Any]) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from rlhf_core.checkpoint import StopSignal
     from rlhf_core.errors import UserError
     from rlhf_core.rundir import locked_run
+    from rlhf_core.stop_signal import StopSignal
     from rlhf_core.tracking import timestamp
 
     parser = argparse.ArgumentParser(prog="rlhf-lab quickstart", description=__doc__.split("\n")[0])

@@ -3,6 +3,7 @@ and the signal-safe stop."""
 
 from __future__ import annotations
 
+import json
 import os
 import random
 import signal
@@ -13,20 +14,24 @@ import textwrap
 import numpy as np
 import pytest
 import torch
+from accelerate import Accelerator
+from transformers import AutoModelForCausalLM
 
 from rlhf_core.checkpoint import (
     STATE_FILE,
-    StopSignal,
+    NonFiniteModelError,
     latest_checkpoint,
     list_checkpoints,
     load_trainer_state,
-    restore_rng_state,
     restore_training_state,
+    save_best,
     save_checkpoint,
+    save_final,
 )
 from rlhf_core.models import ModelConfig, load_policy, load_tokenizer, resolve_model_path
 from rlhf_core.optim import OptimConfig, build_optimizer, build_scheduler
-from rlhf_core.runtime import seed_everything
+from rlhf_core.runtime import restore_rng_state, seed_everything
+from rlhf_core.stop_signal import StopSignal
 
 TINY = ModelConfig(name_or_path="tiny-qwen3", dtype="fp32", attention="sdpa")
 TINY_LORA = ModelConfig(
@@ -270,6 +275,36 @@ def test_resume_without_optimizer_state_would_differ(tmp_path):
     assert any(not torch.equal(p, params[n]) for n, p in resumed.named_parameters())
 
 
+# ----------------------------------------------------------------------------- final/ and best/
+
+
+def test_final_and_best_are_plain_directories_and_never_hold_nan(tmp_path):
+    """`save_final` writes a directory plain transformers loads (replacing an older one whole);
+    `save_best` writes best/ the same way with best.json beside it, or best.json alone when
+    `checkpoint.best.save_best` is off (model None); a NaN parameter is never written."""
+    accelerator = Accelerator(cpu=True)
+    model, tokenizer = load_policy(TINY), load_tokenizer(TINY, padding_side="right")
+    save_final(accelerator, model, tokenizer, tmp_path / "final")
+    with torch.no_grad():
+        next(model.parameters()).add_(1.0)
+    save_final(accelerator, model, tokenizer, tmp_path / "final")  # replaces the first
+    loaded = AutoModelForCausalLM.from_pretrained(tmp_path / "final")
+    assert torch.equal(next(loaded.parameters()), next(model.parameters()).detach())
+    record = {"step": 3, "metric": "eval/loss", "value": 0.5}
+    save_best(accelerator, model, tokenizer, tmp_path, record)
+    assert AutoModelForCausalLM.from_pretrained(tmp_path / "best").num_parameters() > 0
+    assert json.loads((tmp_path / "best.json").read_text()) == record
+    save_best(accelerator, None, tokenizer, tmp_path / "no_model", record)
+    assert (tmp_path / "no_model" / "best.json").is_file()
+    assert not (tmp_path / "no_model" / "best").exists()
+    with torch.no_grad():
+        next(model.parameters())[0] = float("nan")
+    with pytest.raises(NonFiniteModelError, match="NaN/inf"):
+        save_final(accelerator, model, tokenizer, tmp_path / "broken")
+    assert not (tmp_path / "broken").exists()
+    assert not list(tmp_path.glob(".tmp-*"))
+
+
 # ----------------------------------------------------------------------------- signals
 
 
@@ -301,7 +336,7 @@ def test_second_signal_kills_the_process():
     code = textwrap.dedent(
         """
         import os, signal, time
-        from rlhf_core.checkpoint import StopSignal
+        from rlhf_core.stop_signal import StopSignal
         with StopSignal() as stop:
             os.kill(os.getpid(), signal.SIGINT)
             assert stop.requested
