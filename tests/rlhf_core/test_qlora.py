@@ -1,14 +1,18 @@
 """QLoRA: a 4-bit NF4 base (bitsandbytes) with a LoRA adapter, in the SFT, DPO, GRPO and RM
 trainers. One step of each must update the adapter and nothing else: the optimizer holds state
-for exactly the adapter's tensors, each moved, and the saved model is an adapter."""
+for exactly the adapter's tensors, each moved, the saved model is an adapter, and the run records
+one finished step with a finite loss and a nonzero gradient norm."""
 
 from __future__ import annotations
 
+import json
+import math
 from pathlib import Path
 
 import pytest
 import torch
-from conftest import tiny_pg_dict
+from conftest import metric_series, tiny_pg_dict
+from safetensors.torch import load_file
 
 from rlhf_core.config import RunArgs
 from rlhf_core.models import ModelConfig, ReferencePolicy, load_policy
@@ -64,9 +68,19 @@ def test_quantization_without_lora_is_refused():
         ModelConfig(name_or_path="tiny-qwen3", quantization={"bits": 4})
 
 
-def _assert_only_adapter_trained(run_dir: Path) -> None:
-    from safetensors.torch import load_file
+def _assert_one_finished_step(run_dir: Path) -> None:
+    """The run says it finished one step, none skipped, with a finite loss and gradient norm."""
+    assert json.loads((run_dir / "status.json").read_text())["status"] == "finished"
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["steps"] == 1 and summary["skipped_steps"] == 0, summary
+    for key in ("train/loss", "train/grad_norm"):
+        values = metric_series(run_dir, key)
+        assert list(values) == [1] and math.isfinite(values[1]), (key, values)
+    assert metric_series(run_dir, "train/grad_norm")[1] > 0  # the adapter got a gradient
 
+
+def _assert_only_adapter_trained(run_dir: Path) -> None:
+    _assert_one_finished_step(run_dir)
     ckpt = run_dir / "checkpoints" / "checkpoint-1"
     state = torch.load(ckpt / "trainer_state.pt", weights_only=True)["optimizer"]["state"]
     assert len(state) == ADAPTER_TENSORS  # no optimizer state for any base weight
@@ -132,3 +146,11 @@ def test_qlora_reward_model_step(tmp_path):
     state = torch.load(tmp_path / "checkpoints" / "checkpoint-1" / "trainer_state.pt",
                        weights_only=True)["optimizer"]["state"]  # fmt: skip
     assert len(state) == ADAPTER_TENSORS + 1  # the adapter and the scalar head, no base weight
+    _assert_one_finished_step(tmp_path)
+    final = tmp_path / "final"  # the adapter and the scalar head, no full-precision base copy
+    assert (final / "adapter_config.json").is_file() and not (final / "model.safetensors").exists()
+    saved = load_file(final / "adapter_model.safetensors")
+    assert len(saved) == ADAPTER_TENSORS and all("lora_" in k for k in saved)
+    assert all(v.abs().sum() > 0 for k, v in saved.items() if "lora_B" in k)
+    head = load_file(final / "scalar_head.safetensors")
+    assert head and all(torch.isfinite(v).all() for v in head.values())
