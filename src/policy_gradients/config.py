@@ -66,10 +66,27 @@ class AlgorithmConfig(StrictModel):
 class PromptDataConfig(SplitDataConfig):
     train: DataSource = Field(description="training prompts (reasoning-gym or a file)")
     eval: DataSource | None = Field(None, description="held-out prompts")
+    format: Literal["auto", "plain", "conversational", "hh"] = Field(
+        "auto",
+        description="how a row's prompt is read (policy_gradients.rollout.prompt_messages): plain "
+        "= a string user turn; conversational = a message list (a trailing assistant turn "
+        "dropped); hh = Anthropic HH transcripts (the prompt, or the chosen/rejected pair), cut "
+        "at the last '\\n\\nAssistant:'; auto = by the row (lists conversational, strings "
+        "starting with '\\n\\nHuman:' or a prompt-less chosen/rejected pair hh, other strings "
+        "plain)",
+    )
     prompt_column: str = Field("prompt", description="question column of file rows")
-    answer_column: str = Field("answer", description="reference answer column of file rows")
-    prompt_template: str = Field("{question}", description="user turn; {question} is replaced")
-    system_prompt: str | None = Field(None, description="optional system turn")
+    answer_column: str = Field(
+        "answer",
+        description="reference answer column of file rows; read when present, required only "
+        "when a reward needs it (gsm8k, exact_match, rouge)",
+    )
+    prompt_template: str = Field(
+        "{question}", description="the last user turn; {question} is replaced by its text"
+    )
+    system_prompt: str | None = Field(
+        None, description="optional system turn (a row's own system turn wins)"
+    )
 
 
 class RolloutConfig(StrictModel):
@@ -128,6 +145,19 @@ class PGConfig(TrainerConfig):
             out.append({**checked, "weight": float(extra.get("weight", 1.0)),
                         "label": extra.get("label", checked["name"])})  # fmt: skip
         return out
+
+    def prompt_args(self) -> dict[str, Any]:
+        """The keywords of `policy_gradients.rollout.load_prompts` this config sets: the data
+        block's format, columns and template, and the rewards that need each row's answer."""
+        from policy_gradients.rewards import answer_needed_by
+
+        d = self.data
+        return {
+            "prompt_column": d.prompt_column, "answer_column": d.answer_column,
+            "prompt_template": d.prompt_template, "system_prompt": d.system_prompt,
+            "format": d.format, "columns": d.columns,
+            "answer_needed_by": answer_needed_by(self.rewards),
+        }  # fmt: skip
 
     @model_validator(mode="after")
     def _consistent(self) -> PGConfig:

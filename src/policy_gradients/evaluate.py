@@ -2,8 +2,10 @@
 components, their length, and the KL to the reference on the sampled ones.
 
 Reported per component c: `eval/greedy_<c>` (mean), `eval/greedy_<c>_exact` (share scoring
-1.0: accuracy for a verifier), the same for one sample at the rollout temperature (`sampled_`,
-i.e. pass@1), `eval/sampled_kl_k3` and `eval/sampled_kl_k1` (per-token means), and lengths.
+1.0: accuracy for a verifier; not for a learned reward, whose scores are not grades, nor for a
+penalty such as `overlong`, which never reaches 1), the same for one sample at the rollout
+temperature (`sampled_`, i.e. pass@1), `eval/sampled_kl_k3` and `eval/sampled_kl_k1` (per-token
+means), and lengths.
 Every completion can also go to the rollout log's `eval_rollouts` table.
 Sampling runs under a forked RNG, so evaluating never changes the training run.
 """
@@ -41,6 +43,10 @@ def evaluate_policy(
     truncated), the rollout log's `eval_rollouts` columns after `step`."""
     device = next(policy.parameters()).device
     results: dict[str, float] = {}
+    graded = {  # components whose 1.0 means "correct": their share of 1.0s is reported
+        label for label, _, fn in reward_fn.components
+        if not getattr(fn, "learned", False) and not getattr(fn, "penalty", False)
+    }  # fmt: skip
     for label, temp in (("greedy", 0.0), ("sampled", temperature)):
         sums: dict[str, float] = {}
         with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
@@ -62,7 +68,8 @@ def evaluate_policy(
                 for key, value in parts.items():
                     value = value if value.dim() == 1 else value.sum(-1)
                     per_seq[key] = value
-                    per_seq[f"{key}_exact"] = (value >= 1.0).float()
+                    if key in graded:
+                        per_seq[f"{key}_exact"] = (value >= 1.0).float()
                 per_seq["length"] = lengths.float().cpu()
                 if log_rows is not None:
                     for b, it in enumerate(items):

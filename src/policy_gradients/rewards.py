@@ -119,6 +119,8 @@ class GSM8KReward:
     """1 if the final number of the answer equals the GSM8K reference (the number after '####').
     The answer is the <answer> block if present, else the whole completion."""
 
+    needs_answer = True  # reads each prompt row's reference answer (data.answer_column)
+
     def __init__(self) -> None:
         pass
 
@@ -144,6 +146,8 @@ class ExactMatchReward:
     """1 if the answer (the <answer> block with extract: answer_tag, else the whole completion)
     equals the reference answer after stripping whitespace (`rlhf_core.scoring.exact_match`)."""
 
+    needs_answer = True  # reads each prompt row's reference answer (data.answer_column)
+
     def __init__(self, *, extract: Literal["answer_tag", "full"] = "full") -> None:
         self.extract = extract
 
@@ -168,6 +172,8 @@ class OverlongReward:
         -1                                  if len > L_max
     """
 
+    penalty = True  # never positive: a total that includes it says so (rlhf-lab compare)
+
     def __init__(self, *, max_length: int, cache_length: int) -> None:
         if not 0 < cache_length <= max_length:
             raise UserError("overlong: need 0 < cache_length <= max_length")
@@ -189,6 +195,7 @@ class LearnedReward:
     normalisation of their raw scores, (score - mean) / std * scale + bias."""
 
     name = "learned reward"  # the registry sets each subclass's name
+    learned = True  # a score, not a grade: no share-scoring-1.0 (`_exact`) at evaluation
 
     def _learned_setup(
         self, *, mean: float, std: float, scale: float, bias: float, device: str
@@ -331,6 +338,8 @@ class SegmentRewardModelReward:
     r_t = sum_k w_k r_t^k, and places sequence-level components (its completeness reward, or a
     holistic preference model) on the last token."""
 
+    learned = True  # a score, not a grade: no share-scoring-1.0 (`_exact`) at evaluation
+
     def __init__(
         self,
         *,
@@ -394,6 +403,8 @@ class RougeReward:
     row's reference `answer` (`rlhf_core.scoring.rouge_scores`); for evaluating long-form
     generation (weight 0 reports it without training on it)."""
 
+    needs_answer = True  # reads each prompt row's reference answer (data.answer_column)
+
     def __init__(self, *, rouge_type: Literal["rouge1", "rouge2", "rougeL"] = "rougeL") -> None:
         self.rouge_type = rouge_type
 
@@ -403,6 +414,27 @@ class RougeReward:
         refs = [str(item["answer"]) for item in batch.items]
         scores = rouge_scores(batch.completions, refs, (self.rouge_type,))
         return torch.tensor(scores[self.rouge_type])
+
+
+def answer_needed_by(specs: list[dict[str, Any]]) -> list[str]:
+    """The labels of the configured components whose class declares `needs_answer` (they read
+    each prompt row's reference answer), so prompts without one can be refused before training."""
+    return [
+        spec.get("label") or spec["name"] for spec in specs
+        if getattr(REWARDS.get(spec["name"]), "needs_answer", False)
+    ]  # fmt: skip
+
+
+def check_answers(items: list[dict[str, Any]], needed_by: list[str], where: str) -> None:
+    """Refuse prompt items without a reference answer when a reward in `needed_by` reads it."""
+    missing = [i for i, item in enumerate(items) if item.get("answer") is None]
+    if needed_by and missing:
+        raise UserError(
+            f"{where}: reward {needed_by[0]!r} (policy_gradients/rewards.py) compares each "
+            f"completion with the prompt row's reference answer, but {len(missing)} of "
+            f"{len(items)} prompt rows have none (row {missing[0]}); set data.answer_column (or "
+            "data.columns.answer) to the column that holds it, or drop that reward"
+        )
 
 
 class CombinedReward:
@@ -434,6 +466,8 @@ class CombinedReward:
         ]  # fmt: skip
 
     def __call__(self, batch: RewardInput) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        needed_by = [label for label, _, fn in self.components if getattr(fn, "needs_answer", 0)]
+        check_answers(batch.items, needed_by, where="rewards")
         if self.strip_thinking:  # components score the answer, not the <think> block
             batch = replace(batch, completions=[strip_thinking(c) for c in batch.completions])
         parts = {label: fn(batch).float() for label, _, fn in self.components}

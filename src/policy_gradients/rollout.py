@@ -1,9 +1,14 @@
 """Prompts, rollouts and the rollout log.
 
 `load_prompts` turns a data source into prompt items: reasoning-gym entries (question ->
-prompt, kept for the task's scorer) or file rows with a prompt and an answer column (GSM8K:
-`question` / `answer`). An optional `prompt_template` wraps the question (e.g. to ask for
-<answer> tags) and an optional system prompt is prepended.
+prompt, kept for the task's scorer) or file rows in any standard layout of `rlhf_core.columns`
+(`data.columns` renames the user's columns): a prompt alone, a prompt with a completion or a
+preference pair (the prompt is taken, the rest ignored), a conversation (`messages`; a trailing
+assistant turn dropped), or Anthropic HH transcripts (`data.format: hh`: the turns up to the last
+"\n\nAssistant:"). The reference answer (`data.answer_column`, or `data.columns.answer`) is
+kept when the row has one; it is required only when a configured reward reads it
+(`rewards.answer_needed_by`). An optional `prompt_template` wraps the last user turn (e.g. to ask
+for <answer> tags) and an optional system prompt is prepended.
 
 `generate_rollouts` samples `group_size` completions for each prompt with
 `rlhf_core.generation.decode` (KV cache, left padding; each prompt encoded once and its KV cache
@@ -26,59 +31,168 @@ from typing import Any
 
 import torch
 
-from rlhf_core.chat import render_prompt
+from policy_gradients.rewards import check_answers
+from rlhf_core.chat import HH_TURN, Messages, as_messages, render_prompt, split_hh_pair
+from rlhf_core.columns import Columns, apply_columns, detect_layout
 from rlhf_core.data import DataSource, load_rows, reasoning_gym_dataset
 from rlhf_core.errors import UserError
 from rlhf_core.generation import Sampling, decode, row_generators
-from rlhf_core.packing import shared_prompt_logprobs
 from rlhf_core.policy_model import completion_values as policy_completion_values
-from rlhf_core.policy_model import is_encoder_decoder, policy_logprobs
+from rlhf_core.policy_model import is_encoder_decoder
+from rlhf_core.sequences import sequence_logprobs
 
 
 @dataclass
 class PromptSet:
-    items: list[dict[str, Any]]  # prompt (rendered), messages, answer, entry (reasoning-gym)
+    items: list[dict[str, Any]]  # prompt (rendered), messages, answer (or None), entry
     scorer: Any | None  # reasoning-gym dataset, if the prompts came from one
+
+
+PROMPT_FORMATS = ("auto", "plain", "conversational", "hh")
+# the standard layouts (rlhf_core.columns) a prompt can be read from: any row that has a prompt,
+# a conversation, or (HH) two transcripts that share it
+PROMPT_LAYOUTS = ("preference", "unpaired", "prompt_completion", "implicit_preference",
+                  "messages", "prompt_only")  # fmt: skip
+HH_START = "\n\nHuman:"
+
+
+def hh_prompt(first: str, second: str | None, where: str) -> Messages:
+    """The multi-turn prompt of an Anthropic HH transcript: its turns up to the last
+    '\\n\\nAssistant:' (`split_hh_pair`; with `second`, the last one the two transcripts share);
+    a transcript that ends on a Human turn is all prompt."""
+    if second is None:
+        second = first
+        last = [m.group(1) for m in HH_TURN.finditer(first)]
+        if last and last[-1] == "Human":
+            first = second = first + "\n\nAssistant:"
+    return split_hh_pair(first, second, where=where)[0]
+
+
+def _without_reply(messages: Messages, where: str) -> Messages:
+    """A conversation as a prompt: a trailing assistant turn (the data set's reply) dropped."""
+    if messages and messages[-1]["role"] == "assistant":
+        messages = messages[:-1]
+    if not any(m["role"] == "user" for m in messages):
+        raise UserError(f"{where}: the prompt has no user turn ({len(messages)} messages)")
+    return messages
+
+
+def prompt_messages(row: dict[str, Any], fmt: str, where: str) -> Messages:
+    """The prompt of one row (standard keys, `rlhf_core.columns`) as messages, by `fmt`:
+
+    plain           `prompt` is the user turn's text (never parsed)
+    conversational  `prompt` or `messages` is a message list; a trailing assistant turn dropped
+    hh              an Anthropic HH transcript: `prompt`, or the `chosen` / `rejected` pair
+    auto            by the row: message lists are conversational; a string that starts with
+                    '\\n\\nHuman:', or chosen + rejected strings without a prompt, are hh;
+                    any other string is plain
+    """
+    layout = detect_layout(row, PROMPT_LAYOUTS, where)
+    value = row["messages"] if layout == "messages" else row.get("prompt")
+    if layout == "implicit_preference":  # chosen + rejected, no prompt
+        chosen, rejected = row["chosen"], row["rejected"]
+        if isinstance(chosen, str) and isinstance(rejected, str):
+            if fmt not in ("auto", "hh"):
+                raise UserError(
+                    f"{where}: data.format {fmt!r} needs a prompt column; these "
+                    "rows are chosen/rejected transcripts (use format hh or auto)"
+                )
+            return hh_prompt(chosen, rejected, where)
+        chosen = as_messages(chosen, where=f"{where} column 'chosen'")
+        if fmt not in ("auto", "conversational"):
+            raise UserError(
+                f"{where}: chosen/rejected are message lists: use data.format "
+                "conversational (or auto)"
+            )
+        return _without_reply(chosen, where)
+    here = f"{where} column {'messages' if layout == 'messages' else 'prompt'!r}"
+    if layout == "messages" and not isinstance(value, list):
+        raise UserError(f"{here}: expected a message list, got {type(value).__name__}")
+    if isinstance(value, str):
+        if fmt == "conversational":
+            raise UserError(
+                f"{here}: data.format conversational needs a message list, got a "
+                f"string: {value[:60]!r}"
+            )
+        if fmt == "hh" or (fmt == "auto" and value.startswith(HH_START)):
+            return hh_prompt(value, None, here)
+        return [{"role": "user", "content": value}]
+    if fmt in ("plain", "hh"):
+        raise UserError(
+            f"{here}: data.format {fmt!r} needs a string prompt, got "
+            f"{type(value).__name__}: {str(value)[:60]!r}"
+        )
+    return _without_reply(as_messages(value, where=here), here)
 
 
 def load_prompts(
     source: DataSource,
     tokenizer,
     *,
-    prompt_column: str,
-    answer_column: str,
-    prompt_template: str,
-    system_prompt: str | None,
+    prompt_column: str = "prompt",
+    answer_column: str = "answer",
+    prompt_template: str = "{question}",
+    system_prompt: str | None = None,
     where: str,
     limit: int | None = None,
+    format: str = "auto",
+    columns: Columns | None = None,
+    answer_needed_by: list[str] | tuple[str, ...] = (),
 ) -> PromptSet:
+    """The prompt items of a source (see the module docstring). `columns` (`data.columns`) and
+    the older `prompt_column` / `answer_column` name the row's columns; `prompt_template` wraps
+    the last user turn; `system_prompt` goes first unless the row has its own system turn.
+    Rows without an answer get `answer: None`; `answer_needed_by` (the rewards that read it,
+    `rewards.answer_needed_by`) makes that an error."""
+    if format not in PROMPT_FORMATS:
+        raise UserError(f"{where}: unknown prompt format {format!r}; choose from {PROMPT_FORMATS}")
     scorer = None
     if source.reasoning_gym is not None:
         scorer = reasoning_gym_dataset(source.reasoning_gym)
-        rows: Any = [{"question": e["question"], "answer": e["answer"], "entry": e} for e in scorer]
-        prompt_column, answer_column = "question", "answer"
+        rows: Any = [{"prompt": e["question"], "answer": e["answer"], "entry": e} for e in scorer]
+        columns, format = None, "plain"
     else:
         rows = load_rows(source, field=where)
+        columns = merged_columns(columns, prompt_column, answer_column)
     items = []
     for index, row in enumerate(rows):
-        for column in (prompt_column, answer_column):
-            if row.get(column) is None:
-                raise UserError(f"{where}: row {index} is missing column {column!r} ({list(row)})")
-        messages = [
-            {"role": "user", "content": prompt_template.format(question=row[prompt_column])}
-        ]
-        if system_prompt:
+        here = f"{where} ({source.describe()}): row {index}"
+        row = apply_columns(dict(row), columns, here)
+        messages = [dict(m) for m in prompt_messages(row, format, here)]
+        users = [i for i, m in enumerate(messages) if m["role"] == "user"]
+        last = messages[users[-1]]
+        last["content"] = prompt_template.format(question=last["content"])
+        if system_prompt and messages[0]["role"] != "system":
             messages.insert(0, {"role": "system", "content": system_prompt})
-        text = render_prompt(tokenizer, messages, where=f"{where}: row {index}")
+        text = render_prompt(tokenizer, messages, where=here)
+        answer = row.get("answer")
         items.append({
-            "prompt": text, "messages": messages, "answer": str(row[answer_column]),
-            "entry": row.get("entry"),
+            "prompt": text, "messages": messages,
+            "answer": None if answer is None else str(answer), "entry": row.get("entry"),
         })  # fmt: skip
         if limit is not None and len(items) >= limit:
             break
     if not items:
         raise UserError(f"{where}: no prompts in {source.describe()}")
+    check_answers(items, list(answer_needed_by), where=f"{where} ({source.describe()})")
     return PromptSet(items=items, scorer=scorer)
+
+
+def merged_columns(columns: Columns | None, prompt_column: str, answer_column: str) -> Columns:
+    """`data.columns` with the older `prompt_column` / `answer_column` keys folded in (a
+    non-default one names the same thing as `columns.prompt` / `columns.answer`; both set to
+    different columns is an error)."""
+    merged = columns.model_dump() if columns is not None else {}
+    for key, name in (("prompt", prompt_column), ("answer", answer_column)):
+        if name == key:
+            continue
+        if merged.get(key) not in (None, name):
+            raise UserError(
+                f"data.{key}_column {name!r} and data.columns.{key} {merged[key]!r} name "
+                "different columns; keep one"
+            )
+        merged[key] = name
+    return Columns.model_validate(merged)
 
 
 @dataclass
@@ -159,20 +273,23 @@ def completion_logprobs(
     distribution); with `with_entropy`, also the per-token entropies (B, T).
 
     Only the completion positions (`action_mask` (B, T); by default every completion position)
-    are scored (`rlhf_core.policy_model.policy_logprobs`: a causal LM's head runs on them alone,
+    are scored (`rlhf_core.sequences.sequence_logprobs`: a causal LM's head runs on them alone,
     fused with the log-softmax; an encoder-decoder model encodes the prompt and scores the
     completion with its decoder); positions outside the mask are 0. With an `action_mask` and a
     causal LM, the rows that share a prompt (a group) share one encoding of it
-    (`rlhf_core.packing.shared_prompt_logprobs`: equal log-probs, gradients summed over the
+    (`rlhf_core.prefix.shared_prompt_logprobs`: equal log-probs, gradients summed over the
     group as with separate rows)."""
 
     batch, total = rollouts_ids.shape
     if action_mask is not None and not is_encoder_decoder(model):
         p = prompt_length
-        out = shared_prompt_logprobs(
-            model, rollouts_ids[:, :p], attention_mask[:, :p], rollouts_ids[:, p:],
-            attention_mask[:, p:], temperature=temperature, with_entropy=with_entropy,
-        )  # fmt: skip
+        prompt_and_completion = {
+            "prompt_ids": rollouts_ids[:, :p], "prompt_mask": attention_mask[:, :p],
+            "completion_ids": rollouts_ids[:, p:], "completion_mask": attention_mask[:, p:],
+        }  # fmt: skip
+        out = sequence_logprobs(
+            model, prompt_and_completion, temperature=temperature, with_entropy=with_entropy
+        )
         keep = action_mask.bool()
         if with_entropy:
             return tuple(torch.where(keep, x, torch.zeros_like(x)) for x in out)
@@ -182,10 +299,8 @@ def completion_logprobs(
         target[:, prompt_length - 1 :] = True
     else:
         target[:, prompt_length - 1 :] = action_mask.bool()
-    out = policy_logprobs(
-        model, rollouts_ids, attention_mask, target, temperature=temperature,
-        with_entropy=with_entropy,
-    )  # fmt: skip
+    rows = {"input_ids": rollouts_ids, "attention_mask": attention_mask, "target_mask": target}
+    out = sequence_logprobs(model, rows, temperature=temperature, with_entropy=with_entropy)
     if with_entropy:
         logps, entropy = out
         return logps[:, prompt_length - 1 :], entropy[:, prompt_length - 1 :]
