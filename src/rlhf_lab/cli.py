@@ -9,6 +9,8 @@
     rlhf-lab eval --model DIR --task NAME | --prompts FILE [--reward-model DIR]
                                    held-out exact match, partial credit, ROUGE, RM score, KL
     rlhf-lab sft|rm|dpo|rl --config FILE [--set k=v ...]   the package trainers
+    rlhf-lab data CONFIG [--set k=v ...]   a trainer's data before training: rows, drops,
+                                   token lengths, what max_length cuts, examples, histogram
     rlhf-lab tiny [--build]        list (and build) the offline tiny-world presets
     rlhf-lab runs [list|show|compare|prune|snapshot|delete]   manage run directories
     rlhf-lab quantize --model DIR --bits 8|4   quantise an RM or policy, report what it cost
@@ -36,6 +38,7 @@ TOOLS = {
     "runs": "rlhf_lab.runs",
     "quantize": "rlhf_lab.quantize",
     "chat": "rlhf_lab.chat",
+    "data": "rlhf_lab.data_report",
 }
 
 
