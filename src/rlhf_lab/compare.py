@@ -218,6 +218,23 @@ def write_table(out: Path, report: dict[str, Any]) -> None:
     print(text, flush=True)
 
 
+def _penalties(run_dir: Path) -> list[str]:
+    """The labels of a run's weighted reward components that are penalties (their class declares
+    `penalty`, e.g. DAPO's overlong shaping): its total reward includes them, so its curve is
+    not comparable as is with runs that have none."""
+    import yaml
+
+    from policy_gradients.rewards import REWARDS
+
+    path = run_dir / "config.yaml"
+    specs = (yaml.safe_load(path.read_text()) or {}).get("rewards") if path.is_file() else None
+    return [
+        s.get("label") or s["name"] for s in specs or []
+        if s.get("name") in REWARDS and getattr(REWARDS.get(s["name"]), "penalty", False)
+        and s.get("weight", 1.0) != 0
+    ]  # fmt: skip
+
+
 def plot_curves(out: Path, report: dict[str, Any]) -> None:
     import matplotlib
 
@@ -232,9 +249,11 @@ def plot_curves(out: Path, report: dict[str, Any]) -> None:
             continue
         rows = [json.loads(x) for x in metrics.read_text().splitlines()]
         pts = [(x["step"], x[key]) for x in rows if isinstance(x.get(key), int | float)]
-        ax.plot([p[0] for p in pts], [p[1] for p in pts], label=name)
+        penalties = _penalties(out / name)
+        label = name + (f" (incl. {', '.join(penalties)} penalty)" if penalties else "")
+        ax.plot([p[0] for p in pts], [p[1] for p in pts], label=label)
     ax.set_xlabel("step")
-    ax.set_ylabel("mean training reward")
+    ax.set_ylabel("mean training reward (total)")
     ax.set_title("policy-gradient algorithms from the same SFT model")
     ax.legend(fontsize=8)
     fig.tight_layout()

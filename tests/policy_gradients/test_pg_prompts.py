@@ -213,3 +213,39 @@ def test_a_verifier_without_answers_is_refused_naming_the_reward(tmp_path, tiny_
     with pytest.raises(UserError, match=r"reward 'math' \(policy_gradients/rewards.py\)"):
         train(cfg, RunArgs(Path("t.yaml"), output_dir=run))
     assert not (run / "final").exists()
+
+
+def test_compare_labels_a_reward_total_that_includes_a_penalty(tmp_path, monkeypatch):
+    """DAPO's overlong shaping is in its run's total reward: compare.png's label says so."""
+    from conftest import tiny_pg_dict
+
+    from rlhf_core.config import dump_config
+    from rlhf_lab.compare import _penalties, plot_curves
+
+    runs = {}
+    for name, extra in (
+        ("grpo", []),
+        ("dapo", [{"name": "overlong", "max_length": 12, "cache_length": 4, "label": "too_long"}]),
+    ):
+        data = tiny_pg_dict(Path("tiny-qwen3"), name="grpo", advantage={"name": "grpo"},
+                            loss={"name": "clipped"})  # fmt: skip
+        data["rewards"] += extra
+        run = tmp_path / name
+        run.mkdir()
+        (run / "config.yaml").write_text(dump_config(PGConfig.model_validate(data)))
+        rows = [{"step": s, "train/reward/total": 0.1 * s} for s in (1, 2)]
+        (run / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+        runs[name] = {"family": "policy_gradients"}
+    assert _penalties(tmp_path / "grpo") == [] and _penalties(tmp_path / "dapo") == ["too_long"]
+    import matplotlib.axes
+
+    labels, plot = [], matplotlib.axes.Axes.plot
+
+    def spy(self, *args, **kwargs):  # the real plot, its labels recorded
+        labels.append(kwargs.get("label"))
+        return plot(self, *args, **kwargs)
+
+    monkeypatch.setattr(matplotlib.axes.Axes, "plot", spy)
+    plot_curves(tmp_path, {"runs": runs})
+    assert labels == ["grpo", "dapo (incl. too_long penalty)"]
+    assert (tmp_path / "compare.png").stat().st_size > 1000
