@@ -2,7 +2,7 @@
 call, per shape, alternating the two in one process.
 
     sdpa   torch's `scaled_dot_product_attention` with the mask and `enable_gqa=True` (its CPU
-           flash kernel; what `rlhf_core.packing._grouped_sdpa` calls above the key limit)
+           flash kernel; what `rlhf_core.attention._grouped_sdpa` calls above the key limit)
     short  `rlhf_core.attention.short_attention` (below it)
 
 The shapes are the real model's heads (8 query heads over 4 key/value heads, width 64) at the

@@ -37,7 +37,7 @@ step's lazy initialisation). Tokens: the non-pad tokens (attention_mask sum) of 
 rejected rows fed to the policy in those steps, counted where each trainer hands the batch to its
 forward (our `pair_logps`, TRL's `training_step`); ours packs each pair as [prompt | chosen |
 rejected] (`train.packing`, on by default), and its tokens are counted as the 2B rows the packed
-rows stand for (`rlhf_core.packing.unpacked_tokens`), so both trainers count the same tokens.
+rows stand for (`rlhf_core.layout.unpacked_tokens`), so both trainers count the same tokens.
 Peak RSS: the whole process's high-water mark
 (VmHWM = ru_maxrss), and separately the peak during the timed steps (the mark is reset at the
 window's start). CPU seconds (user + kernel, all threads) over the same window are recorded too:

@@ -46,7 +46,7 @@ from benchmarks.measure import machine, median, timestamp, write_results
 from benchmarks.workload import MODEL_CHOICES, Workload, model_dir, prepare
 
 #: ours: as shipped (all of a step's pairs in one row, no padding, attention pair by pair:
-#: `rlhf_core.packing.segmented_attention`); ours_rows: the previous layout (rows no longer than
+#: `rlhf_core.attention.fast_attention`); ours_rows: the previous layout (rows no longer than
 #: the longest pair, padded, the whole masked (L, L) attention of each row); trl: DPOTrainer's.
 ARMS = ("ours", "ours_rows", "trl")
 PHASES = ("policy_forward", "backward", "reference_forward", "optimizer")
@@ -84,7 +84,7 @@ def batches(w: Workload, workdir: Path) -> dict[str, list[dict]]:
 def add_batches(out: dict[str, list[dict]], step: list, collator: Any, pad: int) -> None:
     """Append each arm's batch of the pairs `step` to `out`."""
     from direct_alignment.data import pack_pairs
-    from rlhf_core.packing import SEGMENTED_ROW_TOKENS
+    from rlhf_core.fastpath import SEGMENTED_ROW_TOKENS
 
     out["ours"].append(pack_pairs(step, pad, row_tokens=SEGMENTED_ROW_TOKENS))
     rows = pack_pairs(step, pad)

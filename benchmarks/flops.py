@@ -73,7 +73,7 @@ class Shapes:
 
 def segment_score_entries(segments: Any) -> int:
     """Score entries of a packed batch's attention run segment by segment (`pack_groups`'
-    `segments` (K, 3) = (row, start, end); where `rlhf_core.packing.segments_pay`, as on the
+    `segments` (K, 3) = (row, start, end); where `rlhf_core.attention.segments_pay`, as on the
     benchmarks' `real` model): the sum of each segment's length squared."""
     return int(((segments[:, 2] - segments[:, 1]) ** 2).sum())
 

@@ -10,7 +10,7 @@ What one step is (the library's own functions, as the trainers call them):
         LM head fused with the log-softmax on the completion positions: the second half of each
         row), masked NLL normalised by the completion tokens, backward, fused AdamW step
   SFT, ragged  2 x `batch` examples of ragged lengths batched as the SFT trainer does: padded
-        rows against the packed layout the model takes (`rlhf_core.packing.packing_layout`:
+        rows against the packed layout the model takes (`rlhf_core.fastpath.speed_plan` layout:
         flash attention's varlen row, or rows with a 4D mask under SDPA)
   DPO   the same forward on `batch` chosen + `batch` rejected rows in one concatenated batch, the
         reference forward (a frozen bf16 copy, no grad), the DPO sigmoid loss, backward, AdamW
@@ -208,13 +208,15 @@ def bench_sft_dpo(s: Settings, device, dtype, peak: float) -> dict[str, Any]:
 def bench_sft_ragged(s: Settings, model, opt, device, gen) -> dict[str, Any]:
     """SFT on 2 x `batch` examples of ragged lengths (uniform in [seq_len / 8, seq_len], half
     prompt, half completion) as the trainer batches them: padded rows (`collate`) against the
-    packed layout the model takes (`rlhf_core.packing.packing_layout`: the varlen row under flash
-    attention, rows with a 4D mask under SDPA). Tokens/s count the examples' tokens, not padding."""
+    packed layout the model takes (its `rlhf_core.fastpath.speed_plan` layout: the varlen row
+    under flash attention, rows with a 4D mask under SDPA). Tokens/s count the examples' tokens,
+    not padding."""
     import torch
 
     from instruction_tuning.data import SFTExample, collate, pack
     from instruction_tuning.losses import CompletionNLLLoss
-    from rlhf_core.packing import batch_logprobs, packing_layout
+    from rlhf_core.fastpath import speed_plan
+    from rlhf_core.sequences import sequence_logprobs
 
     vocab = model.config.vocab_size
     lengths = torch.randint(s.seq_len // 8, s.seq_len + 1, (2 * s.batch,), generator=gen).tolist()
@@ -223,7 +225,7 @@ def bench_sft_ragged(s: Settings, model, opt, device, gen) -> dict[str, Any]:
         return torch.randint(10, vocab, (n,), generator=gen).tolist()
 
     examples = [SFTExample(ids(n // 2), ids(n - n // 2), "", "") for n in lengths]
-    layout = packing_layout(model)
+    layout = {"segmented": "mask", "mask": "mask", "flat": "flat"}.get(speed_plan(model).layout)
     batches = {"padded": collate(examples, 0)}
     if layout is not None:
         batches[f"packed ({layout})"] = pack(examples, 0, flat=layout == "flat")
@@ -233,7 +235,7 @@ def bench_sft_ragged(s: Settings, model, opt, device, gen) -> dict[str, Any]:
         batch = {k: v.to(device) for k, v in batch.items()}
 
         def step(batch=batch):
-            logps = batch_logprobs(model, batch)
+            logps = sequence_logprobs(model, batch)
             loss, _ = CompletionNLLLoss()(logps, batch["loss_mask"], completion_tokens)
             loss.backward()
             torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)

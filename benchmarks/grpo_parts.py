@@ -66,7 +66,7 @@ def measure(model_name: str, prompts_per_step: int, group_size: int, max_new_tok
     from rlhf_core.generation import Sampling, decode, row_generators
     from rlhf_core.logprobs import causal_lm_selected_logprobs
     from rlhf_core.models import ModelConfig, load_policy, load_tokenizer
-    from rlhf_core.packing import shared_prompt_logprobs
+    from rlhf_core.prefix import shared_prompt_logprobs
 
     torch.set_num_threads(threads)
     cfg = ModelConfig(name_or_path=str(model_dir(model_name)), dtype=dtype)

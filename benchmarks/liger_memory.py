@@ -4,7 +4,7 @@ At a Qwen-sized vocabulary (151,669 tokens) the LM head's logits dominate a DPO 
 (2B x S x V) floats, 0.6 GB per 1,000 positions in float32. Liger-Kernel's answer is
 `LigerFusedLinearDPOLoss` (liger_kernel.chunked_loss), which runs the head and the DPO loss a chunk
 of rows at a time; TRL uses it with `use_liger_kernel`. Ours is the fused completion-only head of
-`rlhf_core.logprobs` (`linear_token_logprobs`) on packed rows (`rlhf_core.packing`). The arms,
+`rlhf_core.logprobs` (`linear_token_logprobs`) on packed rows (`rlhf_core.layout`). The arms,
 each one fresh process per round, rounds alternating, on the same batches:
 
   ours        `direct_alignment.reference.pair_logps` on `pack_pairs` batches (as shipped)

@@ -99,11 +99,11 @@ def work(w: Workload, pairs: list[dict[str, list[int]]], path: str) -> dict[str,
 
     from benchmarks.flops import Shapes, segment_score_entries
     from reward_models.data import PreferencePair, collate_pairs, pack_pairs
-    from rlhf_core.packing import SEGMENTED_ROW_TOKENS, segmented_rows_pay
+    from rlhf_core.fastpath import speed_plan
 
     backbone = AutoModel.from_pretrained(path, attn_implementation="sdpa")
     shapes = Shapes.of(backbone.config)
-    row_tokens = SEGMENTED_ROW_TOKENS if segmented_rows_pay(backbone) else None
+    row_tokens = speed_plan(backbone).row_tokens or None
     del backbone
     counts = {arm: {"positions": 0, "score_entries": 0} for arm in ARMS}
     for s in range(w.warmup_steps, w.steps):

@@ -121,8 +121,9 @@ def work(w: Workload, rows: list[tuple[list[int], list[int]]], path: str) -> dic
     positions, attention score entries and forward + backward GFLOP, from the batches each
     arm builds.
 
-    - ours: the batcher our trainer picks for this model (`packing_layout`,
-      `segmented_rows_pay`), its rows, its attention segments, the head on completion targets;
+    - ours: the batcher our trainer picks for this model (its speed plan,
+      `rlhf_core.fastpath.speed_plan`), its rows, its attention segments, the head on
+      completion targets;
     - TRL padded: `batch_size` rows of the step's longest row, the whole L x L per row, the head
       on every position (its fused head scores every position without Triton);
     - TRL padding-free: one row of all the step's tokens; transformers builds a block-diagonal
@@ -131,12 +132,13 @@ def work(w: Workload, rows: list[tuple[list[int], list[int]]], path: str) -> dic
 
     from benchmarks.flops import Shapes, segment_score_entries
     from instruction_tuning.data import SFTExample, pack
-    from rlhf_core.packing import SEGMENTED_ROW_TOKENS, packing_layout, segmented_rows_pay
+    from rlhf_core.fastpath import speed_plan
 
     model = AutoModelForCausalLM.from_pretrained(path, attn_implementation="sdpa")
     shapes = Shapes.of(model.config)
-    assert packing_layout(model) == "mask", "the SFT benchmark's arm packs with a 4D mask"
-    row_tokens = SEGMENTED_ROW_TOKENS if segmented_rows_pay(model) else None
+    plan = speed_plan(model)
+    assert plan.layout in ("mask", "segmented"), "the SFT benchmark's arm packs with a 4D mask"
+    row_tokens = plan.row_tokens or None
     del model
     counts = {arm: {"positions": 0, "head_positions": 0, "score_entries": 0} for arm in ARMS}
 
@@ -184,14 +186,14 @@ def run_ours(w: Workload, workdir: Path) -> dict[str, Any]:
         "checkpoint": {"save_every": 0, "save_final": False},
         "tracking": {"log_every": w.log_every},
     })  # fmt: skip
-    original_logprobs = sft_train.batch_logprobs
+    original_logprobs = sft_train.sequence_logprobs
 
     def counted_logprobs(model, batch):  # a packed batch counts the rows it stands for
         count_batch_tokens(clock, batch)
         return original_logprobs(model, batch)
 
     clock_steps(sft_train, clock)
-    sft_train.batch_logprobs = counted_logprobs
+    sft_train.sequence_logprobs = counted_logprobs
     metrics = run_our_trainer(sft_train, cfg, workdir, "benchmarks/sft.py")
     return {
         **worker_result("ours", clock, memory, after_imports),

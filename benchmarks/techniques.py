@@ -6,7 +6,7 @@ backward pass, on one batch of the DPO workload (`benchmarks.workload`: same mod
 batch size): the batch of median padded size among the workload's steps. "shipped" is what our
 trainer does (`direct_alignment.reference.pair_logps` on `pack_pairs` batches: each pair packed as
 [prompt | chosen | rejected] with a 4D mask, its prompt encoded once, all of a step's pairs in one
-row with no padding and attention computed pair by pair, `rlhf_core.packing`; the LM head only on
+row with no padding and attention computed pair by pair, `rlhf_core.layout`; the LM head only on
 completion positions, fused with the log-softmax; a frozen reference model). "flat_rows" is what
 it did before packing (`collate_pairs`: 2B rows,
 prompt + chosen then prompt + rejected, padded to the batch's longest, one concatenated forward
@@ -111,8 +111,8 @@ class Bench:
         from direct_alignment.losses import LOSSES
         from direct_alignment.reference import precompute_reference
         from rlhf_core.data import DataSource, EpochSampler
+        from rlhf_core.fastpath import SEGMENTED_ROW_TOKENS
         from rlhf_core.models import ModelConfig, ReferencePolicy, load_policy, load_tokenizer
-        from rlhf_core.packing import SEGMENTED_ROW_TOKENS
         from rlhf_core.registry import build_from_spec
 
         torch.set_num_threads(w.threads)

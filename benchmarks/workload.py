@@ -391,7 +391,7 @@ def count_batch_tokens(clock: StepClock, batch: dict[str, Any]) -> None:
     """Count a batch's non-pad tokens on `clock`; a packed batch counts those of the rows it
     stands for (a shared prompt once per completion reading it), so packing does not inflate a
     tokens/s figure."""
-    from rlhf_core.packing import is_packed, unpacked_tokens
+    from rlhf_core.layout import is_packed, unpacked_tokens
 
     if is_packed(batch):
         clock.add(unpacked_tokens(batch))

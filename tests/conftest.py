@@ -190,7 +190,7 @@ def tiny_pg_dict(model_path: Path, **algorithm) -> dict:
 
 
 #: The name `flash_attention_stand_in` registers its attention function under ("flash" in it:
-#: transformers and `rlhf_core.packing.supports_flat_packing` treat it as flash attention).
+#: transformers and `rlhf_core.fastpath.plan_speed` treat it as flash attention).
 FLASH_STAND_IN = "cpu_flash_varlen_stand_in"
 
 

@@ -39,7 +39,7 @@ class DATrainConfig(LoopConfig):
         True,
         description="run each pair as one packed row segment [prompt | chosen | rejected] with a "
         "4D mask, the prompt encoded once for both completions and short pairs sharing a row "
-        "(rlhf_core.packing; same log-probs); on CPU with SDPA a step's pairs share rows with no "
+        "(rlhf_core.layout; same log-probs); on CPU with SDPA a step's pairs share rows with no "
         "padding and attention runs pair by pair. Applies to causal models with SDPA or eager "
         "attention; under flash attention every completion with its prompt shares one row, "
         "told apart by position ids (varlen: no padding, the prompt encoded per completion); "

@@ -36,7 +36,7 @@ from rlhf_core.chat import Messages, as_messages, completion_text, render_prompt
 from rlhf_core.data import DataSource, load_rows, reasoning_gym_dataset, warn_truncated_prompts
 from rlhf_core.encoding import encode_pairs
 from rlhf_core.errors import UserError
-from rlhf_core.packing import pack_groups
+from rlhf_core.layout import pack_groups
 from rlhf_core.preference import (
     column,
     preference_row,
@@ -253,7 +253,7 @@ def pack_pairs(
     row_tokens: int | None = None,
     flat: bool = False,
 ) -> dict[str, torch.Tensor]:
-    """The pairs as packed rows [prompt | chosen | rejected] (`rlhf_core.packing.pack_groups`):
+    """The pairs as packed rows [prompt | chosen | rejected] (`rlhf_core.layout.pack_groups`):
     each prompt encoded once for both completions, several short pairs per row (one per row
     with `pack=False`; rows of up to `row_tokens` tokens for segmented attention). `flat=True`
     is flash attention's varlen layout instead: [prompt chosen][prompt rejected] for every pair

@@ -23,10 +23,10 @@ from pathlib import Path
 import torch
 
 from direct_alignment.data import PreferencePair, collate_pairs
+from rlhf_core.layout import is_packed, stream_sums
 from rlhf_core.logprobs import masked_sum
 from rlhf_core.models import ReferencePolicy
-from rlhf_core.packing import is_packed, packed_token_logprobs, stream_sums
-from rlhf_core.policy_model import policy_logprobs
+from rlhf_core.sequences import sequence_logprobs
 
 
 def pair_logps(
@@ -34,11 +34,9 @@ def pair_logps(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(chosen, rejected) summed completion log-probs, each (B,), from one forward."""
     if is_packed(batch):
-        both = stream_sums(packed_token_logprobs(model, batch), batch).view(-1, 2)
+        both = stream_sums(sequence_logprobs(model, batch)[0], batch).view(-1, 2)
         return both[:, 0], both[:, 1]
-    token_logps = policy_logprobs(
-        model, batch["input_ids"], batch["attention_mask"], batch["loss_mask"]
-    )
+    token_logps = sequence_logprobs(model, batch)
     seq = masked_sum(token_logps, batch["loss_mask"], dim=-1)
     half = seq.shape[0] // 2
     return seq[:half], seq[half:]

@@ -39,6 +39,7 @@ from direct_alignment.reference import (
 from rlhf_core.bookkeeping import start_bookkeeping
 from rlhf_core.config import RunArgs, parse_run_args
 from rlhf_core.errors import UserError, run_main
+from rlhf_core.fastpath import speed_plan
 from rlhf_core.loop import (
     accumulate_gradients,
     optimizer_step,
@@ -48,11 +49,6 @@ from rlhf_core.loop import (
     start_optimizer,
 )
 from rlhf_core.models import load_policy, load_reference, load_tokenizer
-from rlhf_core.packing import (
-    SEGMENTED_ROW_TOKENS,
-    packing_layout,
-    segmented_rows_pay,
-)
 from rlhf_core.registry import build_from_spec
 from rlhf_core.rundir import managed_run, open_run_dir
 from rlhf_core.runtime import seed_everything
@@ -126,11 +122,11 @@ def train(cfg: DAConfig, run: RunArgs) -> int:
     # pairs as packed rows, each prompt encoded once, where the attention takes a 4D mask (on
     # CPU SDPA, rows with no padding and attention computed group by group); under flash
     # attention every completion with its prompt in one row by position ids (varlen)
-    layout = packing_layout(policy) if t.packing else None
-    collate = {"mask": pack_pairs, "flat": partial(pack_pairs, flat=True), None: collate_pairs}
-    collate = collate[layout]
-    if layout == "mask" and segmented_rows_pay(policy):
-        collate = partial(pack_pairs, row_tokens=SEGMENTED_ROW_TOKENS)
+    plan = speed_plan(policy)
+    collate = {
+        "segmented": partial(pack_pairs, row_tokens=plan.row_tokens), "mask": pack_pairs,
+        "flat": partial(pack_pairs, flat=True), "padded": collate_pairs,
+    }[plan.layout if t.packing else "padded"]  # fmt: skip
     reference, ref_cache = None, None
     if loss_fn.needs_reference:
         reference = load_reference(cfg.reference, cfg.model, policy, engine)

@@ -32,7 +32,7 @@ class SFTTrainConfig(LoopConfig):
     packing: bool = Field(
         True,
         description="pack several examples into one row (positions restarting, attention "
-        "blocked across examples; rlhf_core.packing) instead of padding each to the batch's "
+        "blocked across examples; rlhf_core.layout) instead of padding each to the batch's "
         "longest; same loss. Causal models with SDPA or eager attention take a 4D mask; "
         "under flash attention all of a micro-batch's examples share one row, told apart by "
         "their position ids (varlen); others (T5) run padded rows",

@@ -26,7 +26,7 @@ from rlhf_core.chat import as_messages, render_prompt
 from rlhf_core.data import DataSource, load_rows, reasoning_gym_dataset, report_degenerate
 from rlhf_core.encoding import encode_completions
 from rlhf_core.errors import UserError
-from rlhf_core.packing import pack_groups
+from rlhf_core.layout import pack_groups
 
 
 @dataclass
@@ -159,11 +159,11 @@ def pack(
     row_tokens: int | None = None,
     flat: bool = False,
 ) -> dict[str, torch.Tensor]:
-    """The examples packed several to a row (`rlhf_core.packing.pack_groups`: positions restart
+    """The examples packed several to a row (`rlhf_core.layout.pack_groups`: positions restart
     at every example, attention blocked across examples, rows no longer than the longest
     example, or `row_tokens` for segmented attention; `flat=True`: all of them in one row with
     no padding and no mask, flash attention's varlen layout), the targets being the completion
-    tokens: loss_mask (1, N) is all true, aligned with `rlhf_core.packing.batch_logprobs`. Same
+    tokens: loss_mask (1, N) is all true, aligned with `rlhf_core.sequences.sequence_logprobs`. Same
     loss as `collate` (tested)."""
     batch = pack_groups(
         [(e.prompt_ids, (e.completion_ids,)) for e in examples],

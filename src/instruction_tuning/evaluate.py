@@ -17,10 +17,11 @@ import torch
 
 from instruction_tuning.data import SFTData, collate, pack
 from instruction_tuning.losses import CompletionNLLLoss
+from rlhf_core.fastpath import speed_plan
 from rlhf_core.generation import Sampling, generate_completions
 from rlhf_core.models import with_padding_side
-from rlhf_core.packing import batch_logprobs, packing_layout
 from rlhf_core.scoring import exact_match, task_score
+from rlhf_core.sequences import sequence_logprobs
 
 
 @torch.no_grad()
@@ -38,7 +39,7 @@ def evaluate(
 ) -> dict[str, float]:
     """Eval loss (per completion token), greedy (and sampled) exact match, task score, length.
     `shard` = (rank, world): this process's share; every process must call it (see above).
-    `packing`: the loss over packed rows where the model takes them (`rlhf_core.packing`)."""
+    `packing`: the loss over packed rows where the model takes them (`rlhf_core.layout`)."""
     rank, world = shard
     examples = data.examples[rank::world]
     device = next(model.parameters()).device
@@ -46,12 +47,14 @@ def evaluate(
     model.eval()
     nll_sum, tokens = 0.0, 0
     loss_fn = CompletionNLLLoss()
-    layout = packing_layout(model) if packing else None
-    batcher = {"mask": pack, "flat": partial(pack, flat=True), None: collate}[layout]
+    layout = speed_plan(model).layout if packing else "padded"
+    batcher = {"segmented": pack, "mask": pack, "flat": partial(pack, flat=True)}.get(
+        layout, collate
+    )
     for start in range(0, len(examples), batch_size):
         batch = batcher(examples[start : start + batch_size], tokenizer.pad_token_id)
         batch = {k: v.to(device) for k, v in batch.items()}
-        logps = batch_logprobs(model, batch)
+        logps = sequence_logprobs(model, batch)
         _, metrics = loss_fn(logps, batch["loss_mask"], 1.0)
         nll_sum += metrics["nll_sum"].item()
         tokens += int(metrics["tokens"].item())

@@ -27,6 +27,7 @@ from instruction_tuning.losses import LOSSES
 from rlhf_core.bookkeeping import start_bookkeeping
 from rlhf_core.config import RunArgs, parse_run_args
 from rlhf_core.errors import run_main
+from rlhf_core.fastpath import speed_plan
 from rlhf_core.loop import (
     accumulate_gradients,
     optimizer_step,
@@ -36,15 +37,10 @@ from rlhf_core.loop import (
     start_optimizer,
 )
 from rlhf_core.models import load_policy, load_tokenizer
-from rlhf_core.packing import (
-    SEGMENTED_ROW_TOKENS,
-    batch_logprobs,
-    packing_layout,
-    segmented_rows_pay,
-)
 from rlhf_core.registry import build_from_spec
 from rlhf_core.rundir import managed_run, open_run_dir
 from rlhf_core.runtime import seed_everything
+from rlhf_core.sequences import sequence_logprobs
 from rlhf_core.stop_signal import StopSignal
 
 PACKAGE = "instruction_tuning"
@@ -113,14 +109,15 @@ def train(cfg: SFTConfig, run: RunArgs) -> int:
     # examples packed several to a row where the attention takes a 4D mask (on CPU SDPA, rows
     # with no padding and attention computed example by example), in one row by position ids
     # under flash attention (varlen), else padded rows
-    layout = packing_layout(model) if t.packing else None
-    batcher = {"mask": pack, "flat": partial(pack, flat=True), None: collate}[layout]
-    if layout == "mask" and segmented_rows_pay(model):
-        batcher = partial(pack, row_tokens=SEGMENTED_ROW_TOKENS)
+    plan = speed_plan(model)
+    batcher = {
+        "segmented": partial(pack, row_tokens=plan.row_tokens), "mask": pack,
+        "flat": partial(pack, flat=True), "padded": collate,
+    }[plan.layout if t.packing else "padded"]  # fmt: skip
     step_loss = torch.zeros(())
 
     def nll(batch: dict[str, torch.Tensor], _rows: list[int]) -> tuple[torch.Tensor, dict]:
-        return loss_fn(batch_logprobs(model, batch), batch["loss_mask"], num_tokens)
+        return loss_fn(sequence_logprobs(model, batch), batch["loss_mask"], num_tokens)
 
     with StopSignal() as stop:
         while step < total_steps:

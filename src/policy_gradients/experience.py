@@ -103,7 +103,7 @@ class ReplayBuffer:
         Rows of different experiences may differ in width (S, T); each micro-batch is drawn from
         one experience so no re-padding is needed. `shuffle=False` keeps the rows in their stored
         order, where a prompt's G completions are consecutive, so a micro-batch holds whole
-        groups and encodes each prompt once (`rlhf_core.packing.shared_prompt_logprobs`) instead
+        groups and encodes each prompt once (`rlhf_core.prefix.shared_prompt_logprobs`) instead
         of once per micro-batch its rows were shuffled into. It is for a pass that is a single
         optimizer step: there the gradient is the sum over all micro-batches whatever their order
         (the same up to float rounding), and shuffling only costs prompt forwards.

@@ -56,7 +56,7 @@ from rlhf_core.encoding import (
     pad_sequences,
 )
 from rlhf_core.errors import UserError
-from rlhf_core.packing import pack_groups
+from rlhf_core.layout import pack_groups
 from rlhf_core.preference import (
     PREFERENCE_FORMATS,
     column,
@@ -433,7 +433,7 @@ def pack_pairs(
     pairs: list[PreferencePair], pad_id: int, *, row_tokens: int | None = None
 ) -> dict[str, torch.Tensor]:
     """Pairs packed as [prompt | chosen | rejected] segments into rows, right-padded, for a
-    shared-prompt forward in one call (`rlhf_core.packing.pack_groups`, the layout DPO uses
+    shared-prompt forward in one call (`rlhf_core.layout.pack_groups`, the layout DPO uses
     too): each prompt is encoded once, both its completions attend to it, the rejected tokens
     do not see the chosen ones, no token sees another pair, and short pairs share a row: every
     token sees exactly what it would see in its own prompt + completion row (rewards equal,
@@ -442,7 +442,7 @@ def pack_pairs(
     Returns input_ids (R, L), attention_mask (R, 1, L, L) boolean (True = may attend),
     position_ids (R, L), ends (B, 2) the last chosen and last rejected token of each pair as
     flat indices into the (R * L) positions, lengths (B, 3) the prompt, chosen and rejected
-    lengths, segments (K, 3) for `rlhf_core.packing.segmented_attention`, and margins when the
+    lengths, segments (K, 3) for `rlhf_core.attention.fast_attention`, and margins when the
     pairs have them. `row_tokens`: rows of up to that many tokens (no padding; for segmented
     attention).
     """

@@ -6,7 +6,7 @@ All of the machinery (backbone loading, per-token scores, last-token pooling, th
 model from its directory without importing this package. This module adds what only training
 needs: building the model for a config, the two forwards that encode each pair's prompt once
 (packed rows with a 4D mask, or a shared prefix through the KV cache; both
-`rlhf_core.packing`), running a collated batch
+`rlhf_core.layout`), running a collated batch
 through it into the loss of its kind (`compute_loss`), and the sequence-classification export of
 preference models.
 
@@ -28,8 +28,10 @@ import torch
 
 from reward_models.config import RMConfig
 from reward_models.losses import RewardLoss
+from rlhf_core.attention import fast_attention
+from rlhf_core.layout import additive_mask
 from rlhf_core.lm_likelihood import add_lm_likelihood
-from rlhf_core.packing import additive_mask, segmented_attention, shared_prefix_forward
+from rlhf_core.prefix import shared_prefix_forward
 from rlhf_core.scalar_head import ScalarHeadModel
 from rlhf_core.scalar_head_format import ScalarHeadInfo
 from rlhf_core.scalar_head_scoring import pool_completion
@@ -57,9 +59,9 @@ class BaseRewardModel(ScalarHeadModel):
         one row (SDPA and eager attention; flash-attention 2 takes 2D masks only). A preference
         pair packs as [prompt | chosen | rejected] with the rejected tokens blind to the chosen
         ones and positions restarting after the prompt (`reward_models.data.pack_pairs`, laid out
-        by `rlhf_core.packing.pack_groups`, the layout shared-prompt DPO uses too). With its
+        by `rlhf_core.layout.pack_groups`, the layout shared-prompt DPO uses too). With its
         `segments`, attention runs one pair at a time where that applies
-        (`rlhf_core.packing.segmented_attention`).
+        (`rlhf_core.attention.fast_attention`).
 
         Shared prefix: with `prefix_ids` / `prefix_mask` (Bp, P), left-padded, the rows of
         `input_ids` (B = Bp x r, right-padded) are continuations of those prefixes, r per prefix
@@ -90,7 +92,7 @@ class BaseRewardModel(ScalarHeadModel):
             raise ValueError("a 4D attention mask (packed rows) needs explicit position_ids")
         # the boolean mask as the additive one transformers passes on untouched
         dtype = self.backbone.get_input_embeddings().weight.dtype
-        with self._grad_context(), segmented_attention(self.backbone, segments):
+        with self._grad_context(), fast_attention(self.backbone, segments):
             hidden = self.backbone(
                 input_ids=input_ids, attention_mask=additive_mask(allowed, dtype),
                 position_ids=position_ids, use_cache=False,

@@ -30,6 +30,7 @@ from reward_models.models import BaseRewardModel, compute_loss
 from rlhf_core.bookkeeping import start_bookkeeping
 from rlhf_core.config import RunArgs, parse_run_args
 from rlhf_core.errors import UserError, run_main
+from rlhf_core.fastpath import speed_plan
 from rlhf_core.loop import (
     accumulate_gradients,
     optimizer_step,
@@ -40,7 +41,6 @@ from rlhf_core.loop import (
 )
 from rlhf_core.models import load_tokenizer
 from rlhf_core.optim import maybe_embedding_grad_buffer
-from rlhf_core.packing import SEGMENTED_ROW_TOKENS, segmented_rows_pay
 from rlhf_core.registry import build_from_spec
 from rlhf_core.rundir import managed_run, open_run_dir
 from rlhf_core.runtime import seed_everything
@@ -56,8 +56,9 @@ def shared_prompt_collate(model: BaseRewardModel, gradient_checkpointing: bool):
     2D masks only; the cache is off under gradient checkpointing, so then no sharing: None)."""
     attention = getattr(model.backbone.config, "_attn_implementation", "sdpa")
     if attention in ("sdpa", "eager"):
-        if segmented_rows_pay(model.backbone):  # CPU SDPA: no padding, per pair
-            return partial(pack_pairs, row_tokens=SEGMENTED_ROW_TOKENS)
+        plan = speed_plan(model.backbone)
+        if plan.layout == "segmented":  # CPU SDPA: no padding, attention pair by pair
+            return partial(pack_pairs, row_tokens=plan.row_tokens)
         return pack_pairs
     if not gradient_checkpointing:
         return partial(collate_pairs, share_prompt=True)

@@ -1,34 +1,29 @@
-"""Short attention: softmax(q k^T * scale + mask) v for calls with few keys, without the tiling
-of a flash kernel, and with flash attention's memory.
+"""Attention on the CPU: one dispatch for a model's SDPA calls, and the kernels it picks.
 
-Why. On the CPU, torch's SDPA runs a masked call through its flash kernel
-(`_scaled_dot_product_flash_attention_for_cpu`), which walks blocks of queries and keys with
-running maxima and sums. In bf16 that kernel is slow at short lengths: at a GRPO micro-batch's
-shape it takes 2.3x as long as this module's one-block computation. Measured on this machine
-(`uv run --group bench python -m benchmarks.attention --dtype bf16` and `--dtype fp32`, runs
-`20261125-204941-attention-bf16` and `-204954-attention-fp32`; 2 threads, 8 query heads over 4
-key/value heads of width 64; forward + backward of one call, median of 20, alternating):
+`fast_attention(model, segments=None)` is the one switch: inside it, `model`'s SDPA attention
+goes through `_dispatch` (registered with transformers on first use, set on the model's config
+for the context only) where the speed plan says so (`rlhf_core.fastpath`: CPU, SDPA, a causal
+model; nothing changes elsewhere, and never on CUDA). Per call it takes
 
-    queries x keys, rows          bf16: SDPA    short      fp32: SDPA    short
-    32 x 56, 32 rows (GRPO)           16.1 ms    7.0 ms          7.0 ms    6.9 ms
-    24 x 24, 4 rows (its prompts)      1.4 ms    0.9 ms          0.5 ms    0.7 ms
-    96 x 120, 16 rows                 24.9 ms   18.7 ms         15.5 ms   17.6 ms
-    120 x 120, 1 row (a DPO pair)      2.0 ms    1.7 ms          1.2 ms    1.6 ms
-    128 x 160, 16 rows                34.0 ms   39.0 ms         25.0 ms   34.8 ms
-    512 x 600, 4 rows                 68.8 ms  151.4 ms         67.8 ms  167.5 ms
+  - `short_attention` for a bf16/fp16 multi-token call with a mask, few keys
+    (`SpeedPlan.short_attention_keys`) and a backward to come: SDPA's CPU flash kernel runs its
+    bf16 backward several times slower at such shapes; forward-only calls, float32 and long
+    calls keep SDPA (docs/performance.md has the measurements);
+  - SDPA with `enable_gqa=True` for other masked multi-token calls under grouped-query attention:
+    transformers otherwise repeats every key and value head once per query head of its group
+    (`repeat_kv`, copies autograd keeps for the backward); the same output, no copies;
+  - `grouped_decode_attention` for a bf16/fp16 decoding step under grouped-query attention
+    (`SpeedPlan.grouped_decode`): SDPA with `enable_gqa=True` and one query position is 3-4x
+    slower on the CPU than the same call with the groups as query rows;
+  - with `segments` (a packed batch's (row, start, end) spans, `rlhf_core.layout`), one call per
+    segment where that is cheaper (`segments_pay`): no score between two groups is computed,
+    nor any for a row's padding after its groups. The 4D mask stays the definition (each
+    segment's block of it is passed to the call, every entry outside the blocks is masked), so a
+    forward outside the context (eager attention, activation recomputation) gives the same
+    result, only with the whole (L, L) matrix computed.
 
-What is slow is the flash kernel's bf16 backward; its forward alone (no gradients) is as fast as
-ours or faster (32 x 56, 32 rows: 2.8 vs 2.8 ms; 24 x 24, 4 rows: 0.24 vs 0.42 ms; 120 x 120, 1
-row: 0.59 vs 0.85 ms; run `20261125-211934-attention-bf16`). Past ~150 keys the (queries x keys)
-float32 passes of one block cost more than the flash kernel's tiling saves, and in float32 the
-flash kernel is as fast or faster at every shape. So `takes_short_attention` sends here only
-bf16/fp16 calls with at most `SHORT_ATTENTION_KEYS` (128) keys whose backward will run
-(gradients enabled, the query requiring one); forward-only calls (a DPO reference model,
-evaluation) and everything else go to SDPA. In both arms the errors against float64 are alike
-(bf16: 4.3e-3 ours, 4.5e-3 SDPA at GRPO's shape).
-
-What. `short_attention` is the attention of Vaswani et al. 2017 (arXiv:1706.03762, eq. 1) with
-the backward of FlashAttention (Dao et al. 2022, arXiv:2205.14135, Algorithm 4) done in one block:
+`short_attention` is the attention of Vaswani et al. 2017 (arXiv:1706.03762, eq. 1) with the
+backward of FlashAttention (Dao et al. 2022, arXiv:2205.14135, Algorithm 4) done in one block:
 the forward keeps only q, k, v, the mask and each query's log-sum-exp (not the (queries x keys)
 probabilities), and the backward recomputes the probabilities from them, as the flash kernel
 does:
@@ -42,34 +37,35 @@ dtype; the products with v and the gradients' matmuls run in the inputs' dtype w
 accumulation, as the flash kernel's do. Grouped-query attention (fewer key/value heads than
 query heads) is computed on the grouped heads as they are: the G query heads that share a
 key/value head are one (G x queries)-row matmul against it, so no key or value is repeated, and
-dK, dV sum over the group inside the matmul.
+dK, dV sum over the group inside the matmul. Past a few hundred keys the float32 (G x queries)
+x keys block costs more than the flash kernel's tiling saves, which is why the key limit shrinks
+as G grows (`rlhf_core.fastpath.short_attention_keys`).
 
 A query whose keys are all masked (a left-padding position) gets zeros, as from SDPA, and passes
 no gradient; such a position's output is read by no other position, so the log-probs and
-gradients of real tokens do not depend on it (tests: float64 equal to autograd's
-attention, bf16 as close to float64 as SDPA's flash kernel, `tests/rlhf_core/test_attention.py`).
-
-The module also holds `grouped_decode_attention`, a decoding step's attention under grouped-query
-attention with each key/value head's query heads as query rows of one SDPA call (bf16/fp16 on
-the CPU, where SDPA's `enable_gqa=True` call is 3-4x slower; see its docstring).
+gradients of real tokens do not depend on it. Exactness: float64 equal to autograd's attention;
+in bf16 as close to float64 as SDPA's flash kernel (`tests/rlhf_core/test_attention.py`). The
+per-segment calls compute the masked call's result up to float rounding (tested in float64).
 """
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
+from contextvars import ContextVar
+
 import torch
 
-#: bf16/fp16 calls with at most this many keys take `short_attention` (the module docstring's
-#: table).
-SHORT_ATTENTION_KEYS = 128
+from rlhf_core.fastpath import SpeedPlan, speed_plan, unwrapped
 
 
-def takes_short_attention(query: torch.Tensor, key: torch.Tensor) -> bool:
+def takes_short_attention(query: torch.Tensor, key: torch.Tensor, max_keys: int) -> bool:
     """Whether `short_attention` is the faster way for a masked call of multi-token `query`
     (B, H, Q, D) over `key` (B, H_kv, K, D) on the CPU: reduced-precision inputs, at most
-    `SHORT_ATTENTION_KEYS` keys, and a backward to come (see the module docstring)."""
+    `max_keys` keys, and a backward to come (see the module docstring)."""
     return (
         query.dtype in (torch.bfloat16, torch.float16) and query.shape[2] > 1
-        and key.shape[2] <= SHORT_ATTENTION_KEYS
+        and key.shape[2] <= max_keys
         and torch.is_grad_enabled() and query.requires_grad
     )  # fmt: skip
 
@@ -176,24 +172,152 @@ def grouped_decode_attention(
     softmax(q k^T * scale + mask) v for every head; with one query position there is no causal
     structure among the G rows, and the mask, one per key, serves all of them.
 
-    Why: on the CPU in bf16, SDPA with `enable_gqa=True` and one query position is 3-4x slower
-    than the same call with the groups as query rows. Measured on this machine (64 rows, 8 query
-    heads over 4 key/value heads of width 64, keys a view of a reserved cache as `decode` keeps
-    it; 2 threads, median of 40 calls, an ad-hoc probe):
-
-        keys        bf16: enable_gqa    grouped rows      fp32: enable_gqa    grouped rows
-        41                  1.72 ms       0.52 ms                0.31 ms        0.67 ms
-        72                  2.58 ms       0.68 ms                0.42 ms        0.81 ms
-        150                 4.83 ms       1.13 ms                1.01 ms        1.31 ms
-        300                 9.74 ms       2.43 ms                2.49 ms        2.82 ms
-
-    so only bf16/fp16 calls come here (`folds_query_groups`; fp16 not measured): whole bf16
-    decodes without padding of the benchmarks' real model 8-18% faster (docs/performance.md).
-    The outputs were bitwise equal up to 72 keys and differed by at most 6e-5 beyond (a
-    rounding of the bf16 output), and are as close to float64 attention as SDPA's (tested)."""
+    On the CPU in bf16, SDPA with `enable_gqa=True` and one query position is 3-4x slower than
+    the same call with the groups as query rows, so only bf16/fp16 calls come here
+    (`folds_query_groups`; fp16 not measured; docs/performance.md). The outputs were bitwise
+    equal up to 72 keys and differed by at most 6e-5 beyond (a rounding of the bf16 output), and
+    are as close to float64 attention as SDPA's (tested)."""
     b, h, _, d = query.shape
     grouped = query.reshape(b, key.shape[1], h // key.shape[1], d)  # query head j*G + i is (j, i)
     out = torch.nn.functional.scaled_dot_product_attention(
         grouped, key, value, attn_mask=mask, scale=scale
     )
     return out.reshape(b, h, 1, d)
+
+
+# ----------------------------------------------------------------------------- the dispatch
+
+#: The attention implementation `fast_attention` switches an SDPA model to (registered with
+#: transformers on first use).
+DISPATCH = "rlhf_cpu_sdpa"
+_ACTIVE: ContextVar[tuple[SpeedPlan, list[tuple[int, int, int]] | None] | None] = ContextVar(
+    "fast_attention", default=None
+)
+
+
+@contextmanager
+def fast_attention(model: torch.nn.Module, segments: torch.Tensor | None = None) -> Iterator[None]:
+    """Inside this context, `model`'s SDPA calls go through the CPU dispatch where its speed
+    plan says so (`SpeedPlan.dispatch`; see the module docstring); with `segments` (K, 3) =
+    (row, start, end) (`rlhf_core.layout.pack_groups`' segments: each row's back to back from
+    its start, the positions after a row's last one padding) one call per segment where that is
+    cheaper (`segments_pay`). Nothing changes where the plan has no dispatch. The backward needs
+    no context (autograd kept each call); the model is restored after an error too."""
+    plan = speed_plan(model)
+    if not plan.dispatch:
+        yield
+        return
+    spans = None
+    if segments is not None and plan.cpu_attention:
+        spans = [tuple(x) for x in segments.tolist()]
+        spans = spans if segments_pay(model, spans, plan) else None
+    from transformers import AttentionInterface
+    from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, sdpa_mask
+
+    if DISPATCH not in AttentionInterface._global_mapping:
+        AttentionInterface.register(DISPATCH, _segmented_sdpa)
+        ALL_MASK_ATTENTION_FUNCTIONS.register(DISPATCH, sdpa_mask)
+    config = unwrapped(model).config
+    token = _ACTIVE.set((plan, spans))
+    before = config._attn_implementation_internal
+    config._attn_implementation_internal = DISPATCH
+    try:
+        yield
+    finally:
+        config._attn_implementation_internal = before
+        _ACTIVE.reset(token)
+
+
+def segments_pay(
+    model: torch.nn.Module, spans: list[tuple[int, int, int]], plan: SpeedPlan | None = None
+) -> bool:
+    """Whether attention segment by segment (one SDPA call per segment of every row) is cheaper
+    for `model` than one call over all rows with their masks: the score entries it skips (those
+    between segments, all masked) times the query heads' width must outweigh its extra calls
+    (`SpeedPlan.segment_call_units` each). Long rows of many sequences (segmented rows) always
+    pay; rows of a few short sequences in a narrow model (the tiny world's) do not. Both compute
+    the same attention (the skipped entries are masked)."""
+    plan = speed_plan(model) if plan is None else plan
+    config = unwrapped(model).config
+    heads = config.num_attention_heads
+    width = heads * (getattr(config, "head_dim", None) or config.hidden_size // heads)
+    rows = {r for r, _, _ in spans}
+    length = max(e for _, _, e in spans)
+    skipped = len(rows) * length**2 - sum((e - s) ** 2 for _, s, e in spans)
+    return skipped * width > (len(spans) - 1) * plan.segment_call_units
+
+
+def _grouped_sdpa(module, query, key, value, attention_mask, *args, **kwargs):
+    """transformers' SDPA attention, except where the active plan (`fast_attention`) takes one
+    of the module docstring's kernels: a bf16/fp16 decoding step under grouped-query attention
+    (`grouped_decode_attention`), a masked multi-token call with few keys in bf16/fp16
+    (`short_attention`) or under grouped-query attention (SDPA with `enable_gqa=True`)."""
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    active = _ACTIVE.get()
+    plain = (
+        active is not None and query.device.type == "cpu"
+        and not args and kwargs.get("position_bias") is None and kwargs.get("cache") is None
+        and not kwargs.get("softcap") and not kwargs.get("output_attentions")
+        and not kwargs.get("dropout")
+    )  # fmt: skip
+    if not plain:
+        return sdpa_attention_forward(module, query, key, value, attention_mask, *args, **kwargs)
+    plan = active[0]
+    if plan.grouped_decode and folds_query_groups(query, key, attention_mask):
+        out = grouped_decode_attention(query, key, value, attention_mask, kwargs.get("scaling"))
+        return out.transpose(1, 2).contiguous(), None
+    ours = plan.cpu_attention and attention_mask is not None
+    if ours and takes_short_attention(query, key, plan.short_attention_keys):
+        scale = kwargs.get("scaling") or query.shape[-1] ** -0.5
+        out = short_attention(query, key, value, attention_mask, scale)
+        return out.transpose(1, 2).contiguous(), None
+    grouped = getattr(module, "num_key_value_groups", 1) > 1 and query.shape[2] > 1
+    if not (ours and grouped):
+        return sdpa_attention_forward(module, query, key, value, attention_mask, *args, **kwargs)
+    out = torch.nn.functional.scaled_dot_product_attention(
+        query, key, value, attn_mask=attention_mask, scale=kwargs.get("scaling"),
+        enable_gqa=True,
+    )  # fmt: skip
+    return out.transpose(1, 2).contiguous(), None
+
+
+def _segmented_sdpa(module, query, key, value, attention_mask, *args, **kwargs):
+    """SDPA attention (`_grouped_sdpa`), called once per segment of the packed rows (`_ACTIVE`)
+    when there are segments: query (B, H, L, D), key/value (B, H_kv, L, D), mask (B, 1, L, L) ->
+    (B, L, H, D). Queries of a segment attend only to keys of the same segment (the mask says
+    so), so the result is the full call's at every segment's position; the scores between
+    segments, all masked, are never computed, nor a row's padding after its last segment (no
+    query attends to it; its output is zeros where the full call's lets each padding query see
+    itself)."""
+    active = _ACTIVE.get()
+    segments = None if active is None else active[1]
+    whole = query.shape[2] != key.shape[2] or attention_mask is None or attention_mask.dim() != 4
+    if segments is None or whole:  # not a packed forward: the whole call
+        return _grouped_sdpa(module, query, key, value, attention_mask, *args, **kwargs)
+    # One split per tensor and row, not a slice per segment: the backward of a slice writes the
+    # segment's gradient into a zero tensor the size of the whole input, so K segments would
+    # cost K whole-size tensors per layer (quadratic in the segments of a row); a split's
+    # backward concatenates its parts once.
+    length = query.shape[2]
+    sizes: list[list[int]] = [[] for _ in range(query.shape[0])]
+    for r, s, e in segments:
+        sizes[r].append(e - s)
+    rows = []
+    for r, qkv in enumerate(zip(query.split(1), key.split(1), value.split(1), strict=True)):
+        used = sum(sizes[r])
+        parts, s = [], 0
+        chunks = [x.split([*sizes[r], length - used], 2) for x in qkv]
+        for q_seg, k_seg, v_seg in zip(*chunks, strict=True):
+            e = s + q_seg.shape[2]
+            if s == used:  # the row's padding tail: read by no query, so not computed (zeros)
+                parts.append(q_seg.new_zeros(1, e - s, q_seg.shape[1], q_seg.shape[3]))
+                continue
+            out, _ = _grouped_sdpa(
+                module, q_seg, k_seg, v_seg, attention_mask[r : r + 1, :, s:e, s:e],
+                *args, **kwargs,
+            )  # fmt: skip
+            parts.append(out)
+            s = e
+        rows.append(torch.cat(parts, 1))
+    return torch.cat(rows, 0), None

@@ -52,6 +52,7 @@ from pydantic import Field
 
 from rlhf_core.config import StrictModel
 from rlhf_core.errors import UserError
+from rlhf_core.fastpath import allocator_policy, announce_plan
 
 EngineName = Literal["auto", "single", "ddp", "fsdp2"]
 ROOT_FORWARD = "rlhf_root_forward"
@@ -79,7 +80,7 @@ class FSDPConfig(StrictModel):
         "memory mapping, returned to the system when freed (mallopt M_MMAP_THRESHOLD, held "
         "fixed), so each step's gathered layers and unsharded gradients do not fragment the "
         "heap between the persistent shards; null keeps glibc's self-raising threshold "
-        "(rlhf_core.distributed.fix_cpu_mmap_threshold)",
+        "(rlhf_core.fastpath.fix_mmap_threshold)",
     )
 
 
@@ -124,33 +125,6 @@ def memory_bytes(
 
 
 # ----------------------------------------------------------------------------- FSDP2 helpers
-
-
-def fix_cpu_mmap_threshold(mib: float) -> bool:
-    """Hold glibc malloc's mmap threshold at `mib` MiB; False where libc is not glibc.
-
-    glibc serves a block from the heap unless it is at least the mmap threshold, and raises that
-    threshold (up to 32 MiB) to the size of every mapped block freed. Under FSDP2 on CPU each step
-    gathers every layer (blocks of 4-24 MiB at 0.5B parameters) and frees it again, interleaved
-    with the persistent gradient shards; once the threshold has risen those transients come from
-    the heap, and the holes between the shards are memory the process keeps but cannot use: at
-    505M parameters ~1.4 GiB per rank, which took the per-rank peak of a 2-process run from 0.52
-    to 0.67 of one process (benchmarks/fsdp2_memory.py). `mallopt(M_MMAP_THRESHOLD)` fixes the
-    threshold, so such blocks are mapped and unmapped on their own. At 128 KiB (glibc's initial
-    value, the default) the peak is what training needs; 1 or 4 MiB kept ~600 MiB of it. The
-    price is a page fault per fresh mapping: slower CPU steps (measured under load: ~48 vs
-    ~31 s per step at 505M). CUDA memory has its own caching allocator and is not concerned."""
-    import ctypes
-    import ctypes.util
-
-    name = ctypes.util.find_library("c")
-    if name is None:
-        return False
-    libc = ctypes.CDLL(name)
-    if not hasattr(libc, "mallopt") or not hasattr(libc, "gnu_get_libc_version"):
-        return False
-    m_mmap_threshold = -3  # malloc.h
-    return bool(libc.mallopt(m_mmap_threshold, int(mib * (1 << 20))))
 
 
 def is_sharded(model: torch.nn.Module) -> bool:
@@ -307,10 +281,6 @@ class Engine:
                 "train.fsdp.cpu_offload moves FSDP2 shards from GPU to CPU memory: it needs "
                 "engine fsdp2 on CUDA devices (on a CPU run the shards already are in CPU memory)"
             )
-        self.mmap_threshold_fixed = False
-        if self.name == "fsdp2" and accelerator.device.type == "cpu":
-            mib = self.fsdp.cpu_mmap_threshold_mib
-            self.mmap_threshold_fixed = mib is not None and fix_cpu_mmap_threshold(mib)
 
     @property
     def sharded(self) -> bool:
@@ -404,14 +374,17 @@ class Engine:
             out[f"memory/{key}_bytes_per_rank"] = [r[key] for r in ranks]
         if self.sharded:
             out["fsdp"] = self.fsdp.model_dump()
-            out["fsdp/cpu_mmap_threshold_fixed"] = self.mmap_threshold_fixed
+            out["fsdp/cpu_mmap_threshold_fixed"] = allocator_policy().startswith("mmap-threshold")
             out["fsdp/units"] = [name or "(root)" for m in models for name in unit_names(m)]
         return out
 
     def announce(self, models: list[torch.nn.Module], optimizers: list[Any]) -> dict[str, Any]:
         """Print the engine and per-rank bytes (main process) and return `describe`'s dict."""
         facts = self.describe(models, optimizers)
+        plan = announce_plan(models)  # the speed plan: printed here, in summary.json
+        facts["speed"] = plan.describe()
         if self.accelerator.is_main_process:
+            print(plan.line(), flush=True)
             mib = 1 << 20
             per_rank = ", ".join(
                 f"rank {r}: params {p / mib:.1f} MiB, grads {g / mib:.1f} MiB, "

@@ -16,23 +16,22 @@ step: on CPU glibc returns tensors that size to the kernel and faults them back 
 benchmarks' real model; 19,000 and 0.19 with the buffers). The same operations, the same tokens
 (tested).
 
-The KV cache is reserved too: after the prefill every plain transformers `DynamicLayer` of the
-cache becomes a `_ReservedLayer` with room for `min(max_new_tokens, RESERVE_POSITIONS)` more
-positions, and each step writes its token's keys and values in place, the buffers grown by that
-much when full; `DynamicLayer` appends with `torch.cat`, which copies the whole cache every
-token. The same tensors, the same tokens (tested); never more than that room unused per layer
-(a long `max_new_tokens` whose completions stop early does not reserve its full length); a small
-gain on CPU (0.7-3% of a GRPO rollout of the real model, in-process A/Bs; docs/performance.md).
+Two CPU fast paths, as the model's speed plan says (`rlhf_core.fastpath`; both off on CUDA):
 
-A decoding step's attention under grouped-query attention in bf16 on the CPU (`decode` runs its
-steps inside `rlhf_core.packing.grouped_query_attention`): the G query heads that share a
-key/value head are G query rows of one SDPA call on that head
-(`rlhf_core.attention.grouped_decode_attention`). transformers does that for a step with a mask
-(padded rows) and calls SDPA with `enable_gqa=True` for one without, which torch's CPU kernel runs
-3-4x slower in bf16: decodes without padding (equal-length prompts, a single prompt) of the
-benchmarks' real model ran 8-18% faster (64 rows of 40-token prompts, 8 of 100, one of 200; one
-row of 40 tokens 1%), the same tokens up to ~72 positions (tested through `decode`). The
-prefill keeps transformers' path.
+- The KV cache is reserved: after the prefill every plain transformers `DynamicLayer` of the
+  cache becomes a `_ReservedLayer` with room for `min(max_new_tokens,
+  SpeedPlan.reserve_positions)` more positions, and each step writes its token's keys and
+  values in place, the buffers grown by that much when full; `DynamicLayer` appends with
+  `torch.cat`, which copies the whole cache every token. The same tensors, the same tokens
+  (tested); never more than that room unused per layer (a long `max_new_tokens` whose
+  completions stop early does not reserve its full length); a small gain on CPU
+  (docs/performance.md).
+- A decoding step's attention under grouped-query attention in bf16 runs inside
+  `rlhf_core.attention.fast_attention`: the G query heads that share a key/value head are G
+  query rows of one SDPA call on that head (`grouped_decode_attention`), where transformers
+  calls SDPA with `enable_gqa=True` for a step without a mask, which torch's CPU kernel runs
+  3-4x slower in bf16. The same tokens up to ~72 positions (tested through `decode`). The
+  prefill keeps transformers' path.
 
 An encoder-decoder policy (T5) takes the same call and returns the same layout, [prompt |
 completion]: the encoder runs once on the left-padded prompts, the decoder starts from its start
@@ -60,7 +59,8 @@ from dataclasses import dataclass
 import torch
 from transformers.cache_utils import DynamicLayer
 
-from rlhf_core.packing import grouped_query_attention
+from rlhf_core.attention import fast_attention
+from rlhf_core.fastpath import speed_plan
 from rlhf_core.policy_model import base_model, decoder_start_id, is_encoder_decoder
 
 Generators = torch.Generator | Sequence[torch.Generator] | None
@@ -192,14 +192,14 @@ def _decode_encoder_decoder(
     done = torch.zeros(batch, dtype=torch.bool, device=input_ids.device)
     pad = torch.full_like(token, pad_token_id)
     cache, new_tokens, workspace = None, [], {}
+    room = min(max_new_tokens, speed_plan(model).reserve_positions)
     for step in range(max_new_tokens):
         out = base(
             encoder_outputs=encoded, attention_mask=mask, decoder_input_ids=token[:, None],
             past_key_values=cache, use_cache=True,
         )  # fmt: skip
-        if cache is None:  # the decoder's own keys and values (not the cross-attention's)
-            _reserve_cache(getattr(out.past_key_values, "self_attention_cache", None),
-                           min(max_new_tokens, RESERVE_POSITIONS))  # fmt: skip
+        if cache is None and room:  # the decoder's own keys and values (not cross-attention's)
+            _reserve_cache(getattr(out.past_key_values, "self_attention_cache", None), room)
         cache = out.past_key_values
         token = sampling.next_token(out.logits[:, -1], generator, workspace)
         token = torch.where(done, pad, token.to(input_ids.dtype))
@@ -208,9 +208,6 @@ def _decode_encoder_decoder(
         if step == max_new_tokens - 1 or bool(done.all()):
             break
     return torch.cat([input_ids, torch.stack(new_tokens, dim=1)], dim=1)
-
-
-RESERVE_POSITIONS = 256  # how far ahead `decode` reserves its KV cache (positions per layer)
 
 
 class _ReservedLayer(DynamicLayer):
@@ -318,13 +315,15 @@ def decode(
         input_ids, mask, next_position = (
             x.repeat_interleave(group_size, 0) for x in (input_ids, mask, next_position)
         )
-    _reserve_cache(cache, min(max_new_tokens, RESERVE_POSITIONS))  # no torch.cat per token
+    room = min(max_new_tokens, speed_plan(model).reserve_positions)
+    if room:  # no torch.cat per token
+        _reserve_cache(cache, room)
     batch = input_ids.shape[0]
     done = torch.zeros(batch, dtype=torch.bool, device=input_ids.device)
     pad = torch.full_like(done, pad_token_id, dtype=input_ids.dtype)
     ones = torch.ones(batch, 1, dtype=mask.dtype, device=mask.device)
     new_tokens, workspace = [], {}
-    with grouped_query_attention(model):  # a step's grouped heads as query rows (bf16, CPU)
+    with fast_attention(model):  # a step's grouped heads as query rows (bf16, CPU)
         for step in range(max_new_tokens):
             token = sampling.next_token(logits, generator, workspace)
             token = torch.where(done, pad, token.to(input_ids.dtype))

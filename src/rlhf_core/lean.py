@@ -38,7 +38,9 @@ computes in float32 in every model dtype) they differ from autograd's chain in t
 close to the float64 gradient as autograd's are, and a row whose mean square overflows gets NaN
 (tested; see `_RMSNorm`).
 `apply_lean` patches those norms too: classes whose forward is that formula
-(`LEAN_RMSNORM_CLASSES`; a test checks their source).
+(`LEAN_RMSNORM_CLASSES`; a test checks their source). Their closed-form backward is a CPU speed
+rule: where the run's speed plan says so (on CUDA, or `train.speed.lean_norms: false`),
+`restore_norms` gives them back their own forward (`rlhf_core.fastpath.announce_plan`).
 """
 
 from __future__ import annotations
@@ -200,3 +202,14 @@ def apply_lean(model: nn.Module) -> int:
             module.forward = types.MethodType(_lean_norm_forward, module)
             patched += 1
     return patched
+
+
+def restore_norms(model: nn.Module) -> int:
+    """Give every norm `apply_lean` patched its class's forward back; returns how many."""
+    restored = 0
+    for module in model.modules():
+        patched = vars(module).get("forward")
+        if getattr(patched, "__func__", None) is _lean_norm_forward:
+            del module.forward
+            restored += 1
+    return restored

@@ -396,7 +396,7 @@ def causal_lm_logprobs_at(
 ) -> torch.Tensor:
     """log p(labels[n] | the hidden state at flat position sources[n]), (N,), for rows whose
     layout the caller owns (explicit `position_ids`; `attention_mask` 2D or a 4D additive mask:
-    `rlhf_core.packing`). The LM head runs on the N source positions only, fused with the
+    `rlhf_core.layout`). The LM head runs on the N source positions only, fused with the
     log-softmax as in `causal_lm_selected_logprobs`, with the same fallback to the full head."""
     parts = decoder_and_head(model)
     if parts is None:

@@ -25,9 +25,10 @@ from torch.optim.lr_scheduler import LambdaLR
 from rlhf_core.config import RunArgs, dump_config
 from rlhf_core.distributed import Engine, EngineSettings
 from rlhf_core.errors import UserError
+from rlhf_core.fastpath import SpeedConfig, start_speed
 from rlhf_core.models import resolve_model_path
 from rlhf_core.optim import EmbeddingGradBuffer, OptimConfig, build_optimizer, build_scheduler
-from rlhf_core.runtime import configure_threads, quiet_libraries, retain_freed_memory
+from rlhf_core.runtime import configure_threads, quiet_libraries
 
 
 class BaseLoopConfig(EngineSettings):
@@ -40,11 +41,9 @@ class BaseLoopConfig(EngineSettings):
     eval_size: int | None = Field(None, gt=0, description="held-out rows to use; null = all")
     threads: int | None = Field(None, gt=0, description="CPU threads; null = free cores")
     device: Literal["auto", "cpu", "cuda"] = Field("auto", description="auto = cuda if available")
-    retain_freed_memory: bool = Field(
-        True,
-        description="on the CPU (glibc): keep freed memory in the process for the next step "
-        "instead of returning it to the kernel and faulting it in again (no mmap, trim at 2 "
-        "GiB; rlhf_core.runtime.retain_freed_memory); false = glibc's defaults",
+    speed: SpeedConfig = Field(
+        default_factory=SpeedConfig,
+        description="CPU fast paths, each on where it pays (rlhf_core.fastpath); false = off",
     )
 
 
@@ -61,9 +60,12 @@ class LoopConfig(BaseLoopConfig):
 
 def start_engine(loop: Any) -> tuple[Accelerator, Engine, int]:
     """`start_accelerator`, then the run's `Engine` (`loop.engine`, `loop.fsdp`): how its models
-    are placed across processes (rlhf_core.distributed). Returns (accelerator, engine, threads)."""
+    are placed across processes (rlhf_core.distributed), and the speed switches and allocator
+    (`loop.speed`, rlhf_core.fastpath). Returns (accelerator, engine, threads)."""
     accelerator, threads = start_accelerator(loop)
-    return accelerator, Engine(accelerator, loop.engine, loop.fsdp), threads
+    engine = Engine(accelerator, loop.engine, loop.fsdp)
+    start_speed(loop.speed, accelerator.device.type, engine.name, loop.fsdp.cpu_mmap_threshold_mib)
+    return accelerator, engine, threads
 
 
 def start_accelerator(loop: BaseLoopConfig) -> tuple[Accelerator, int]:
@@ -72,8 +74,6 @@ def start_accelerator(loop: BaseLoopConfig) -> tuple[Accelerator, int]:
     quiet_libraries()
     threads = configure_threads(loop.threads)
     use_cpu = loop.device == "cpu" or not torch.cuda.is_available()
-    if use_cpu and loop.retain_freed_memory:
-        retain_freed_memory()
     accelerator = Accelerator(cpu=use_cpu)
     plugin = getattr(accelerator.state, "deepspeed_plugin", None)
     refuse_sharded_parameters(accelerator.distributed_type, getattr(plugin, "zero_stage", None))

@@ -4,13 +4,12 @@ CPU threads, quiet libraries, the device.
 `configure_threads`: torch's default is one thread per core it can see, which oversubscribes when
 several processes share a machine; we use the cores this process may actually run on
 (`os.sched_getaffinity`) divided by the local world size, unless the config names a number.
+glibc's allocator settings are the speed plan's (`rlhf_core.fastpath.start_speed`).
 """
 
 from __future__ import annotations
 
-import ctypes
 import os
-import platform
 import random
 from typing import Any
 
@@ -71,31 +70,6 @@ def configure_threads(threads: int | None) -> int:
         threads = max(1, available_cores() // max(1, local))
     torch.set_num_threads(threads)
     return threads
-
-
-def retain_freed_memory() -> bool:
-    """Keep freed memory in this process for reuse instead of returning it to the kernel (glibc
-    only; a no-op elsewhere). Returns whether it applied.
-
-    glibc hands every allocation above 32 MiB (and, once such a block has been freed, smaller
-    ones down to its size) a mapping of its own and unmaps it on free, and returns the top of
-    its heap once more than twice that is free. A training step on the CPU allocates and frees
-    the same large activations and gradients every step, so each step faults all of them in
-    again from fresh zeroed pages: on the SFT benchmark (the `real` model, fp32, 2 threads) ~1.1
-    million minor page faults and 4.1-4.9 system CPU-seconds per 8-step run. With mmap off
-    (`M_MMAP_MAX` 0) and trimming at 2 GiB of free heap (`M_TRIM_THRESHOLD`) the heap keeps those
-    pages: ~0.7 million faults, 2.6-3.8 system seconds, the same peak RSS within 3%
-    (docs/performance.md). The process's resident memory then stays at its high-water mark
-    instead of shrinking between steps."""
-    if platform.system() != "Linux" or platform.libc_ver()[0] != "glibc":
-        return False
-    try:
-        mallopt = ctypes.CDLL(None).mallopt
-    except (OSError, AttributeError):
-        return False
-    mallopt.argtypes, mallopt.restype = (ctypes.c_int, ctypes.c_int), ctypes.c_int
-    m_trim_threshold, m_mmap_max = -1, -4  # <malloc.h>
-    return bool(mallopt(m_mmap_max, 0)) and bool(mallopt(m_trim_threshold, 2**31 - 1))
 
 
 def quiet_libraries() -> None:

@@ -6,7 +6,6 @@ import pytest
 import torch
 
 from rlhf_core.attention import (
-    SHORT_ATTENTION_KEYS,
     folds_query_groups,
     grouped_decode_attention,
     short_attention,
@@ -52,7 +51,7 @@ def run(fn, tensors, mask, grad, scale):
 def test_short_attention_equals_autograd_in_float64(kv_heads, additive):
     """Output and the gradients of q, k and v equal autograd through the formula (float64), for
     plain, grouped and multi-query attention, with a boolean mask and with an additive one (0 /
-    -inf, as `rlhf_core.packing.additive_mask` builds)."""
+    -inf, as `rlhf_core.layout.additive_mask` builds)."""
     tensors, mask, grad = inputs(torch.float64, kv_heads=kv_heads)
     if additive:
         mask = torch.zeros(mask.shape, dtype=torch.float64).masked_fill(~mask, float("-inf"))
@@ -151,22 +150,29 @@ def test_short_attention_keeps_no_score_matrix_for_the_backward():
 
 
 def test_short_attention_takes_short_reduced_precision_calls_only():
-    """bf16/fp16 multi-token calls with at most SHORT_ATTENTION_KEYS keys and a backward to come;
-    not float32 (SDPA's flash kernel is as fast there), not longer calls, not a single decoding
+    """bf16/fp16 multi-token calls with at most the plan's key limit (128 for 8 query heads over
+    4 key/value heads, `rlhf_core.fastpath.short_attention_keys`) and a backward to come; not
+    float32 (SDPA's flash kernel is as fast there), not longer calls, not a single decoding
     query, not a forward without gradients."""
+    from types import SimpleNamespace
+
+    from rlhf_core.fastpath import short_attention_keys
+
+    keys = short_attention_keys(SimpleNamespace(num_attention_heads=8, num_key_value_heads=4))
+    assert keys == 128
 
     def call(dtype, queries, keys, grad=True):
         query = torch.zeros(1, 8, queries, 4, dtype=dtype, requires_grad=grad)
         return query, torch.zeros(1, 4, keys, 4, dtype=dtype)
 
-    assert takes_short_attention(*call(torch.bfloat16, 32, 56))
-    assert takes_short_attention(*call(torch.float16, 2, SHORT_ATTENTION_KEYS))
-    assert not takes_short_attention(*call(torch.bfloat16, 2, SHORT_ATTENTION_KEYS + 1))
-    assert not takes_short_attention(*call(torch.float32, 32, 56))
-    assert not takes_short_attention(*call(torch.bfloat16, 1, 56))
-    assert not takes_short_attention(*call(torch.bfloat16, 32, 56, grad=False))
+    assert takes_short_attention(*call(torch.bfloat16, 32, 56), keys)
+    assert takes_short_attention(*call(torch.float16, 2, keys), keys)
+    assert not takes_short_attention(*call(torch.bfloat16, 2, keys + 1), keys)
+    assert not takes_short_attention(*call(torch.float32, 32, 56), keys)
+    assert not takes_short_attention(*call(torch.bfloat16, 1, 56), keys)
+    assert not takes_short_attention(*call(torch.bfloat16, 32, 56, grad=False), keys)
     with torch.no_grad():  # a reference model's forward: SDPA's forward is faster
-        assert not takes_short_attention(*call(torch.bfloat16, 32, 56))
+        assert not takes_short_attention(*call(torch.bfloat16, 32, 56), keys)
 
 
 def decode_inputs(dtype, *, kv_heads, keys, mask_kind, rows=3, heads=8, dim=16, seed=0):

@@ -200,13 +200,14 @@ def test_reserved_cache_layer_holds_what_concatenation_holds():
 def test_decode_writes_its_kv_cache_in_place_and_draws_what_concatenation_draws(
     model_and_tokenizer, temperature, room, monkeypatch
 ):
-    """decode's KV cache is reserved `RESERVE_POSITIONS` ahead after the prefill: every step's
-    keys live in one storage per layer until that room is used up, the reserve never holds more
-    than that room unused, and the tokens equal those of the same decode with transformers'
-    concatenating cache (the reservation switched off)."""
+    """decode's KV cache is reserved the plan's `reserve_positions` ahead after the prefill:
+    every step's keys live in one storage per layer until that room is used up, the reserve
+    never holds more than that room unused, and the tokens equal those of the same decode with
+    transformers' concatenating cache (the reservation switched off)."""
+    import rlhf_core.fastpath as fastpath
     import rlhf_core.generation as generation
 
-    monkeypatch.setattr(generation, "RESERVE_POSITIONS", room)
+    monkeypatch.setattr(fastpath, "RESERVE_POSITIONS", room)
     model, tok = model_and_tokenizer
     prompts = ["<|user|>ab<|end|><|assistant|>", "<|user|>a much longer prompt<|end|><|assistant|>"]
     enc = tok(prompts, return_tensors="pt", padding=True, add_special_tokens=False)
@@ -240,7 +241,7 @@ def test_bf16_decoding_steps_take_a_groups_query_heads_as_rows(monkeypatch):
     tokens transformers' own attention path draws (greedy and sampled)."""
     from transformers import Qwen3Config, Qwen3ForCausalLM
 
-    import rlhf_core.packing as packing
+    import rlhf_core.attention as attention
 
     config = Qwen3Config(
         vocab_size=97, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
@@ -252,13 +253,13 @@ def test_bf16_decoding_steps_take_a_groups_query_heads_as_rows(monkeypatch):
     mask = torch.ones_like(ids)
     mask[1, :3] = 0  # left padding
     calls = []
-    original = packing.grouped_decode_attention
+    original = attention.grouped_decode_attention
 
     def counted(query, key, value, attention_mask, scale):
         calls.append((query.shape[2], attention_mask is not None))
         return original(query, key, value, attention_mask, scale)
 
-    monkeypatch.setattr(packing, "grouped_decode_attention", counted)
+    monkeypatch.setattr(attention, "grouped_decode_attention", counted)
     for temperature in (0.0, 1.0):
         args = {"max_new_tokens": 8, "eos_token_id": -1, "pad_token_id": 0,
                 "sampling": Sampling(temperature=temperature), "group_size": 2}  # fmt: skip
@@ -266,6 +267,6 @@ def test_bf16_decoding_steps_take_a_groups_query_heads_as_rows(monkeypatch):
         ours = decode(model, ids, mask, generator=row_generators(range(4), "cpu"), **args)
         assert calls == [(1, True)] * (7 * 2)  # 7 steps after the prefill's token, 2 layers
         with monkeypatch.context() as m:
-            m.setattr(packing, "folds_query_groups", lambda *a: False)
+            m.setattr(attention, "folds_query_groups", lambda *a: False)
             theirs = decode(model, ids, mask, generator=row_generators(range(4), "cpu"), **args)
         assert torch.equal(ours, theirs)

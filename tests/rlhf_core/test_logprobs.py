@@ -570,12 +570,12 @@ def test_shared_prompt_logprobs_equal_flat_rows_in_float64(kv_heads, short, monk
     shared forward attends to the grouped heads as they are (`_grouped_sdpa`), the flat rows
     through transformers' repeated heads. `short`: the shared forward's attention is
     `short_attention` (which a bf16 model's short calls take), forced here in float64."""
-    import rlhf_core.packing as packing
+    import rlhf_core.attention as attention
     from rlhf_core.logprobs import causal_lm_selected_logprobs
-    from rlhf_core.packing import shared_prompt_logprobs
+    from rlhf_core.prefix import shared_prompt_logprobs
 
     if short:
-        monkeypatch.setattr(packing, "takes_short_attention", lambda q, k: q.shape[2] > 1)
+        monkeypatch.setattr(attention, "takes_short_attention", lambda q, k, n: q.shape[2] > 1)
 
     model = sdpa_tiny_qwen3(kv_heads).double()
     model.train()  # dropout is 0: train mode only to check the training path
@@ -632,7 +632,7 @@ def test_shared_prompt_logprobs_equal_flat_rows_in_float64(kv_heads, short, monk
 
 
 def test_shared_prompt_logprobs_rejects_right_padded_prompts():
-    from rlhf_core.packing import shared_prompt_logprobs
+    from rlhf_core.prefix import shared_prompt_logprobs
 
     model = load_policy(ModelConfig(name_or_path="tiny-qwen3"))
     ids = torch.ones(2, 4, dtype=torch.long)
@@ -647,14 +647,14 @@ def test_shared_prompt_attention_takes_grouped_heads_as_they_are(monkeypatch, dt
     reach the attention with the key/value heads unrepeated, so no repeated copies are made or
     saved: in bf16 (short calls) `short_attention`, in float32 SDPA with `enable_gqa=True`; the
     flat rows (transformers' own path) repeat them."""
-    import rlhf_core.packing as packing
+    import rlhf_core.attention as attention
     from rlhf_core.logprobs import causal_lm_selected_logprobs
-    from rlhf_core.packing import shared_prompt_logprobs
+    from rlhf_core.prefix import shared_prompt_logprobs
 
     model = sdpa_tiny_qwen3(kv_heads=2).to(dtype)
     calls, short_calls = [], []
     sdpa = torch.nn.functional.scaled_dot_product_attention
-    short_attention = packing.short_attention
+    short_attention = attention.short_attention
 
     def spy(query, key, *args, **kwargs):
         calls.append((query.shape[1], key.shape[1], query.shape[2], kwargs.get("enable_gqa")))
@@ -665,7 +665,7 @@ def test_shared_prompt_attention_takes_grouped_heads_as_they_are(monkeypatch, dt
         return short_attention(query, key, *args, **kwargs)
 
     monkeypatch.setattr(torch.nn.functional, "scaled_dot_product_attention", spy)
-    monkeypatch.setattr(packing, "short_attention", short_spy)
+    monkeypatch.setattr(attention, "short_attention", short_spy)
     p_ids = torch.randint(6, 100, (4, 5))
     p_mask = torch.ones_like(p_ids)
     p_mask[0, :2] = 0  # left padding: a mask, so transformers would repeat the heads
@@ -689,7 +689,7 @@ def test_shared_prompt_gradients_are_bitwise_reproducible_on_two_threads(kv_head
     on CPU in whatever order its threads finish, which made seeded GRPO runs differ; the gathers
     are `index_select`s, so repeated backward passes give identical gradients (fails with
     transformers' `batch_select_indices`)."""
-    from rlhf_core.packing import shared_prompt_logprobs
+    from rlhf_core.prefix import shared_prompt_logprobs
 
     threads = torch.get_num_threads()
     torch.set_num_threads(2)

@@ -1,4 +1,4 @@
-"""Packed rows (`rlhf_core.packing`): a shared prompt encoded once and several sequences per row
+"""Packed rows (`rlhf_core.layout`): a shared prompt encoded once and several sequences per row
 give the log-probs and gradients of the plain padded forward, on the tiny world's Qwen3 in
 float64 (log-probs to 1e-6, gradients to 1e-5 relative).
 
@@ -12,22 +12,14 @@ from __future__ import annotations
 import pytest
 import torch
 
-import rlhf_core.packing as packing
+import rlhf_core.attention as attention_module
+import rlhf_core.fastpath as fastpath
 from direct_alignment.data import PreferencePair, collate_pairs, pack_pairs
 from direct_alignment.reference import pair_logps
+from rlhf_core.attention import fast_attention
+from rlhf_core.fastpath import speed_plan
+from rlhf_core.layout import is_packed, pack_groups, pack_rows, stream_sums, unpacked_tokens
 from rlhf_core.models import ModelConfig, load_policy
-from rlhf_core.packing import (
-    is_packed,
-    pack_groups,
-    pack_rows,
-    packing_layout,
-    segmented_attention,
-    stream_sums,
-    supports_flat_packing,
-    supports_packing,
-    supports_segmented_attention,
-    unpacked_tokens,
-)
 
 
 def random_pairs(lengths, seed=0):
@@ -72,7 +64,7 @@ PAIRS = [(5, 3, 7), (9, 1, 4), (2, 6, 6), (12, 8, 2), (1, 2, 2), (2, 1, 1)]
 @pytest.mark.parametrize("attention", ["sdpa", "eager"])
 def test_shared_prompt_dpo_log_probs_and_gradients_equal_the_two_row_forward(attention):
     model = tiny_policy(attention)
-    assert supports_packing(model)
+    assert speed_plan(model).layout == "mask"  # takes a 4D mask; too narrow for segmented rows
     pairs = random_pairs(PAIRS)
     full = collate_pairs(pairs, 0)
     reference = logps_and_grads(model, full)
@@ -91,7 +83,7 @@ def test_one_row_with_segmented_attention_equals_the_two_row_forward(attention, 
     # one pair at a time (no query longer than the longest pair, 22), eager computes the full
     # masked row: both equal the flat rows
     model = tiny_policy(attention)
-    assert supports_segmented_attention(model) == (attention == "sdpa")
+    assert speed_plan(model).cpu_attention == (attention == "sdpa")
     pairs = random_pairs(PAIRS)
     reference = logps_and_grads(model, collate_pairs(pairs, 0))
     packed = pack_pairs(pairs, 0, row_tokens=80)
@@ -109,10 +101,10 @@ def test_one_row_with_segmented_attention_equals_the_two_row_forward(attention, 
 
     # a segment's call goes to SDPA, or in bf16 with few keys to `short_attention`; a call per
     # segment even where one call over the row is cheaper (this narrow model: `segments_pay`)
-    monkeypatch.setattr(packing, "SEGMENT_CALL_UNITS", 0)
+    monkeypatch.setattr(fastpath, "SEGMENT_CALL_UNITS", 0)
     sdpa = torch.nn.functional.scaled_dot_product_attention
     monkeypatch.setattr(torch.nn.functional, "scaled_dot_product_attention", spy(sdpa))
-    monkeypatch.setattr(packing, "short_attention", spy(packing.short_attention))
+    monkeypatch.setattr(attention_module, "short_attention", spy(attention_module.short_attention))
     chosen, rejected, grads = logps_and_grads(model, packed)
     if attention == "sdpa":
         assert max(query_lengths) == 22 and len(query_lengths) == 6 * 2  # 6 pairs x 2 layers
@@ -131,13 +123,13 @@ def test_bf16_packed_segments_through_short_attention_are_as_close_as_flat_rows(
     exact = logps_and_grads(model, collate_pairs(pairs, 0))
     model = model.to(torch.bfloat16)
     calls = []
-    short_attention = packing.short_attention
+    short_attention = attention_module.short_attention
 
     def spy(query, *args, **kwargs):
         calls.append(query.dtype)
         return short_attention(query, *args, **kwargs)
 
-    monkeypatch.setattr(packing, "short_attention", spy)
+    monkeypatch.setattr(attention_module, "short_attention", spy)
     flat = logps_and_grads(model, collate_pairs(pairs, 0))
     assert not calls  # flat rows: transformers' own attention
     packed = logps_and_grads(model, pack_pairs(pairs, 0, row_tokens=80))
@@ -171,13 +163,13 @@ def test_segments_pay_where_the_masked_scores_they_skip_outweigh_their_calls(mon
     config = tiny.config
     assert config.num_attention_heads * config.head_dim == 128
     short_rows = [(r, s, s + 32) for r in range(64) for s in (0, 32, 64)]
-    assert not packing.segments_pay(tiny, short_rows)
-    assert packing.segments_pay(tiny, [(0, s, s + 36) for s in range(0, 64 * 36, 36)])
+    assert not attention_module.segments_pay(tiny, short_rows)
+    assert attention_module.segments_pay(tiny, [(0, s, s + 36) for s in range(0, 64 * 36, 36)])
     two_pairs = [(0, 0, 235), (0, 235, 470)]
     with monkeypatch.context() as m:  # 4 heads x 128: the benchmarks' `real` model's width
         m.setattr(config, "head_dim", 128)
-        assert packing.segments_pay(tiny, two_pairs)
-        assert not packing.segments_pay(tiny, [(0, 0, 40), (0, 40, 80)])
+        assert attention_module.segments_pay(tiny, two_pairs)
+        assert not attention_module.segments_pay(tiny, [(0, 0, 40), (0, 40, 80)])
 
     pairs = random_pairs(PAIRS)
     reference = logps_and_grads(tiny, collate_pairs(pairs, 0))
@@ -186,7 +178,7 @@ def test_segments_pay_where_the_masked_scores_they_skip_outweigh_their_calls(mon
     assert_same_as(reference, *logps_and_grads(tiny, packed))
     assert calls == [74, 74]  # one call per layer, forward
     calls.clear()
-    monkeypatch.setattr(packing, "SEGMENT_CALL_UNITS", 4000)  # now the 6 calls pay
+    monkeypatch.setattr(fastpath, "SEGMENT_CALL_UNITS", 4000)  # now the 6 calls pay
     assert_same_as(reference, *logps_and_grads(tiny, packed))
     assert calls == [22, 15, 14, 14, 5, 4] * 2
 
@@ -195,7 +187,7 @@ def test_padding_after_a_rows_last_segment_is_not_computed_and_changes_nothing(m
     """Segment by segment, a row's padding after its last segment goes to no SDPA call (no query
     of a segment attends to it; its attention output is zeros): only the 74 real positions are
     attended, and log-probs and gradients equal the flat rows'."""
-    monkeypatch.setattr(packing, "SEGMENT_CALL_UNITS", 0)  # a call per segment
+    monkeypatch.setattr(fastpath, "SEGMENT_CALL_UNITS", 0)  # a call per segment
     model = tiny_policy("sdpa")
     pairs = random_pairs(PAIRS)
     reference = logps_and_grads(model, collate_pairs(pairs, 0))
@@ -206,10 +198,10 @@ def test_padding_after_a_rows_last_segment_is_not_computed_and_changes_nothing(m
     assert sorted(calls) == sorted([22, 15, 5, 14, 4, 14] * 2)  # 2 layers
 
 
-def test_segmented_attention_restores_the_model_after_an_error():
+def test_fast_attention_restores_the_model_after_an_error():
     model = tiny_policy("sdpa")
     segments = pack_pairs(random_pairs(PAIRS[:2]), 0)["segments"]
-    with pytest.raises(RuntimeError), segmented_attention(model, segments):
+    with pytest.raises(RuntimeError), fast_attention(model, segments):
         assert model.config._attn_implementation != "sdpa"
         raise RuntimeError("boom")
     assert model.config._attn_implementation == "sdpa"
@@ -252,7 +244,7 @@ def test_unpaired_rows_keep_their_labels():
 def test_packed_sft_loss_and_gradients_equal_the_padded_batch():
     from instruction_tuning.data import SFTExample, collate, pack
     from instruction_tuning.losses import CompletionNLLLoss
-    from rlhf_core.packing import batch_logprobs
+    from rlhf_core.sequences import sequence_logprobs
 
     model = tiny_policy("sdpa")
     g = torch.Generator().manual_seed(1)
@@ -268,7 +260,7 @@ def test_packed_sft_loss_and_gradients_equal_the_padded_batch():
     assert flat["input_ids"].shape == (1, 38) and "attention_mask" not in flat
     for batch in (collate(examples, 0), pack(examples, 0), one_row, flat):
         model.zero_grad(set_to_none=True)
-        logps = batch_logprobs(model, batch)
+        logps = sequence_logprobs(model, batch)
         loss, metrics = CompletionNLLLoss()(logps, batch["loss_mask"], 21.0)
         loss.backward()
         grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
@@ -337,17 +329,17 @@ def test_flat_dpo_log_probs_and_gradients_equal_the_two_row_forward(attention):
 
 
 def test_packing_layout_follows_the_attention_implementation():
-    # the trainers ask `packing_layout`: a 4D mask for SDPA / eager, the flat layout for any
-    # flash-attention implementation (transformers' rule: "flash" in the name), none for T5
+    # the trainers read the speed plan's layout: a 4D mask for SDPA / eager, the flat layout for
+    # any flash-attention implementation (transformers' rule: "flash" in the name), none for T5
     from transformers import T5Config, T5ForConditionalGeneration
 
     model = tiny_policy("sdpa")
-    assert packing_layout(model) == "mask" and not supports_flat_packing(model)
+    assert speed_plan(model).layout == "mask"
     for name in ("flash_attention_2", "flash_attention_3", "kernels-community/flash-attn"):
         model.config._attn_implementation_internal = name
         assert model.config._attn_implementation == name
-        assert packing_layout(model) == "flat" and not supports_packing(model)
+        assert speed_plan(model).layout == "flat"
     t5 = T5ForConditionalGeneration(T5Config(d_model=8, d_ff=8, num_layers=1, num_heads=1,
                                              d_kv=8, vocab_size=32))  # fmt: skip
     t5.config._attn_implementation_internal = "flash_attention_2"
-    assert packing_layout(t5) is None
+    assert speed_plan(t5).layout == "padded"

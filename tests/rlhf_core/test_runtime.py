@@ -1,4 +1,5 @@
-"""Process-level settings of `rlhf_core.runtime`: freed memory kept for the next step."""
+"""The allocator policy of the speed plan (`rlhf_core.fastpath`): freed memory kept for the next
+step on the CPU, one owner for glibc's settings."""
 
 from __future__ import annotations
 
@@ -14,12 +15,14 @@ from rlhf_core.loop import BaseLoopConfig
 # "retain" calls the function, "loop-on" / "loop-off" start a trainer's accelerator on the CPU
 PROBE = """
 import json, resource, sys, torch
-from rlhf_core.loop import BaseLoopConfig, start_accelerator
-from rlhf_core.runtime import retain_freed_memory
+from rlhf_core.fastpath import SpeedConfig, allocator_policy, retain_freed_memory
+from rlhf_core.loop import BaseLoopConfig, start_engine
 mode = sys.argv[1]
 applied = retain_freed_memory() if mode == "retain" else None
 if mode.startswith("loop"):
-    start_accelerator(BaseLoopConfig(device="cpu", retain_freed_memory=mode == "loop-on"))
+    speed = SpeedConfig(allocator=mode == "loop-on")
+    start_engine(BaseLoopConfig(device="cpu", speed=speed))
+    applied = allocator_policy()
 faults = []
 for _ in range(8):
     before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
@@ -61,6 +64,9 @@ def test_retained_memory_is_not_faulted_in_again_each_round():
 
 @linux_only
 def test_a_cpu_trainer_retains_freed_memory_unless_switched_off():
-    # `start_accelerator` (every trainer's first step) applies `train.retain_freed_memory`
-    assert BaseLoopConfig().retain_freed_memory is True
-    assert settles(probe("loop-on")) and faulted_every_round(probe("loop-off"))
+    # `start_engine` (every trainer's first step) applies the plan's allocator policy, which
+    # `train.speed.allocator` switches off
+    assert BaseLoopConfig().speed.allocator is True
+    on, off = probe("loop-on"), probe("loop-off")
+    assert on["applied"] == "retain" and off["applied"] == "glibc defaults"
+    assert settles(on) and faulted_every_round(off)
