@@ -229,6 +229,12 @@ def source_rows(source: Any, where: str) -> int:
     return len(load_rows(source, field=where))
 
 
+def describe(source: Any) -> str:
+    """The source as `DataSource.describe` names it, with the rows it skips and keeps."""
+    window = [f"{k} {getattr(source, k)}" for k in ("offset", "limit") if getattr(source, k)]
+    return source.describe() + (f" ({', '.join(window)})" if window else "")
+
+
 def show(tok: Any, ids: list[int], chars: int) -> str:
     text = tok.decode(ids, skip_special_tokens=False)
     return text if len(text) <= chars else f"[... {len(text) - chars} chars] " + text[-chars:]
@@ -244,7 +250,7 @@ def report_split(trainer: str, cfg: Any, tok: Any, split: str, chars: int, train
     unlimited = {"max_length": UNLIMITED, "max_prompt_length": None} if limits else {}
     raw = load_split(trainer, cfg, tok, split, unlimited, train) if limits else loaded
     result: dict[str, Any] = {
-        "source": getattr(d, split).describe(),
+        "source": describe(getattr(d, split)),
         "rows_in_source": source_rows(getattr(d, split), f"data.{split}"),
         "examples_kept": len(loaded.examples),
         "loader_counts": loaded.counts,
