@@ -27,7 +27,7 @@ The CPU allocator: glibc raises its mmap threshold (up to 32 MiB) the first time
 freed, after which the transient gathers and unsharded gradients of every step come from the heap
 and fragment it; RSS then keeps hundreds of MiB nobody uses. So the fsdp2 engine on CPU holds the
 threshold at 128 KiB (`train.fsdp.cpu_mmap_threshold_mib`, glibc's initial value; see
-`rlhf_core.distributed.fix_cpu_mmap_threshold`). `--malloc` picks what each arm runs with:
+`rlhf_core.fastpath.fix_mmap_threshold`). `--malloc` picks what each arm runs with:
 `shipped` = as the trainers run (one process: glibc's default; FSDP2: the engine's 128 KiB),
 `default` = glibc's self-raising threshold in both arms (the engine's setting off), `release` =
 128 KiB in both (MALLOC_MMAP_THRESHOLD_=131072), the like-for-like comparison. The held threshold
@@ -66,7 +66,7 @@ MODELS = {
 # allocator settings: (environment of both arms, whether the fsdp2 arm keeps the engine's own
 # mmap threshold (train.fsdp.cpu_mmap_threshold_mib) or turns it off)
 MALLOC = {
-    "shipped": ({}, True),  # as the trainers run: single as glibc starts, fsdp2 fixes 128 KiB
+    "shipped": ({}, True),  # as the trainers run: single keeps freed memory, fsdp2 fixes 128 KiB
     "default": ({}, False),  # glibc's self-raising threshold in both arms
     "release": ({"MALLOC_MMAP_THRESHOLD_": "131072"}, False),  # 128 KiB fixed in both arms
 }
@@ -79,6 +79,7 @@ def worker(out: Path, engine_name: str, model_name: str, engine_mmap: bool) -> N
     from transformers import Qwen3Config, Qwen3ForCausalLM
 
     from rlhf_core.distributed import Engine, FSDPConfig
+    from rlhf_core.fastpath import SpeedConfig, start_speed
     from rlhf_core.logprobs import causal_lm_selected_logprobs
     from rlhf_core.loop import clip_grad_norm, start_accelerator
     from rlhf_core.optim import OptimConfig, build_optimizer
@@ -89,6 +90,8 @@ def worker(out: Path, engine_name: str, model_name: str, engine_mmap: bool) -> N
     accelerator, _ = start_accelerator(Loop)
     fsdp = FSDPConfig() if engine_mmap else FSDPConfig(cpu_mmap_threshold_mib=None)
     engine = Engine(accelerator, engine_name, fsdp)
+    speed = SpeedConfig(allocator=engine_mmap)  # the trainers' allocator policy (start_engine)
+    start_speed(speed, "cpu", engine.name, fsdp.cpu_mmap_threshold_mib)
     torch.manual_seed(0)
     spec = MODELS[model_name]
     model = Qwen3ForCausalLM(Qwen3Config(**spec)).train()

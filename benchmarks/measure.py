@@ -97,9 +97,9 @@ class PeakRSS:
 
 #: Set to 1 in the environment of a benchmark command to run *every* measured process, the
 #: peer's too, with glibc keeping freed memory (what our trainers do on the CPU since
-#: `train.retain_freed_memory`): the comparison in which neither arm pays glibc's page faults.
+#: `train.speed.allocator`): the comparison in which neither arm pays glibc's page faults.
 RETAIN_ALL = "RLHF_BENCH_RETAIN_FREED_MEMORY"
-#: The glibc setting `rlhf_core.runtime.retain_freed_memory` applies, as a startup tunable.
+#: The glibc setting `rlhf_core.fastpath.retain_freed_memory` applies, as a startup tunable.
 RETAIN_TUNABLES = "glibc.malloc.mmap_max=0:glibc.malloc.trim_threshold=2147483647"
 
 

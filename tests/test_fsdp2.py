@@ -74,7 +74,7 @@ def test_sft_fsdp2_equals_one_process_resumes_after_sigkill_and_final_loads(
     summary = json.loads((tmp_path / "two" / "summary.json").read_text())
     units = set(summary["fsdp/units"])
     assert {"model.embed_tokens", "lm_head", "model.layers.0", "(root)"} <= units
-    # glibc's mmap threshold held at 128 KiB on CPU (rlhf_core.distributed.fix_cpu_mmap_threshold)
+    # glibc's mmap threshold held at 128 KiB on CPU (rlhf_core.fastpath.fix_mmap_threshold)
     assert summary["fsdp/cpu_mmap_threshold_fixed"] is (platform.libc_ver()[0] == "glibc")
     # every process evaluated its share with the parameters gathered: greedy metrics and the
     # eval loss equal one process's
