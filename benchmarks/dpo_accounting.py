@@ -83,8 +83,8 @@ def batches(w: Workload, workdir: Path) -> dict[str, list[dict]]:
 
 def add_batches(out: dict[str, list[dict]], step: list, collator: Any, pad: int) -> None:
     """Append each arm's batch of the pairs `step` to `out`."""
-    from direct_alignment.data import pack_pairs
     from rlhf_core.fastpath import SEGMENTED_ROW_TOKENS
+    from rlhf_core.preference import pack_pairs
 
     out["ours"].append(pack_pairs(step, pad, row_tokens=SEGMENTED_ROW_TOKENS))
     rows = pack_pairs(step, pad)

@@ -56,11 +56,12 @@ ARMS = ("ours", "ours_flat", "liger")
 def worker(arm: str, args: argparse.Namespace) -> dict[str, Any]:
     import torch
 
-    from direct_alignment.data import build_preference_data, collate_pairs, pack_pairs
+    from direct_alignment.data import build_preference_data
     from direct_alignment.losses import LOSSES
     from direct_alignment.reference import pair_logps
     from rlhf_core.data import DataSource
     from rlhf_core.models import ModelConfig, load_policy, load_tokenizer
+    from rlhf_core.preference import collate_pairs, pack_pairs
     from rlhf_core.registry import build_from_spec
 
     torch.set_num_threads(args.threads)

@@ -98,8 +98,8 @@ def work(w: Workload, pairs: list[dict[str, list[int]]], path: str) -> dict[str,
     from transformers import AutoModel
 
     from benchmarks.flops import Shapes, segment_score_entries
-    from reward_models.data import PreferencePair, collate_pairs, pack_pairs
     from rlhf_core.fastpath import speed_plan
+    from rlhf_core.preference import PreferencePair, collate_pairs, pack_pairs
 
     backbone = AutoModel.from_pretrained(path, attn_implementation="sdpa")
     shapes = Shapes.of(backbone.config)
@@ -129,7 +129,7 @@ def run_ours(w: Workload, workdir: Path, *, share_prompt: bool = True) -> dict[s
 
     import reward_models.train as rm_train
     from reward_models.config import RMConfig
-    from reward_models.data import batch_tokens
+    from rlhf_core.preference import batch_tokens
 
     after_imports = rss_mb()
     clock = StepClock(w.warmup_steps, memory)

@@ -107,12 +107,13 @@ class Bench:
     def __init__(self, w: Workload, workdir: Path) -> None:
         import torch
 
-        from direct_alignment.data import build_preference_data, collate_pairs, pack_pairs
+        from direct_alignment.data import build_preference_data
         from direct_alignment.losses import LOSSES
         from direct_alignment.reference import precompute_reference
         from rlhf_core.data import DataSource, EpochSampler
         from rlhf_core.fastpath import SEGMENTED_ROW_TOKENS
         from rlhf_core.models import ModelConfig, ReferencePolicy, load_policy, load_tokenizer
+        from rlhf_core.preference import collate_pairs, pack_pairs
         from rlhf_core.registry import build_from_spec
 
         torch.set_num_threads(w.threads)

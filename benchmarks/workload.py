@@ -186,10 +186,11 @@ def prepare(w: Workload, workdir: Path) -> dict[str, Any]:
     """
     import torch
 
-    from direct_alignment.data import build_preference_data, collate_pairs, preference_row
+    from direct_alignment.data import build_preference_data
     from rlhf_core.chat import render_prompt
     from rlhf_core.data import DataSource, EpochSampler
     from rlhf_core.models import ModelConfig, load_tokenizer
+    from rlhf_core.preference import collate_pairs, preference_row
 
     path = model_dir(w.model)
     tokenizer = load_tokenizer(ModelConfig(name_or_path=str(path)), padding_side="right")

@@ -1,6 +1,7 @@
-"""Preference pairs: rows -> (prompt, chosen, rejected) token ids -> one concatenated batch.
+"""Direct-alignment data: preference pairs, and KTO's unpaired rows, as `PreferencePair`s.
 
 Row formats (`data.format`, `auto` picks by columns):
+  auto            preference if the row has a prompt, else hh (`rlhf_core.columns.detect_layout`)
   preference      {"prompt": str | messages, "chosen": str | messages, "rejected": str | messages}
                   (message-list completions may repeat the prompt, as in UltraFeedback-binarized;
                   the shared prefix is removed and the last assistant turn is the completion)
@@ -10,19 +11,26 @@ Row formats (`data.format`, `auto` picks by columns):
   ultrafeedback   UltraFeedback-binarized: {"prompt": str, "chosen": [messages], "rejected": [...]}
   reasoning_gym   synthetic pairs from a task: chosen = the reference answer, rejected = a
                   wrong answer, the reversed reference (`WRONG_KINDS`), from
-                  `rlhf_core.preference.reasoning_gym_preference_rows`, the builder reward
+                  `rlhf_core.wrong_answers.reasoning_gym_preference_rows`, the builder reward
                   models use too; for learnable offline tests
   unpaired        KTO's labelled single completions (`build_unpaired_data`):
                   {"prompt": str | messages, "completion": str | messages, "label": bool}, as in
                   trl-lib/kto-mix-14k; from reasoning-gym, two rows per task example (the answer,
                   label true; a wrong answer, label false)
 
-Rows are parsed by `rlhf_core.preference.preference_row`. Prompts are rendered with the tokenizer's
-chat template; completions end with eos. Truncation is `rlhf_core.encoding`'s one rule: the prompt
-keeps its last `max_prompt_length` tokens (null: as many as the longer completion leaves room for),
-then both completions are cut to fit `max_length`, after the same prompt tokens. Pairs whose two
-completions are identical after truncation are dropped and counted. Empty completions (real HH data
-has a few) are kept as eos alone and counted. A malformed row raises naming its index and column.
+`data.columns` renames a data set's columns to the standard keys first (`rlhf_core.columns`; a
+`system` column becomes the prompt's leading system message), so orca_dpo_pairs' {system,
+question, chosen, rejected} reads with `data.columns: {prompt: question}`. Pair rows are parsed by
+`rlhf_core.preference.preference_row` (under `auto`, a row with no prompt is an implicit pair:
+HH transcripts or two conversations sharing their prompt turns); a row in no layout this
+reads gets one error naming the file, the columns found and the closest layout. Prompts are
+rendered with the tokenizer's chat template; completions end with eos. Tokenizing, truncation
+and the dropped / counted pairs are `rlhf_core.preference.encode_preference_pairs` (the reward
+models' too): the prompt keeps its last `max_prompt_length` tokens (null: as many as the longer
+completion leaves room for), then both completions are cut to fit `max_length`, after the same
+prompt tokens. Pairs whose two completions are identical after truncation are dropped and
+counted. Empty completions (real HH data has a few) are kept as eos alone and counted. Batches
+are `rlhf_core.preference.collate_pairs` / `pack_pairs`.
 """
 
 from __future__ import annotations
@@ -30,33 +38,18 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-import torch
-
 from rlhf_core.chat import Messages, as_messages, completion_text, render_prompt
+from rlhf_core.columns import Columns, apply_columns, column, detect_layout
 from rlhf_core.data import DataSource, load_rows, reasoning_gym_dataset, warn_truncated_prompts
 from rlhf_core.encoding import encode_pairs
 from rlhf_core.errors import UserError
-from rlhf_core.layout import pack_groups
 from rlhf_core.preference import (
-    column,
+    PreferencePair,
+    encode_preference_pairs,
     preference_row,
-    reasoning_gym_labelled_rows,
-    reasoning_gym_preference_rows,
     report_degenerate_pairs,
 )
-
-
-@dataclass
-class PreferencePair:
-    """A preference pair; or, for unpaired data (`label` set), one labelled completion as
-    `chosen_ids` and, as `rejected_ids`, the completion of another prompt that KTO's reference
-    point reads (`build_unpaired_data`). Either way the two halves run as one batch."""
-
-    prompt_ids: list[int]
-    chosen_ids: list[int]
-    rejected_ids: list[int]
-    prompt_text: str
-    label: bool | None = None
+from rlhf_core.wrong_answers import reasoning_gym_labelled_rows, reasoning_gym_preference_rows
 
 
 @dataclass
@@ -94,36 +87,25 @@ def build_preference_data(
     where: str,
     limit: int | None = None,
     overlong: str = "truncate",
+    columns: Columns | None = None,
 ) -> PreferenceData:
-    """Load, render, tokenize and truncate preference pairs (see the module docstring);
-    `overlong="drop"` drops (and counts) pairs that would be cut instead of cutting them."""
+    """Load, rename (`columns`), render, tokenize and truncate preference pairs (see the module
+    docstring); `overlong="drop"` drops (and counts) pairs that would be cut instead."""
     rows, forced = _rows(source, where)
-    fmt = forced or fmt
-    prompts, completions, triples, empty = [], [], [], 0
+    fmt, file = forced or fmt, source.describe()
+    prompts, triples = [], []
     for index, row in enumerate(rows):
-        prompt, chosen, rejected = preference_row(row, index, fmt, where)
+        row = apply_columns(row, columns, f"{where} ({file}): row {index}")
+        prompt, chosen, rejected = preference_row(row, index, fmt, where, file=file)
         triples.append((prompt, chosen, rejected))
-        empty += (not chosen.strip()) + (not rejected.strip())
         prompts.append(render_prompt(tokenizer, prompt, where=f"{where}: row {index} prompt"))
-        completions.append((chosen, rejected))
         if limit is not None and len(prompts) >= limit:
             break
-    encoded = encode_pairs(
-        tokenizer, prompts, completions, max_length=max_length, max_prompt_length=max_prompt_length
-    )
-    data = PreferenceData(pairs=[], empty_completions=empty)
-    for prompt_text, (c, r) in zip(prompts, encoded, strict=True):
-        if overlong == "drop" and (c.prompt_truncated or c.truncated or r.truncated):
-            data.dropped_overlong += 1
-            continue
-        data.truncated_prompts += c.prompt_truncated
-        data.truncated += c.truncated or r.truncated
-        if c.completion_ids == r.completion_ids:
-            data.dropped_identical += 1
-            continue
-        data.pairs.append(
-            PreferencePair(c.prompt_ids, c.completion_ids, r.completion_ids, prompt_text)
-        )
+    pairs, counts = encode_preference_pairs(
+        tokenizer, prompts, [(t[1], t[2]) for t in triples],
+        max_length=max_length, max_prompt_length=max_prompt_length, overlong=overlong,
+    )  # fmt: skip
+    data = PreferenceData(pairs=pairs, **counts)
     if not data.pairs:
         raise UserError(f"{where}: no usable preference pairs in {source.describe()}")
     report_degenerate_pairs(where, triples, data.dropped_identical)
@@ -177,6 +159,7 @@ def build_unpaired_data(
     max_prompt_length: int | None,
     where: str,
     limit: int | None = None,
+    columns: Columns | None = None,
 ) -> PreferenceData:
     """Labelled single completions for KTO, as `PreferencePair`s with `label` set: `chosen_ids`
     the completion, `rejected_ids` the completion of `mismatched_partners` (truncated to fit
@@ -187,8 +170,11 @@ def build_unpaired_data(
         entries = list(reasoning_gym_dataset(source.reasoning_gym))
         seed = source.reasoning_gym.seed
         rows = list(reasoning_gym_labelled_rows(entries, wrong=1, kinds=WRONG_KINDS, seed=seed))
-    parsed, empty = [], 0
+    parsed, empty, file = [], 0, source.describe()
     for index, row in enumerate(rows):
+        row = apply_columns(row, columns, f"{where} ({file}): row {index}")
+        if index == 0:  # a file in another layout altogether: one clear error
+            detect_layout(row, ("unpaired",), f"{where} ({file}): row {index}")
         prompt, completion, label = unpaired_row(row, index, where)
         empty += not completion.strip()
         prompt_text = render_prompt(tokenizer, prompt, where=f"{where}: row {index} prompt")
@@ -214,62 +200,3 @@ def build_unpaired_data(
     if data.truncated_prompts:
         warn_truncated_prompts(where, data.truncated_prompts, len(parsed), max_prompt_length)
     return data
-
-
-def collate_pairs(pairs: list[PreferencePair], pad_id: int) -> dict[str, torch.Tensor]:
-    """One right-padded batch of 2B rows: the B chosen sequences, then the B rejected ones.
-
-    loss_mask (2B, S-1) marks completion targets aligned with `causal_lm_token_logprobs`;
-    lengths (2B,) are completion token counts; labels (B,) bool for unpaired rows.
-    """
-    seqs = [p.prompt_ids + p.chosen_ids for p in pairs] + [
-        p.prompt_ids + p.rejected_ids for p in pairs
-    ]
-    prompt_lens = [len(p.prompt_ids) for p in pairs] * 2
-    longest = max(len(s) for s in seqs)
-    input_ids = torch.full((len(seqs), longest), pad_id, dtype=torch.long)
-    attention_mask = torch.zeros((len(seqs), longest), dtype=torch.long)
-    loss_mask = torch.zeros((len(seqs), longest - 1), dtype=torch.bool)
-    for b, (seq, plen) in enumerate(zip(seqs, prompt_lens, strict=True)):
-        input_ids[b, : len(seq)] = torch.tensor(seq)
-        attention_mask[b, : len(seq)] = 1
-        loss_mask[b, plen - 1 : len(seq) - 1] = True
-    batch = {
-        "input_ids": input_ids,
-        "attention_mask": attention_mask,
-        "loss_mask": loss_mask,
-        "lengths": loss_mask.sum(-1),
-    }
-    if pairs[0].label is not None:  # unpaired rows: (B,) labels, for KTO
-        batch["labels"] = torch.tensor([bool(p.label) for p in pairs])
-    return batch
-
-
-def pack_pairs(
-    pairs: list[PreferencePair],
-    pad_id: int,
-    *,
-    pack: bool = True,
-    row_tokens: int | None = None,
-    flat: bool = False,
-) -> dict[str, torch.Tensor]:
-    """The pairs as packed rows [prompt | chosen | rejected] (`rlhf_core.layout.pack_groups`):
-    each prompt encoded once for both completions, several short pairs per row (one per row
-    with `pack=False`; rows of up to `row_tokens` tokens for segmented attention). `flat=True`
-    is flash attention's varlen layout instead: [prompt chosen][prompt rejected] for every pair
-    in one row, no padding, the prompt encoded once per completion. Streams 2i
-    and 2i + 1 are pair i's chosen and rejected completions;
-    `lengths` (2B,) are completion token counts, chosen then rejected (as `collate_pairs`);
-    labels (B,) bool for unpaired rows."""
-    batch = pack_groups(
-        [(p.prompt_ids, (p.chosen_ids, p.rejected_ids)) for p in pairs],
-        pad_id,
-        pack=pack,
-        row_tokens=row_tokens,
-        flat=flat,
-    )
-    per_pair = batch["branch_lengths"].view(-1, 2)
-    batch["lengths"] = torch.cat([per_pair[:, 0], per_pair[:, 1]])
-    if pairs[0].label is not None:
-        batch["labels"] = torch.tensor([bool(p.label) for p in pairs])
-    return batch

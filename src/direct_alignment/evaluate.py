@@ -13,11 +13,11 @@ from pathlib import Path
 
 import torch
 
-from direct_alignment.data import PreferencePair, collate_pairs
 from direct_alignment.losses import loss_inputs
 from direct_alignment.reference import pair_logps
 from rlhf_core.generation import Sampling, generate_completions
 from rlhf_core.models import eval_mode, with_padding_side
+from rlhf_core.preference import PreferencePair, collate_pairs
 
 
 @torch.no_grad()

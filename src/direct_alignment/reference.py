@@ -22,10 +22,10 @@ from pathlib import Path
 
 import torch
 
-from direct_alignment.data import PreferencePair, collate_pairs
 from rlhf_core.layout import is_packed, stream_sums
 from rlhf_core.logprobs import masked_sum
 from rlhf_core.models import ReferencePolicy
+from rlhf_core.preference import PreferencePair, collate_pairs
 from rlhf_core.sequences import sequence_logprobs
 
 

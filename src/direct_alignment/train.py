@@ -21,12 +21,7 @@ from functools import partial
 import torch
 
 from direct_alignment.config import DAConfig
-from direct_alignment.data import (
-    build_preference_data,
-    build_unpaired_data,
-    collate_pairs,
-    pack_pairs,
-)
+from direct_alignment.data import build_preference_data, build_unpaired_data
 from direct_alignment.evaluate import evaluate_pairs, write_samples
 from direct_alignment.losses import LOSSES, loss_inputs
 from direct_alignment.reference import (
@@ -49,6 +44,7 @@ from rlhf_core.loop import (
     start_optimizer,
 )
 from rlhf_core.models import load_policy, load_reference, load_tokenizer
+from rlhf_core.preference import collate_pairs, pack_pairs
 from rlhf_core.registry import build_from_spec
 from rlhf_core.rundir import managed_run, open_run_dir
 from rlhf_core.runtime import seed_everything
@@ -91,9 +87,9 @@ def train(cfg: DAConfig, run: RunArgs) -> int:
     d, t = cfg.data, cfg.train
     lengths = {"max_length": d.max_length, "max_prompt_length": d.max_prompt_length}
     if d.format == "unpaired":  # labelled single completions (KTO), as pairs with a label
-        build = build_unpaired_data
+        build = partial(build_unpaired_data, columns=d.columns)
     else:
-        build = partial(build_preference_data, fmt=d.format, overlong=d.overlong)
+        build = partial(build_preference_data, fmt=d.format, overlong=d.overlong, columns=d.columns)
     train_data = build(d.train, tokenizer, where="data.train", **lengths)
     eval_data = None
     if d.eval is not None and t.evaluate:

@@ -1,11 +1,16 @@
 """SFT data: rows -> tokenized (prompt, completion) pairs -> right-padded batches.
 
-Row formats (`data.format`):
+Row formats (`data.format`; `auto` detects each row's layout, `rlhf_core.columns.detect_layout`):
   messages            {"messages": [{"role", "content"}, ...]} ending with an assistant turn; the
                       last assistant turn is the completion, everything before it the prompt
                       (earlier assistant turns are context and carry no loss).
   prompt_completion   {"prompt": str | messages, "completion": str | [one assistant message]}
   reasoning_gym       question -> user turn, answer -> completion; the entry is kept for scoring.
+
+`data.columns` renames a data set's columns to these keys first (`rlhf_core.columns`, e.g.
+`{prompt: question, completion: response}`; a `system` column becomes the prompt's leading
+system message); a file in neither layout gets one error naming it, the columns found and the
+closest layout.
 
 Prompt and completion are tokenized separately and concatenated (so the loss mask is exact under
 any tokenizer); the completion ends with the tokenizer's eos. Over-long rows are cut by
@@ -23,6 +28,7 @@ from typing import Any
 import torch
 
 from rlhf_core.chat import as_messages, render_prompt
+from rlhf_core.columns import Columns, apply_columns, detect_layout
 from rlhf_core.data import DataSource, load_rows, reasoning_gym_dataset, report_degenerate
 from rlhf_core.encoding import encode_completions
 from rlhf_core.errors import UserError
@@ -46,10 +52,19 @@ class SFTData:
     dropped_overlong: int = 0  # rows over the limits, with overlong="drop"
 
 
-def _split_row(row: dict[str, Any], index: int, fmt: str, where: str) -> tuple[Any, str]:
-    """(prompt as str|messages, completion text) of one row, or a clear error."""
+SFT_LAYOUTS = ("messages", "prompt_completion")
+
+
+def _split_row(
+    row: dict[str, Any], index: int, fmt: str, where: str, file: str = "?"
+) -> tuple[Any, str]:
+    """(prompt as str|messages, completion text) of one (renamed) row, or a clear error; the
+    first row of a declared format is checked to be in that layout at all."""
+    located = f"{where} ({file}): row {index}"
     if fmt == "auto":
-        fmt = "messages" if "messages" in row else "prompt_completion"
+        fmt = detect_layout(row, SFT_LAYOUTS, located)
+    elif index == 0:
+        detect_layout(row, (fmt,), located)
     if fmt == "messages":
         messages = row.get("messages")
         if messages is None:
@@ -85,10 +100,11 @@ def build_sft_data(
     limit: int | None = None,
     exclude_prompts: set[str] | None = None,
     overlong: str = "truncate",
+    columns: Columns | None = None,
 ) -> SFTData:
-    """Load and tokenize a source. `exclude_prompts` drops rows whose prompt text is in it;
-    `overlong="drop"` drops (and counts) rows that would be cut instead of cutting them."""
-    scorer = None
+    """Load, rename (`columns`) and tokenize a source. `exclude_prompts` drops rows whose prompt
+    text is in it; `overlong="drop"` drops (and counts) rows that would be cut instead."""
+    scorer, file = None, source.describe()
     if source.reasoning_gym is not None:
         scorer = reasoning_gym_dataset(source.reasoning_gym)
         rows: Any = [
@@ -97,9 +113,13 @@ def build_sft_data(
         fmt = "prompt_completion"
     else:
         rows = load_rows(source, field=where)
+        rows = (
+            apply_columns(row, columns, f"{where} ({file}): row {index}")
+            for index, row in enumerate(rows)
+        )
     rendered: list[tuple[str, str, Any]] = []
     for index, row in enumerate(rows):
-        prompt, completion = _split_row(row, index, fmt, where)
+        prompt, completion = _split_row(row, index, fmt, where, file)
         if not completion.strip():
             raise UserError(f"{where}: row {index} has an empty completion")
         prompt_text = render_prompt(

@@ -58,6 +58,7 @@ def train(cfg: SFTConfig, run: RunArgs) -> int:
     train_data = build_sft_data(
         d.train, tokenizer, fmt=d.format, max_length=d.max_length,
         max_prompt_length=d.max_prompt_length, where="data.train", overlong=d.overlong,
+        columns=d.columns,
     )  # fmt: skip
     eval_data = None
     if d.eval is not None and t.evaluate:
@@ -65,6 +66,7 @@ def train(cfg: SFTConfig, run: RunArgs) -> int:
             d.eval, tokenizer, fmt=d.format, max_length=d.max_length,
             max_prompt_length=d.max_prompt_length, where="data.eval", limit=t.eval_size,
             exclude_prompts={e.prompt_text for e in train_data.examples}, overlong=d.overlong,
+            columns=d.columns,
         )  # fmt: skip
     micro, total_steps = plan_steps(t, len(train_data.examples), accelerator)
     run_dir, ckpt = open_run_dir(accelerator, run, package=PACKAGE, name=cfg.name)

@@ -26,7 +26,7 @@ result R. Corruptions of one calculation:
                  (a transcription error; checkable by comparing the two numbers)
 
 reasoning-gym answers: wrong ones are perturbed numbers, or reversed / swapped / replaced /
-another example's text (`rlhf_core.preference.wrong_answers`, which also builds the preference
+another example's text (`rlhf_core.wrong_answers.wrong_answers`, which also builds the preference
 pairs of reasoning-gym sources, for reward models and direct alignment alike); a PRM spells the
 answer one character per step and one step writes a letter the answer does not contain
 (`reasoning_gym_prm_rows`).
@@ -44,7 +44,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 from rlhf_core.errors import UserError, UserFileNotFound
-from rlhf_core.preference import (
+from rlhf_core.wrong_answers import (
     WRONG_KINDS,
     reasoning_gym_labelled_rows,
     seeded_rng,

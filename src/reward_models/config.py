@@ -114,6 +114,13 @@ class RMConfig(TrainerConfig):
     name: str = run_name("reward_model")
     model: ModelConfig = Field(description="the backbone: tiny preset, local dir or hub id")
     freeze_backbone: bool = Field(False, description="train the head only (not with LoRA)")
+    encoder_only: bool = Field(
+        False,
+        description="the backbone is a bidirectional encoder (BERT / DeBERTa / Longformer "
+        "family: a ...ForTokenClassification, ...ForSequenceClassification or ...ForMaskedLM "
+        "checkpoint's encoder), so each token's score reads the whole sequence; recorded in "
+        "scalar_head.json. Preference models need train.share_prompt: false",
+    )
     pooling: Literal["last", "mean", "sum"] = Field(
         "last",
         description="preference: which of the head's per-token scores make the reward: the last "
@@ -174,6 +181,15 @@ class RMConfig(TrainerConfig):
                 "lm_likelihood needs pooling: mean or sum (it adds each completion token's "
                 "log-likelihood to that token's score; the last token alone is one token's)"
             )
+        if self.encoder_only and (self.lm_likelihood is not None or (
+                kind == "preference" and (self.train.share_prompt
+                                          or self.train.export_sequence_classification))):
+            raise UserError(
+                "encoder_only: an encoder's tokens see the whole row, so a preference pair "
+                "cannot share its prompt (set train.share_prompt: false); it has no causal LM "
+                "(lm_likelihood) and no last-token sequence classifier to export to "
+                "(train.export_sequence_classification: false)"
+            )  # fmt: skip
         if self.pooling != "last" and self.train.export_sequence_classification:
             raise UserError(
                 f"pooling {self.pooling!r} with train.export_sequence_classification: "

@@ -3,12 +3,14 @@ models.
 
 Row formats (`data.format`; `auto` picks by columns):
   preference (kind preference)
+    auto           preference if the row has a prompt, else hh (`rlhf_core.columns.detect_layout`)
     preference     {"prompt": str | messages, "chosen": str | messages, "rejected": ...}; message
                    completions may repeat the prompt (UltraFeedback-binarized): the shared prefix is
                    removed and the last assistant turn is the completion
     ultrafeedback  the same, named for UltraFeedback-binarized rows
     hh             Anthropic HH {"chosen": transcript, "rejected": transcript}, split at the last
-                   shared "\\n\\nAssistant:" into a multi-turn prompt and two completions
+                   shared "\\n\\nAssistant:" into a multi-turn prompt and two completions; or two
+                   conversations (message lists) whose shared leading turns are the prompt
     margins        `data.margin_column`: a numeric column, or [a, b] for row[a] - row[b]
                    (UltraFeedback: [score_chosen, score_rejected])
   orm (kind orm)
@@ -26,67 +28,55 @@ Row formats (`data.format`; `auto` picks by columns):
                    through each step's completions (see `prm800k_row`)
     gsm8k          GSM8K rows, one step corrupted on the fly (`build_data.gsm8k_prm_rows`)
 A reasoning-gym source builds preference pairs (chosen = the answer, rejected = a wrong one) or
-ORM rows (the answer and wrong ones) on the fly (`rlhf_core.preference`), PRM rows by
-`build_data`. Preference rows are parsed by `rlhf_core.preference.preference_row`.
+ORM rows (the answer and wrong ones) on the fly (`rlhf_core.wrong_answers`), PRM rows by
+`build_data`. `data.columns` renames a file's columns to the standard keys first
+(`rlhf_core.columns`; a `system` column becomes the prompt's leading system message); a
+preference row in neither pair layout gets one error naming the file, the columns found and the
+closest layout. Preference rows are parsed, tokenized and batched by `rlhf_core.preference`, the
+same code DPO uses (`PreferencePair`, `collate_pairs`, `pack_pairs`).
 
-Prompts are rendered with the chat template; completions end with eos; PRM completions are the
-steps, each followed by the one-token `step_separator`. Truncation is `rlhf_core.encoding`'s one
-rule (the same at scoring time); a pair's two completions follow the same prompt tokens.
-Preference pairs identical after truncation are dropped and counted. A malformed row raises
-naming its index and column.
+With `data.strip_thinking` (default on, as RL's reward scoring), completions lose their
+<think>...</think> blocks (`rlhf_core.chat.strip_thinking`) before tokenizing (preference and
+ORM rows; counted `stripped_thinking`): the model learns to score the answer, as it is asked to in
+RL. Prompts are rendered with the chat template; completions end with eos; PRM completions are
+the steps, each followed by the one-token `step_separator`. Truncation is `rlhf_core.encoding`'s
+one rule (the same at scoring time); a pair's two completions follow the same prompt tokens. With
+`data.overlong: drop`, an example the limits would cut is dropped instead (counted
+`dropped_overlong`; for PRM and segment rows, one that would lose a step or segment). Preference
+pairs identical after truncation are dropped and counted. A malformed row raises naming its
+index and column.
 """
 
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 
 from reward_models.build_data import gsm8k_orm_rows, gsm8k_prm_rows, reasoning_gym_prm_rows
+from reward_models.config import RMDataConfig
 from reward_models.losses import IGNORE_INDEX
-from rlhf_core.chat import Messages, as_messages, completion_text, render_prompt
+from rlhf_core.chat import Messages, as_messages, completion_text, render_prompt, strip_thinking
+from rlhf_core.columns import apply_columns, column
 from rlhf_core.data import DataSource, load_rows, reasoning_gym_dataset, warn_truncated_prompts
 from rlhf_core.encoding import (
     encode_completions,
-    encode_pairs,
     encode_segments,
     encode_steps,
     pad_sequences,
 )
 from rlhf_core.errors import UserError
-from rlhf_core.layout import pack_groups
 from rlhf_core.preference import (
-    PREFERENCE_FORMATS,
-    column,
+    encode_preference_pairs,
     preference_row,
-    reasoning_gym_labelled_rows,
-    reasoning_gym_preference_rows,
     report_degenerate_pairs,
 )
-
-if TYPE_CHECKING:
-    from reward_models.config import RMDataConfig
 from rlhf_core.segmentation import segment
-
-FORMATS = {
-    "preference": PREFERENCE_FORMATS,
-    "orm": ("auto", "orm", "gsm8k"),
-    "prm": ("auto", "prm", "prm800k", "gsm8k"),
-    "segment": ("auto", "segments"),
-}
-
+from rlhf_core.wrong_answers import reasoning_gym_labelled_rows, reasoning_gym_preference_rows
 
 # ----------------------------------------------------------------------------- examples
-
-
-@dataclass
-class PreferencePair:
-    prompt_ids: list[int]
-    chosen_ids: list[int]
-    rejected_ids: list[int]
-    margin: float | None = None
 
 
 @dataclass
@@ -243,9 +233,10 @@ def segment_row(
 # ----------------------------------------------------------------------------- loading
 
 
-def source_rows(source: DataSource, kind: str, fmt: str, builder: Any, where: str):
-    """(rows, format) of a source: files and hub sets as read; GSM8K and reasoning-gym sources
-    turned into labelled rows by the offline builders."""
+def source_rows(source: DataSource, kind: str, data_cfg: RMDataConfig, where: str):
+    """(rows, format) of a source: files and hub sets as read, renamed by `data.columns`; GSM8K
+    and reasoning-gym sources turned into labelled rows by the offline builders."""
+    builder, fmt = data_cfg.builder, data_cfg.format
     if source.reasoning_gym is not None:
         entries = list(reasoning_gym_dataset(source.reasoning_gym))
         kinds = tuple(builder.wrong_kinds)
@@ -262,7 +253,12 @@ def source_rows(source: DataSource, kind: str, fmt: str, builder: Any, where: st
         )
         return list(rows), "prm"
     rows = load_rows(source, field=where)
-    if fmt == "auto" and kind != "preference" and "question" in rows.column_names:
+    if (
+        fmt == "auto"
+        and kind != "preference"
+        and data_cfg.columns is None
+        and "question" in rows.column_names
+    ):
         fmt = "gsm8k" if isinstance(rows[0]["question"], str) else fmt
     if fmt == "gsm8k" and kind == "orm":
         return list(
@@ -274,7 +270,12 @@ def source_rows(source: DataSource, kind: str, fmt: str, builder: Any, where: st
             gold=builder.gold, seed=builder.seed, where=where,
         )  # fmt: skip
         return list(built), "prm"
-    return rows, fmt
+    file = source.describe()
+    renamed = (
+        apply_columns(row, data_cfg.columns, f"{where} ({file}): row {index}")
+        for index, row in enumerate(rows)
+    )
+    return renamed, fmt
 
 
 def build_reward_data(
@@ -289,19 +290,26 @@ def build_reward_data(
 ) -> RewardData:
     """Load, render, tokenize and truncate the examples of one kind (see the module docstring).
 
-    `data_cfg` is the config's `data` block (format, lengths, margin column, step separator,
-    builder options); `limit` keeps the first N examples (ORM: whole prompt groups).
+    `data_cfg` is the config's `data` block (format, columns, lengths, overlong, strip_thinking,
+    margin column, step separator, builder options); `limit` keeps the first N examples (ORM:
+    whole prompt groups).
     """
-    rows, fmt = source_rows(source, kind, data_cfg.format, data_cfg.builder, where)
-    lengths = {"max_length": data_cfg.max_length, "max_prompt_length": data_cfg.max_prompt_length}
+    rows, fmt = source_rows(source, kind, data_cfg, where)
+    file, stripped = source.describe(), 0
     parsed, prompts = [], []
     for index, row in enumerate(rows):
         if kind == "preference":
-            prompt, *rest = preference_row(row, index, fmt, where)
+            prompt, *rest = preference_row(row, index, fmt, where, file=file)
+            if data_cfg.strip_thinking:
+                kept = [strip_thinking(text) for text in rest]
+                stripped += kept != rest
+                rest = kept
             if data_cfg.margin_column is not None:
                 rest.append(row_margin(row, data_cfg.margin_column, f"{where}: row {index}"))
         elif kind == "orm":
             prompt, *rest = outcome_row(row, index, where)
+            if data_cfg.strip_thinking and (kept := strip_thinking(rest[0])) != rest[0]:
+                stripped, rest[0] = stripped + 1, kept
         elif kind == "segment":
             prompt, *rest = segment_row(row, index, where, data_cfg.segment_level, num_classes)
         else:
@@ -316,16 +324,24 @@ def build_reward_data(
         prompts.append(render_prompt(tokenizer, prompt, where=f"{where}: row {index} prompt"))
     if not parsed:
         raise UserError(f"{where}: no rows in {source.describe()}")
+    lengths = {"max_length": data_cfg.max_length, "max_prompt_length": data_cfg.max_prompt_length}
+    drop = data_cfg.overlong == "drop"
     if kind == "preference":
-        data = _preference_examples(tokenizer, prompts, parsed, lengths)
+        data = _preference_examples(tokenizer, prompts, parsed, lengths, data_cfg.overlong)
     elif kind == "orm":
-        data = _outcome_examples(tokenizer, prompts, parsed, lengths)
+        data = _outcome_examples(tokenizer, prompts, parsed, lengths, drop)
     elif kind == "segment":
-        data = _segment_examples(tokenizer, prompts, parsed, lengths, data_cfg.segment_level)
+        data = _segment_examples(tokenizer, prompts, parsed, lengths, data_cfg.segment_level, drop)
     else:
-        data = _process_examples(tokenizer, prompts, parsed, lengths, data_cfg.step_separator)
+        data = _process_examples(tokenizer, prompts, parsed, lengths, data_cfg.step_separator, drop)
+    if kind in ("preference", "orm"):
+        data.counts["stripped_thinking"] = stripped
     if not data.examples:
-        raise UserError(f"{where}: no usable {kind} examples in {source.describe()}")
+        dropped = data.counts.get("dropped_overlong")
+        raise UserError(
+            f"{where}: no usable {kind} examples in {source.describe()}"
+            + (f" ({dropped} dropped as longer than the length limits)" if dropped else "")
+        )
     if kind == "preference":
         report_degenerate_pairs(where, parsed, data.counts["dropped_identical"])
     if data.counts.get("truncated_prompts"):
@@ -334,29 +350,24 @@ def build_reward_data(
     return data
 
 
-def _preference_examples(tokenizer, prompts, parsed, lengths) -> RewardData:
-    encoded = encode_pairs(tokenizer, prompts, [(p[1], p[2]) for p in parsed], **lengths)
-    data = RewardData([], {"dropped_identical": 0, "truncated": 0, "truncated_prompts": 0,
-                           "empty_completions": 0})  # fmt: skip
-    for item, (c, r) in zip(parsed, encoded, strict=True):
-        data.counts["empty_completions"] += (not item[1].strip()) + (not item[2].strip())
-        data.counts["truncated"] += c.truncated or r.truncated
-        data.counts["truncated_prompts"] += c.prompt_truncated
-        if c.completion_ids == r.completion_ids:
-            data.counts["dropped_identical"] += 1
-            continue
-        margin = item[3] if len(item) > 3 else None
-        data.examples.append(
-            PreferencePair(c.prompt_ids, c.completion_ids, r.completion_ids, margin)
-        )
-    return data
+def _preference_examples(tokenizer, prompts, parsed, lengths, overlong) -> RewardData:
+    margins = [item[3] for item in parsed] if parsed and len(parsed[0]) > 3 else None
+    pairs, counts = encode_preference_pairs(
+        tokenizer, prompts, [(p[1], p[2]) for p in parsed], **lengths, overlong=overlong,
+        margins=margins,
+    )  # fmt: skip
+    return RewardData(pairs, counts)
 
 
-def _outcome_examples(tokenizer, prompts, parsed, lengths) -> RewardData:
+def _outcome_examples(tokenizer, prompts, parsed, lengths, drop) -> RewardData:
     encoded = encode_completions(tokenizer, prompts, [p[1] for p in parsed], **lengths)
     groups: dict[str, int] = {}
-    data = RewardData([], {"truncated": 0, "truncated_prompts": 0, "groups": 0, "correct": 0})
+    data = RewardData([], {"truncated": 0, "truncated_prompts": 0, "groups": 0, "correct": 0,
+                           "dropped_overlong": 0})  # fmt: skip
     for text, item, e in zip(prompts, parsed, encoded, strict=True):
+        if drop and (e.truncated or e.prompt_truncated):
+            data.counts["dropped_overlong"] += 1
+            continue
         group = groups.setdefault(text, len(groups))
         data.examples.append(OutcomeExample(e.prompt_ids, e.completion_ids, item[2], group))
         data.counts["truncated"] += e.truncated
@@ -366,12 +377,16 @@ def _outcome_examples(tokenizer, prompts, parsed, lengths) -> RewardData:
     return data
 
 
-def _process_examples(tokenizer, prompts, parsed, lengths, separator) -> RewardData:
+def _process_examples(tokenizer, prompts, parsed, lengths, separator, drop) -> RewardData:
     encoded = encode_steps(
         tokenizer, prompts, [p[1] for p in parsed], separator=separator, **lengths
     )
-    data = RewardData([], {"steps": 0, "dropped_steps": 0, "negative_steps": 0})
+    data = RewardData([], {"steps": 0, "dropped_steps": 0, "negative_steps": 0,
+                           "dropped_overlong": 0})  # fmt: skip
     for item, e in zip(parsed, encoded, strict=True):
+        if drop and e.dropped_steps:
+            data.counts["dropped_overlong"] += 1
+            continue
         classes = item[2][: len(e.step_ends)]
         data.examples.append(ProcessExample(e.prompt_ids, e.completion_ids, e.step_ends, classes))
         data.counts["steps"] += len(classes)
@@ -380,10 +395,14 @@ def _process_examples(tokenizer, prompts, parsed, lengths, separator) -> RewardD
     return data
 
 
-def _segment_examples(tokenizer, prompts, parsed, lengths, level) -> RewardData:
+def _segment_examples(tokenizer, prompts, parsed, lengths, level, drop) -> RewardData:
     encoded = encode_segments(tokenizer, prompts, [p[1] for p in parsed], level=level, **lengths)
-    data = RewardData([], {"segments": 0, "dropped_segments": 0, "error_segments": 0})
+    data = RewardData([], {"segments": 0, "dropped_segments": 0, "error_segments": 0,
+                           "dropped_overlong": 0})  # fmt: skip
     for item, e in zip(parsed, encoded, strict=True):
+        if drop and e.dropped_steps:
+            data.counts["dropped_overlong"] += 1
+            continue
         classes = item[2][: len(e.step_ends)]
         data.examples.append(ProcessExample(e.prompt_ids, e.completion_ids, e.step_ends, classes))
         data.counts["segments"] += len(classes)
@@ -393,84 +412,7 @@ def _segment_examples(tokenizer, prompts, parsed, lengths, level) -> RewardData:
 
 
 # ----------------------------------------------------------------------------- batches
-
-
-def collate_pairs(
-    pairs: list[PreferencePair], pad_id: int, *, share_prompt: bool = False
-) -> dict[str, torch.Tensor]:
-    """One right-padded batch of 2B rows, the B chosen sequences then the B rejected ones, their
-    `completion_mask` (2B, T) (True on the completion's tokens), and `margins` (B,) when the
-    pairs carry them.
-
-    With `share_prompt`, the prompt is kept apart so the model encodes it once for both
-    completions (`ScalarHeadModel.forward`'s shared prefix): `prompt_ids` / `prompt_mask` (B, P)
-    left-padded, and `input_ids` / `attention_mask` (2B, C) the completions alone, right-padded,
-    interleaved chosen_0, rejected_0, chosen_1, ... A batch with an empty prompt or completion
-    is collated without sharing (an all-padding row would give the attention nothing to read)."""
-    completions = [ids for p in pairs for ids in (p.chosen_ids, p.rejected_ids)]
-    if share_prompt and all(completions) and all(p.prompt_ids for p in pairs):
-        prompt_ids, prompt_mask = pad_sequences([p.prompt_ids for p in pairs], pad_id, side="left")
-        input_ids, attention_mask = pad_sequences(completions, pad_id)
-        batch = {"input_ids": input_ids, "attention_mask": attention_mask,
-                 "prompt_ids": prompt_ids, "prompt_mask": prompt_mask}  # fmt: skip
-    else:
-        seqs = [p.prompt_ids + p.chosen_ids for p in pairs] + [
-            p.prompt_ids + p.rejected_ids for p in pairs
-        ]
-        input_ids, attention_mask = pad_sequences(seqs, pad_id)
-        prompts = torch.tensor([len(p.prompt_ids) for p in pairs] * 2)
-        completion_mask = attention_mask.bool() & (
-            torch.arange(input_ids.shape[1])[None] >= prompts[:, None]
-        )
-        batch = {"input_ids": input_ids, "attention_mask": attention_mask,
-                 "completion_mask": completion_mask}  # fmt: skip
-    if pairs and all(p.margin is not None for p in pairs):
-        batch["margins"] = torch.tensor([p.margin for p in pairs], dtype=torch.float32)
-    return batch
-
-
-def pack_pairs(
-    pairs: list[PreferencePair], pad_id: int, *, row_tokens: int | None = None
-) -> dict[str, torch.Tensor]:
-    """Pairs packed as [prompt | chosen | rejected] segments into rows, right-padded, for a
-    shared-prompt forward in one call (`rlhf_core.layout.pack_groups`, the layout DPO uses
-    too): each prompt is encoded once, both its completions attend to it, the rejected tokens
-    do not see the chosen ones, no token sees another pair, and short pairs share a row: every
-    token sees exactly what it would see in its own prompt + completion row (rewards equal,
-    tested).
-
-    Returns input_ids (R, L), attention_mask (R, 1, L, L) boolean (True = may attend),
-    position_ids (R, L), ends (B, 2) the last chosen and last rejected token of each pair as
-    flat indices into the (R * L) positions, lengths (B, 3) the prompt, chosen and rejected
-    lengths, segments (K, 3) for `rlhf_core.attention.fast_attention`, and margins when the
-    pairs have them. `row_tokens`: rows of up to that many tokens (no padding; for segmented
-    attention).
-    """
-    packed = pack_groups(
-        [(p.prompt_ids, (p.chosen_ids, p.rejected_ids)) for p in pairs], pad_id,
-        row_tokens=row_tokens,
-    )  # fmt: skip
-    lengths = torch.cat(
-        [packed["prefix_lengths"][:, None], packed["branch_lengths"].view(-1, 2)], 1
-    )
-    batch = {"input_ids": packed["input_ids"], "attention_mask": packed["attention_mask"],
-             "position_ids": packed["position_ids"], "ends": packed["ends"].view(-1, 2),
-             "lengths": lengths, "segments": packed["segments"]}  # fmt: skip
-    if all(p.margin is not None for p in pairs):
-        batch["margins"] = torch.tensor([p.margin for p in pairs], dtype=torch.float32)
-    return batch
-
-
-def batch_tokens(batch: dict[str, torch.Tensor]) -> int:
-    """Non-pad tokens of the full rows a batch stands for (a shared prompt counts once per row
-    that reads it), so the figure does not depend on `share_prompt`."""
-    if "lengths" in batch:  # packed pairs: P + C + R each, and the prompt counts twice
-        return int(batch["lengths"].sum() + batch["lengths"][:, 0].sum())
-    tokens = int(batch["attention_mask"].sum())
-    if "prompt_mask" in batch:
-        repeats = batch["input_ids"].shape[0] // batch["prompt_mask"].shape[0]
-        tokens += repeats * int(batch["prompt_mask"].sum())
-    return tokens
+# preference pairs: `rlhf_core.preference.collate_pairs` / `pack_pairs` (DPO's too)
 
 
 def collate_outcomes(examples: list[OutcomeExample], pad_id: int) -> dict[str, torch.Tensor]:

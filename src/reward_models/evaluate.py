@@ -23,11 +23,12 @@ from __future__ import annotations
 
 import torch
 
-from reward_models.data import RewardData, collate_outcomes, collate_pairs, collate_steps
+from reward_models.data import RewardData, collate_outcomes, collate_steps
 from reward_models.losses import IGNORE_INDEX, RewardLoss
 from reward_models.models import compute_loss
 from rlhf_core.encoding import last_token_index
 from rlhf_core.models import eval_mode
+from rlhf_core.preference import collate_pairs
 
 COLLATE = {
     "preference": collate_pairs, "orm": collate_outcomes, "prm": collate_steps,

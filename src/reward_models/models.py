@@ -17,6 +17,11 @@ preference models.
     orm          1             every completion token        orm_bce
     prm          2 or 3        each step's separator token   prm_ce
     segment      >= 2          each segment's last token     segment_ce
+
+The backbone is a causal LM's, or with `encoder_only` a bidirectional encoder's (BERT / DeBERTa /
+Longformer family; `rlhf_core.scalar_head`): then every token's score reads the whole row, the
+encoder ForTokenClassification models of Fine-Grained RLHF; such rows are never packed or
+prefix-shared (a prompt would see its completions).
 """
 
 from __future__ import annotations
@@ -75,6 +80,11 @@ class BaseRewardModel(ScalarHeadModel):
 
         Otherwise it is `ScalarHeadModel.forward`.
         """
+        if self.info.encoder_only and (attention_mask.dim() == 4 or prefix_ids is not None):
+            raise ValueError(
+                "an encoder backbone (encoder_only) reads whole rows: no packed pairs or shared "
+                "prefix (train.share_prompt: false)"
+            )
         if attention_mask.dim() == 4:
             return self._packed_forward(input_ids, attention_mask, position_ids, segments)
         if prefix_ids is not None:
@@ -160,6 +170,7 @@ class BaseRewardModel(ScalarHeadModel):
             segment_level=cfg.data.segment_level if loss_fn.kind == "segment" else None,
             pooling=cfg.pooling,
             lm_likelihood=cfg.lm_likelihood is not None,
+            encoder_only=cfg.encoder_only,
         )
         model = cls.from_config(
             cfg.model, info, device, weights_from=weights_from,

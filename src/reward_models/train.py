@@ -23,7 +23,7 @@ from functools import partial
 import torch
 
 from reward_models.config import RMConfig
-from reward_models.data import build_reward_data, collate_pairs, pack_pairs
+from reward_models.data import build_reward_data
 from reward_models.evaluate import COLLATE, evaluate
 from reward_models.losses import LOSSES
 from reward_models.models import BaseRewardModel, compute_loss
@@ -41,6 +41,7 @@ from rlhf_core.loop import (
 )
 from rlhf_core.models import load_tokenizer
 from rlhf_core.optim import maybe_embedding_grad_buffer
+from rlhf_core.preference import collate_pairs, pack_pairs
 from rlhf_core.registry import build_from_spec
 from rlhf_core.rundir import managed_run, open_run_dir
 from rlhf_core.runtime import seed_everything

@@ -83,6 +83,13 @@ LAYOUT_NOTES = {"implicit_preference": "as HH transcripts or message lists, no p
 HH_ASSISTANT = "\n\nAssistant:"
 
 
+def column(row: dict[str, Any], name: str, here: str) -> Any:
+    """`row[name]`, or an error naming the row (`here`) and the columns it has."""
+    if row.get(name) is None:
+        raise UserError(f"{here} is missing column {name!r} (columns: {list(row)})")
+    return row[name]
+
+
 def apply_columns(row: dict[str, Any], columns: Columns | None, where: str) -> dict[str, Any]:
     """`row` with the columns of `columns` renamed to their standard keys, and a `system` column
     (when set) made the leading system message of the prompt, the messages, or (no prompt) both
@@ -150,8 +157,12 @@ def detect_layout(row: dict[str, Any], wanted: tuple[str, ...], where: str) -> s
     for layout in LAYOUTS:
         if layout in wanted and not _lacks(row, layout):
             return layout
+    # closest: the fewest keys that no unrecognised column could supply, then the layout that
+    # would read the most of the row, then the order above
+    spare = sum(v is not None and k not in Columns.model_fields for k, v in row.items())
     order = list(LAYOUTS)
-    closest = min(wanted, key=lambda name: (len(_lacks(row, name)), order.index(name)))
+    closest = min(wanted, key=lambda name: (max(0, len(_lacks(row, name)) - spare),
+                                            -len(LAYOUTS[name]), order.index(name)))  # fmt: skip
     missing = _lacks(row, closest)
     found = sorted(k for k, v in row.items() if v is not None)
     accepted = "; ".join(describe_layout(name) for name in wanted)

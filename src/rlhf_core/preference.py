@@ -1,67 +1,113 @@
-"""Preference rows: parsing them, and synthesising them offline from reasoning-gym tasks.
+"""Preference pairs, the one type direct alignment and reward models train on: rows -> (prompt,
+chosen, rejected) text -> token ids -> batches.
 
-`preference_row` turns one row of a preference data set into (prompt messages, chosen text,
-rejected text); reward models and direct alignment both read their pairs through it. Formats:
+Rows are read in the standard layouts of `rlhf_core.columns` (after `data.columns` renames them):
 
-    preference     {"prompt": str | messages, "chosen": str | messages, "rejected": ...}; message
-                   completions may repeat the prompt (UltraFeedback-binarized): the shared prefix
-                   is removed and the last assistant turn is the completion
-    ultrafeedback  the same, named for UltraFeedback-binarized rows
-    hh             Anthropic HH {"chosen": transcript, "rejected": transcript}, split at the last
-                   shared "\\n\\nAssistant:" into a multi-turn prompt and two completions
-                   (`rlhf_core.chat.split_hh_pair`)
-    auto           preference if the row has a prompt, else hh
+    preference            {"prompt": str | messages, "chosen": str | messages, "rejected": ...};
+                          message completions may repeat the prompt (UltraFeedback-binarized): the
+                          shared prefix is removed and the last assistant turn is the completion
+                          (formats `preference`, `ultrafeedback`)
+    implicit_preference   {"chosen", "rejected"} and no prompt: Anthropic HH transcripts, split at
+                          the last shared "\\n\\nAssistant:" into a multi-turn prompt and two
+                          completions (`rlhf_core.chat.split_hh_pair`), or two message lists whose
+                          shared leading turns are the prompt (format `hh`)
+    auto                  detected per row (`rlhf_core.columns.detect_layout`)
 
-Offline pairs (no hub) come from a reasoning-gym task's examples: the reference answer is right
-and `wrong_answers` makes deliberately wrong ones (a number perturbed; text reversed, two
-characters swapped, one replaced, or another example's answer). `reasoning_gym_labelled_rows`
-gives labelled single completions (ORM rows; KTO's unpaired rows), `reasoning_gym_preference_rows`
-pairs (chosen = the answer, rejected = one wrong answer). Every choice is seeded per example
-(`seeded_rng`), so a row does not change when other rows do.
+`encode_preference_pairs` tokenizes and cuts pairs by `rlhf_core.encoding`'s one rule: both
+completions follow the same prompt tokens; a pair over the limits is cut (counted `truncated`) or,
+with `overlong="drop"`, dropped (`dropped_overlong`); a pair whose completions are identical
+after the cut is dropped (`dropped_identical`); empty completions are kept as eos alone
+(`empty_completions`).
 
-Not here: tokenization and truncation (`rlhf_core.encoding`), each package's own row kinds
-(margins, ORM/PRM labels in `reward_models.data`; KTO's unpaired rows in `direct_alignment.data`).
+Batches (`collate_pairs`, `pack_pairs`) share one `lengths` convention: (2B,) completion token
+counts (eos included), the B chosen then the B rejected, as the direct-alignment losses take them.
+
+Not here: synthetic pairs from reasoning-gym (`rlhf_core.wrong_answers`); each package's own row
+kinds (margins, ORM/PRM labels in `reward_models.data`; KTO's unpaired rows in
+`direct_alignment.data`); the packed layout itself (`pack_groups`).
 """
 
 from __future__ import annotations
 
-import random
-import re
-from collections.abc import Iterator
-from typing import Any, Literal
+from dataclasses import dataclass
+from typing import Any
+
+import torch
 
 from rlhf_core.chat import Messages, as_messages, completion_text, split_hh_pair
+from rlhf_core.columns import column, detect_layout
 from rlhf_core.data import report_degenerate
+from rlhf_core.encoding import encode_pairs, pad_sequences
 from rlhf_core.errors import UserError
+from rlhf_core.layout import pack_groups
 
 PREFERENCE_FORMATS = ("auto", "preference", "ultrafeedback", "hh")
+PAIR_LAYOUTS = ("preference", "implicit_preference")
+FORMAT_LAYOUTS = {"preference": "preference", "ultrafeedback": "preference",
+                  "hh": "implicit_preference"}  # fmt: skip
 
 
-def column(row: dict[str, Any], name: str, here: str) -> Any:
-    """`row[name]`, or an error naming the row (`here`) and the columns it has."""
-    if row.get(name) is None:
-        raise UserError(f"{here} is missing column {name!r} (columns: {list(row)})")
-    return row[name]
+@dataclass
+class PreferencePair:
+    """One pair as token ids. `label` is set on KTO's unpaired rows: then `chosen_ids` is one
+    labelled completion and `rejected_ids` another prompt's completion, which KTO's reference
+    point reads (`direct_alignment.data.build_unpaired_data`). `margin` is a reward model's
+    Llama 2 margin. Either way the two halves run as one batch."""
+
+    prompt_ids: list[int]
+    chosen_ids: list[int]
+    rejected_ids: list[int]
+    prompt_text: str = ""  # the rendered prompt, for sampling at evaluation
+    label: bool | None = None
+    margin: float | None = None
+
+
+# ----------------------------------------------------------------------------- rows
 
 
 def preference_row(
-    row: dict[str, Any], index: int, fmt: str, where: str
+    row: dict[str, Any], index: int, fmt: str, where: str, *, file: str | None = None
 ) -> tuple[Messages, str, str]:
-    """(prompt messages, chosen text, rejected text) of one preference row (formats above)."""
+    """(prompt messages, chosen text, rejected text) of one (renamed) row; `fmt` is a format of
+    `PREFERENCE_FORMATS` or a layout of `PAIR_LAYOUTS`; `file` is named when detection fails."""
     here = f"{where}: row {index}"
-    chosen, rejected = column(row, "chosen", here), column(row, "rejected", here)
     if fmt == "auto":
-        fmt = "preference" if row.get("prompt") is not None else "hh"
-    if fmt == "hh":
+        layout = detect_layout(
+            row, PAIR_LAYOUTS, f"{where} ({file}): row {index}" if file else here
+        )
+    else:
+        layout = FORMAT_LAYOUTS.get(fmt, fmt)
+    chosen, rejected = column(row, "chosen", here), column(row, "rejected", here)
+    if layout == "implicit_preference":
+        if isinstance(chosen, list) and isinstance(rejected, list):
+            return split_message_pair(chosen, rejected, where=f"{here} columns chosen/rejected")
         if not isinstance(chosen, str) or not isinstance(rejected, str):
             raise UserError(f"{here}: HH rows need string transcripts in 'chosen' and 'rejected'")
         return split_hh_pair(chosen, rejected, where=f"{here} columns chosen/rejected")
+    if layout != "preference":
+        raise ValueError(f"preference_row: unknown format {fmt!r}")
     prompt = as_messages(column(row, "prompt", here), where=f"{here} column 'prompt'")
     return (
         prompt,
         completion_text(chosen, prompt, f"{here} column 'chosen'"),
         completion_text(rejected, prompt, f"{here} column 'rejected'"),
     )
+
+
+def split_message_pair(chosen: Any, rejected: Any, *, where: str) -> tuple[Messages, str, str]:
+    """(prompt, chosen, rejected) of two conversations with no prompt column: the turns they
+    share are the prompt, each one's last assistant turn after it the completion."""
+    a, b = as_messages(chosen, where=where), as_messages(rejected, where=where)
+    shared = 0
+    while shared < min(len(a), len(b)) - 1 and a[shared] == b[shared]:
+        shared += 1
+    prompt = a[:shared]
+    if not prompt or a[-1]["role"] != "assistant" or b[-1]["role"] != "assistant":
+        raise UserError(
+            f"{where}: two conversations without a prompt column must share their leading "
+            "(prompt) turns and each end with an assistant turn"
+        )
+    return prompt, completion_text(a, prompt, where), completion_text(b, prompt, where)
 
 
 def report_degenerate_pairs(
@@ -77,102 +123,134 @@ def report_degenerate_pairs(
     })  # fmt: skip
 
 
-# ----------------------------------------------------------------------------- wrong answers
+# ----------------------------------------------------------------------------- token ids
 
 
-def seeded_rng(seed: int, index: int) -> random.Random:
-    """The random generator of example `index` under `seed`."""
-    return random.Random(f"{seed}:{index}")
-
-
-def wrong_number(text: str, rng: random.Random) -> str:
-    """A different number written like `text` (same decimals, no sign flip of non-negatives)."""
-    clean = text.replace(",", "")
-    decimals = len(clean.split(".")[1]) if "." in clean else 0
-    value = float(clean)
-    step = 10.0**-decimals
-    while True:
-        delta = rng.choice([-3, -2, -1, 1, 2, 3, 5, 10]) * step
-        new = value + delta
-        if new != value and (value < 0 or new >= 0):
-            return f"{new:.{decimals}f}"
-
-
-WRONG_KINDS = ("reverse", "swap", "replace", "other")
-WrongKind = Literal["reverse", "swap", "replace", "other"]
-
-
-def wrong_answers(
-    answer: str,
-    rng: random.Random,
-    k: int,
+def encode_preference_pairs(
+    tokenizer: Any,
+    prompts: list[str],
+    texts: list[tuple[str, str]],
     *,
-    others: list[str],
-    kinds: tuple[str, ...] = WRONG_KINDS,
-) -> list[str]:
-    """Up to `k` distinct wrong versions of a short answer. A number is perturbed (`wrong_number`);
-    text is, by a kind drawn from `kinds`: reversed, two neighbouring characters swapped, one
-    character replaced by another letter, or another example's answer (from `others`)."""
-    found: list[str] = []
-    for _ in range(50 * k):
-        if len(found) >= k:
-            break
-        if re.fullmatch(r"-?[\d,]*\.?\d+", answer.strip()):
-            candidate = wrong_number(answer.strip(), rng)
-        else:
-            candidate = _wrong_text(answer, rng, others, rng.choice(kinds))
-        if candidate != answer and candidate not in found and candidate.strip():
-            found.append(candidate)
-    return found
+    max_length: int,
+    max_prompt_length: int | None,
+    overlong: str = "truncate",
+    margins: list[float] | None = None,
+) -> tuple[list[PreferencePair], dict[str, int]]:
+    """(pairs, counts) of rendered prompts and their (chosen, rejected) texts, cut and dropped as
+    the module docstring says; counts: dropped_identical, truncated, truncated_prompts,
+    empty_completions, dropped_overlong."""
+    encoded = encode_pairs(
+        tokenizer, prompts, texts, max_length=max_length, max_prompt_length=max_prompt_length
+    )
+    counts = dict.fromkeys(("dropped_identical", "truncated", "truncated_prompts"), 0)
+    counts["empty_completions"] = sum((not c.strip()) + (not r.strip()) for c, r in texts)
+    counts["dropped_overlong"] = 0
+    pairs = []
+    for i, (prompt_text, (c, r)) in enumerate(zip(prompts, encoded, strict=True)):
+        if overlong == "drop" and (c.prompt_truncated or c.truncated or r.truncated):
+            counts["dropped_overlong"] += 1
+            continue
+        counts["truncated_prompts"] += c.prompt_truncated
+        counts["truncated"] += c.truncated or r.truncated
+        if c.completion_ids == r.completion_ids:
+            counts["dropped_identical"] += 1
+            continue
+        margin = None if margins is None else margins[i]
+        pairs.append(PreferencePair(c.prompt_ids, c.completion_ids, r.completion_ids,
+                                    prompt_text, margin=margin))  # fmt: skip
+    return pairs, counts
 
 
-def _wrong_text(answer: str, rng: random.Random, others: list[str], how: str) -> str:
-    chars = list(answer)
-    if how == "reverse":
-        return answer[::-1]
-    if how == "swap" and len(chars) > 1:
-        i = rng.randrange(len(chars) - 1)
-        chars[i], chars[i + 1] = chars[i + 1], chars[i]
-        return "".join(chars)
-    if how == "replace" and chars:
-        i = rng.randrange(len(chars))
-        chars[i] = rng.choice([c for c in "abcdefghijklmnopqrstuvwxyz" if c != chars[i]])
-        return "".join(chars)
-    return rng.choice(others) if others else answer[::-1]
+# ----------------------------------------------------------------------------- batches
 
 
-# ----------------------------------------------------------------------------- reasoning-gym
+def _extras(pairs: list[PreferencePair]) -> dict[str, torch.Tensor]:
+    """labels (B,) bool of unpaired rows; margins (B,) when every pair has one."""
+    out = {}
+    if pairs and pairs[0].label is not None:
+        out["labels"] = torch.tensor([bool(p.label) for p in pairs])
+    if pairs and all(p.margin is not None for p in pairs):
+        out["margins"] = torch.tensor([p.margin for p in pairs], dtype=torch.float32)
+    return out
 
 
-def reasoning_gym_labelled_rows(
-    entries: list[dict[str, Any]],
+def collate_pairs(
+    pairs: list[PreferencePair], pad_id: int, *, share_prompt: bool = False
+) -> dict[str, torch.Tensor]:
+    """One right-padded batch of 2B rows, the B chosen sequences then the B rejected ones:
+    input_ids / attention_mask (2B, T); loss_mask (2B, T - 1) marks completion targets aligned
+    with `causal_lm_token_logprobs`; completion_mask (2B, T) the completion's tokens; lengths
+    (2B,); labels / margins (`_extras`).
+
+    With `share_prompt` (a reward model under flash attention), the prompt is kept apart so the
+    model encodes it once through the KV cache: prompt_ids / prompt_mask (B, P) left-padded, and
+    input_ids / attention_mask (2B, C) the completions alone, right-padded, interleaved chosen_0,
+    rejected_0, chosen_1, ... A batch with an empty prompt or completion is collated without
+    sharing (an all-padding row would give the attention nothing to read)."""
+    completions = [ids for p in pairs for ids in (p.chosen_ids, p.rejected_ids)]
+    lengths = torch.tensor(
+        [len(p.chosen_ids) for p in pairs] + [len(p.rejected_ids) for p in pairs]
+    )
+    if share_prompt and all(completions) and all(p.prompt_ids for p in pairs):
+        prompt_ids, prompt_mask = pad_sequences([p.prompt_ids for p in pairs], pad_id, side="left")
+        input_ids, attention_mask = pad_sequences(completions, pad_id)
+        return {"input_ids": input_ids, "attention_mask": attention_mask,
+                "prompt_ids": prompt_ids, "prompt_mask": prompt_mask, "lengths": lengths,
+                **_extras(pairs)}  # fmt: skip
+    seqs = [p.prompt_ids + p.chosen_ids for p in pairs] + [
+        p.prompt_ids + p.rejected_ids for p in pairs
+    ]
+    input_ids, attention_mask = pad_sequences(seqs, pad_id)
+    prompt_lens = torch.tensor([len(p.prompt_ids) for p in pairs] * 2)
+    completion_mask = attention_mask.bool() & (
+        torch.arange(input_ids.shape[1])[None] >= prompt_lens[:, None]
+    )
+    loss_mask = torch.zeros((len(seqs), input_ids.shape[1] - 1), dtype=torch.bool)
+    for b, (seq, plen) in enumerate(zip(seqs, prompt_lens.tolist(), strict=True)):
+        loss_mask[b, plen - 1 : len(seq) - 1] = True
+    return {"input_ids": input_ids, "attention_mask": attention_mask, "loss_mask": loss_mask,
+            "completion_mask": completion_mask, "lengths": loss_mask.sum(-1),
+            **_extras(pairs)}  # fmt: skip
+
+
+def pack_pairs(
+    pairs: list[PreferencePair],
+    pad_id: int,
     *,
-    wrong: int = 3,
-    kinds: tuple[str, ...] = WRONG_KINDS,
-    seed: int = 0,
-) -> Iterator[dict[str, Any]]:
-    """Per reasoning-gym example: the reference answer (label true) and up to `wrong` wrong
-    answers (`wrong_answers` of `kinds`; label false), each a row {"prompt", "completion",
-    "label"} with the example's question: ORM rows, and KTO's unpaired rows."""
-    answers = [str(e["answer"]) for e in entries]
-    for index, entry in enumerate(entries):
-        rng = seeded_rng(seed, index)
-        others = [a for a in rng.sample(answers, min(len(answers), 8)) if a != answers[index]]
-        yield {"prompt": entry["question"], "completion": answers[index], "label": True}
-        for bad in wrong_answers(answers[index], rng, wrong, others=others, kinds=kinds):
-            yield {"prompt": entry["question"], "completion": bad, "label": False}
+    pack: bool = True,
+    row_tokens: int | None = None,
+    flat: bool = False,
+) -> dict[str, torch.Tensor]:
+    """The pairs as packed rows [prompt | chosen | rejected] (`pack_groups`): each prompt encoded
+    once for both completions, several short pairs per row (one per row with `pack=False`; rows
+    of up to `row_tokens` tokens for segmented attention); the rejected tokens do not see the
+    chosen ones and no token sees another pair, so every token sees what it would in its own
+    prompt + completion row (same log-probs and rewards; tested). `flat=True` is flash
+    attention's varlen layout instead: [prompt chosen][prompt rejected] for every pair in one
+    row, no padding, the prompt encoded once per completion.
+
+    Returns `pack_groups`' batch (streams 2i and 2i + 1 are pair i's chosen and rejected
+    completions: `ends` (2B,) their last tokens' flat positions, `branch_lengths` (2B,) their
+    lengths, `segments` for segmented attention) with `lengths` (2B,) chosen then rejected (as
+    `collate_pairs`) and labels / margins (`_extras`)."""
+    batch = pack_groups(
+        [(p.prompt_ids, (p.chosen_ids, p.rejected_ids)) for p in pairs],
+        pad_id, pack=pack, row_tokens=row_tokens, flat=flat,
+    )  # fmt: skip
+    per_pair = batch["branch_lengths"].view(-1, 2)
+    batch["lengths"] = torch.cat([per_pair[:, 0], per_pair[:, 1]])
+    batch.update(_extras(pairs))
+    return batch
 
 
-def reasoning_gym_preference_rows(
-    entries: list[dict[str, Any]], *, kinds: tuple[str, ...] = WRONG_KINDS, seed: int = 0
-) -> Iterator[dict[str, Any]]:
-    """Per reasoning-gym example: chosen = the reference answer, rejected = one wrong answer."""
-    for row in reasoning_gym_labelled_rows(entries, wrong=1, kinds=kinds, seed=seed):
-        if row["label"]:
-            good = row
-        else:
-            yield {
-                "prompt": good["prompt"],
-                "chosen": good["completion"],
-                "rejected": row["completion"],
-            }
+def batch_tokens(batch: dict[str, torch.Tensor]) -> int:
+    """Non-pad tokens of the full prompt + completion rows a pair batch stands for (a shared
+    prompt counts once per completion reading it), so the figure does not depend on the layout."""
+    if "branch_lengths" in batch:  # packed: every stream with its prefix
+        prefix = batch["prefix_lengths"].repeat_interleave(batch["branches_per_group"])
+        return int(prefix.sum() + batch["branch_lengths"].sum())
+    tokens = int(batch["attention_mask"].sum())
+    if "prompt_mask" in batch:
+        repeats = batch["input_ids"].shape[0] // batch["prompt_mask"].shape[0]
+        tokens += repeats * int(batch["prompt_mask"].sum())
+    return tokens

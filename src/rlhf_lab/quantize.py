@@ -78,8 +78,9 @@ def eval_config(model_dir: Path, given: Path | None) -> dict[str, Any] | None:
 
 def held_out_pairs(cfg: dict[str, Any] | None, pairs: Path | None, limit: int) -> list[tuple]:
     """(prompt, chosen, rejected) triples: --pairs rows, or the RM config's data.eval."""
-    from reward_models.data import preference_row, source_rows
+    from reward_models.data import source_rows
     from rlhf_core.data import DataSource, load_rows
+    from rlhf_core.preference import preference_row
 
     if pairs is not None:
         rows, fmt = load_rows(DataSource(path=str(pairs)), field="--pairs"), "preference"
@@ -92,8 +93,7 @@ def held_out_pairs(cfg: dict[str, Any] | None, pairs: Path | None, limit: int) -
         from reward_models.config import RMConfig
 
         rm = RMConfig.model_validate(cfg)
-        rows, fmt = source_rows(rm.data.eval, "preference", rm.data.format, rm.data.builder,
-                                "data.eval")  # fmt: skip
+        rows, fmt = source_rows(rm.data.eval, "preference", rm.data, "data.eval")
     out = []
     for index, row in enumerate(rows):
         prompt, chosen, rejected, *_ = preference_row(row, index, fmt, "held-out pairs")

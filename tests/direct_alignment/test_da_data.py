@@ -7,15 +7,11 @@ import json
 import pytest
 import torch
 
-from direct_alignment.data import (
-    build_preference_data,
-    build_unpaired_data,
-    collate_pairs,
-    mismatched_partners,
-)
+from direct_alignment.data import build_preference_data, build_unpaired_data, mismatched_partners
 from rlhf_core.chat import split_hh_pair
 from rlhf_core.data import DataSource
 from rlhf_core.models import ModelConfig, load_tokenizer
+from rlhf_core.preference import collate_pairs
 
 HH = "data/hh-rlhf/harmless-base-test.jsonl.gz"
 
@@ -121,7 +117,7 @@ def test_collate_concatenates_chosen_then_rejected(char_tok, tmp_path):
 
 
 def test_synthetic_rejected_answers_are_wrong_and_deterministic(char_tok):
-    # reasoning-gym pairs come from rlhf_core.preference (the reward models' builder too)
+    # reasoning-gym pairs come from rlhf_core.wrong_answers (the reward models' builder too)
     source = DataSource.model_validate(
         {"reasoning_gym": {"task": "spell_backward", "size": 6, "seed": 3}}
     )

@@ -17,13 +17,14 @@ from conftest import (
 from safetensors.torch import load_file
 
 from direct_alignment.config import DAConfig
-from direct_alignment.data import build_preference_data, collate_pairs
+from direct_alignment.data import build_preference_data
 from direct_alignment.losses import LOSSES
 from direct_alignment.reference import pair_logps, precompute_reference, reference_pair_logps
 from direct_alignment.train import main, train_all
 from rlhf_core.config import ConfigError, RunArgs
 from rlhf_core.data import DataSource
 from rlhf_core.models import ModelConfig, ReferencePolicy, load_policy, load_tokenizer
+from rlhf_core.preference import collate_pairs
 from rlhf_core.tiny import preset_dir
 
 

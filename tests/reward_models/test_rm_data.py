@@ -18,14 +18,14 @@ from reward_models.config import RMDataConfig
 from reward_models.data import (
     build_reward_data,
     collate_outcomes,
-    collate_pairs,
     collate_steps,
     prm800k_row,
 )
 from reward_models.losses import IGNORE_INDEX
 from rlhf_core.data import DataSource
 from rlhf_core.models import ModelConfig, load_tokenizer
-from rlhf_core.preference import reasoning_gym_labelled_rows, wrong_answers
+from rlhf_core.preference import collate_pairs
+from rlhf_core.wrong_answers import reasoning_gym_labelled_rows, wrong_answers
 
 HH = "data/hh-rlhf/harmless-base-test.jsonl.gz"
 GSM8K = "data/gsm8k/train-2000.jsonl"
@@ -126,7 +126,8 @@ def test_orm_rows_groups_and_completion_mask(tok, tmp_path):
             {"prompt": "q2", "completion": "half", "label": 0.5}]  # fmt: skip
     data = build(tok, write_jsonl(tmp_path / "o.jsonl", rows), "orm")
     assert [e.group for e in data.examples] == [0, 0, 1]
-    assert data.counts == {"truncated": 0, "truncated_prompts": 0, "groups": 2, "correct": 1}
+    assert data.counts == {"truncated": 0, "truncated_prompts": 0, "groups": 2, "correct": 1,
+                           "dropped_overlong": 0, "stripped_thinking": 0}  # fmt: skip
     batch = collate_outcomes(data.examples, tok.pad_token_id)
     assert batch["labels"].tolist() == [1.0, 0.0, 0.5]
     assert tok.decode(batch["input_ids"][0][batch["completion_mask"][0]]) == "right<|end|>"

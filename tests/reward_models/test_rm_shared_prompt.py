@@ -7,9 +7,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from reward_models.data import PreferencePair, batch_tokens, collate_pairs, pack_pairs
 from reward_models.models import BaseRewardModel, preference_rewards
 from rlhf_core.models import ModelConfig
+from rlhf_core.preference import PreferencePair, batch_tokens, collate_pairs, pack_pairs
 from rlhf_core.scalar_head import ScalarHeadInfo
 
 
@@ -151,7 +151,7 @@ def test_packed_mask_hides_the_chosen_tokens_from_the_rejected_ones_and_pairs_fr
     assert allowed[9] == [0] * 7 + [1, 0, 1]  # pair 2's rejected token: its prompt and itself
     assert batch["position_ids"][1].tolist() == [0, 1, 2, 3, 4, 3, 4, 0, 1, 1]
     # flat indices into the 2 x 10 positions, in the pairs' order
-    assert batch["ends"].tolist() == [[14, 16], [6, 9], [18, 19]]
+    assert batch["ends"].view(-1, 2).tolist() == [[14, 16], [6, 9], [18, 19]]
     assert batch_tokens(batch) == 7 + 3 + 10 + 4 + 3 + 1
 
 

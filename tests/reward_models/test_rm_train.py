@@ -15,10 +15,11 @@ from safetensors.torch import load_file
 from transformers import AutoModelForSequenceClassification
 
 from reward_models.config import RMConfig
-from reward_models.data import build_reward_data, collate_pairs
+from reward_models.data import build_reward_data
 from reward_models.models import preference_rewards
 from reward_models.train import main, train
 from rlhf_core.config import ConfigError, RunArgs, load_config
+from rlhf_core.preference import collate_pairs
 from rlhf_core.scalar_head import ScalarHeadModel
 from rlhf_core.tiny import preset_dir
 
@@ -168,7 +169,7 @@ def test_sigkill_then_resume_reproduces_the_uninterrupted_run(pref_dict, tmp_pat
     # pairs written to a file, so the three trainer processes need not import reasoning-gym
     from reward_models.build_data import write_jsonl
     from rlhf_core.data import ReasoningGymSource, reasoning_gym_dataset
-    from rlhf_core.preference import reasoning_gym_preference_rows
+    from rlhf_core.wrong_answers import reasoning_gym_preference_rows
 
     entries = list(reasoning_gym_dataset(ReasoningGymSource(**SPELL, size=64, seed=1)))
     pairs = write_jsonl(reasoning_gym_preference_rows(entries), tmp_path / "pairs.jsonl")

@@ -14,12 +14,12 @@ import torch
 
 import rlhf_core.attention as attention_module
 import rlhf_core.fastpath as fastpath
-from direct_alignment.data import PreferencePair, collate_pairs, pack_pairs
 from direct_alignment.reference import pair_logps
 from rlhf_core.attention import fast_attention
 from rlhf_core.fastpath import speed_plan
 from rlhf_core.layout import is_packed, pack_groups, pack_rows, stream_sums, unpacked_tokens
 from rlhf_core.models import ModelConfig, load_policy
+from rlhf_core.preference import PreferencePair, collate_pairs, pack_pairs
 
 
 def random_pairs(lengths, seed=0):
