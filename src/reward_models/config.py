@@ -12,18 +12,27 @@ from typing import Literal
 
 from pydantic import Field, model_validator
 
+from reward_models.losses import LOSSES
 from rlhf_core.bookkeeping import TrainerConfig, run_name
 from rlhf_core.config import StrictModel
-from rlhf_core.data import DataSource, SplitDataConfig
+from rlhf_core.data import DataSource, TextDataConfig
 from rlhf_core.encoding import MAX_PROMPT_LENGTH_HELP
 from rlhf_core.errors import UserError
 from rlhf_core.loop import LoopConfig
 from rlhf_core.models import ModelConfig
+from rlhf_core.preference import PREFERENCE_FORMATS
 from rlhf_core.registry import registered_spec
 
 FORMAT_NAMES = Literal[
     "auto", "preference", "ultrafeedback", "hh", "orm", "prm", "prm800k", "gsm8k", "segments"
 ]
+# the formats each model kind reads (reward_models.data)
+FORMATS = {
+    "preference": PREFERENCE_FORMATS,
+    "orm": ("auto", "orm", "gsm8k"),
+    "prm": ("auto", "prm", "prm800k", "gsm8k"),
+    "segment": ("auto", "segments"),
+}
 
 
 LossSpec = registered_spec("reward_models.losses:LOSSES", where="loss")
@@ -52,7 +61,7 @@ class BuilderConfig(StrictModel):
     seed: int = Field(0, description="seed of the builder's random choices")
 
 
-class RMDataConfig(SplitDataConfig):
+class RMDataConfig(TextDataConfig):
     train: DataSource = Field(description="training rows (file, hub id, or reasoning-gym)")
     eval: DataSource | None = Field(None, description="held-out rows")
     format: FORMAT_NAMES = Field(
@@ -62,6 +71,12 @@ class RMDataConfig(SplitDataConfig):
     )
     max_length: int = Field(1024, gt=2, description="max prompt + completion tokens")
     max_prompt_length: int | None = Field(None, gt=0, description=MAX_PROMPT_LENGTH_HELP)
+    strip_thinking: bool = Field(
+        True,
+        description="preference and ORM rows: remove <think>...</think> blocks from completions "
+        "before training (counted as stripped_thinking), as RL's rewards strip them before "
+        "scoring (policy_gradients strip_thinking), so the model learns to score the answer",
+    )
     margin_column: str | list[str] | None = Field(
         None,
         description="preference margins (loss use_margin): a numeric column, or [a, b] for "
@@ -146,14 +161,10 @@ class RMConfig(TrainerConfig):
 
     @property
     def kind(self) -> str:
-        from reward_models.losses import LOSSES
-
         return LOSSES.get(self.loss["name"]).kind
 
     @model_validator(mode="after")
     def _consistent(self) -> RMConfig:
-        from reward_models.data import FORMATS
-
         kind = self.kind
         if self.data.format not in FORMATS[kind]:
             raise UserError(

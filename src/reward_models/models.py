@@ -63,7 +63,7 @@ class BaseRewardModel(ScalarHeadModel):
         may attend to a key, with explicit `position_ids` (B, T); several sequences then share
         one row (SDPA and eager attention; flash-attention 2 takes 2D masks only). A preference
         pair packs as [prompt | chosen | rejected] with the rejected tokens blind to the chosen
-        ones and positions restarting after the prompt (`reward_models.data.pack_pairs`, laid out
+        ones and positions restarting after the prompt (`rlhf_core.preference.pack_pairs`, laid out
         by `rlhf_core.layout.pack_groups`, the layout shared-prompt DPO uses too). With its
         `segments`, attention runs one pair at a time where that applies
         (`rlhf_core.attention.fast_attention`).
@@ -204,11 +204,11 @@ def preference_rewards(
         scores = model(batch["input_ids"], batch["attention_mask"],
                        position_ids=batch["position_ids"],
                        segments=batch.get("segments"))[..., 0]  # fmt: skip
-        ends = batch["ends"]  # flat indices, (B, 2); a completion's tokens end there
+        ends = batch["ends"]  # flat indices (2B,), chosen_0, rejected_0, ...: where each ends
         if pooling == "last":
-            picked = scores.reshape(-1)[ends]
+            picked = scores.reshape(-1)[ends].view(-1, 2)
         else:  # each completion's tokens lie contiguously before its end
-            lengths = batch["lengths"][:, 1:]  # (B, 2) chosen, rejected
+            lengths = batch["branch_lengths"]  # (2B,) in the order of `ends`
             back = torch.arange(int(lengths.max()), device=ends.device)
             spans = (ends.reshape(-1, 1) - back).clamp(min=0)
             picked = pool_completion(
