@@ -123,6 +123,39 @@ def _truncation_rule() -> list[str]:
     ]
 
 
+def _data_layouts() -> list[str]:
+    """`data.columns` and the standard row layouts: the table from `rlhf_core.columns`'
+    docstring, its single source."""
+    import rlhf_core.columns
+
+    doc = rlhf_core.columns.__doc__ or ""
+    table = doc[doc.index("    preference  ") : doc.index("A row is in the first")].rstrip()
+    return [
+        "## Data: column names and layouts (every package)",
+        "",
+        "Every trainer's `data.columns` names the data set's column for each standard key "
+        "(`prompt`, `chosen`, `rejected`, `completion`, `messages`, `label`, `answer`, "
+        "`system`), e.g. `data.columns: {prompt: question}` for orca_dpo_pairs' {system, "
+        "question, chosen, rejected}; a `system` column becomes the prompt's leading system "
+        "message (`rlhf_core.columns`). `data.format: auto` then detects each row's layout among "
+        "those its trainer reads (a row is in the first of these whose keys it has; extra "
+        "columns are ignored):",
+        "",
+        "```",
+        *[line.rstrip() for line in table.splitlines()],
+        "```",
+        "",
+        "SFT reads messages and prompt_completion; DPO and preference reward models preference "
+        "and implicit_preference (formats `preference` / `ultrafeedback` name the first, `hh` "
+        "the second); KTO's `unpaired` format and ORM rows unpaired; RL prompts every layout "
+        "with a prompt, conversations and HH transcripts (`policy_gradients.rollout`). A row in "
+        "none of them is refused with one error naming the file and row, the columns found, "
+        "the closest layout, the keys it lacks and the `data.columns` entry that would supply "
+        "them; nothing is written.",
+        "",
+    ]
+
+
 def _registered() -> list[str]:
     """Every registered class and the keywords its spec accepts, read from `__init__`."""
     from rlhf_core.registry import keywords
@@ -174,6 +207,7 @@ def render() -> str:
         "`--set key.path=value` overrides (list items by index: `rewards.0.weight=0.5`).",
         "",
         *_truncation_rule(),
+        *_data_layouts(),
     ]
     for title, spec, module in ROOTS:
         root = _load(spec)
