@@ -25,7 +25,9 @@ So trainers never branch on the model kind; they call
 The reference policy (`ReferencePolicy`: a frozen copy, or the LoRA policy with its adapter
 disabled) is model-agnostic and needs nothing here. PPO's value model for T5 is a
 `ScalarHeadModel` on the T5 backbone (`AutoModel` = `T5Model`, encoder + decoder): V(s_t) is the
-head on the decoder state that predicts completion token t.
+head on the decoder state that predicts completion token t. `share_policy_encoder` makes it read
+the prompt through the policy's encoder instead of its own (Fine-Grained RLHF shares its T5
+policy and value models): one encoder, trained by the policy loss and the value loss together.
 
 Encoder-decoder limits: the completion targets of a row must be contiguous (a prompt followed by
 its completion; true of SFT, DPO and RL rows); the LM head runs on every decoder position (no
@@ -167,3 +169,26 @@ def completion_values(
         ids[:, :prompt_length], attention_mask[:, :prompt_length],
         decoder_input_ids=shift_right(ids[:, prompt_length:], start),
     )[..., 0]  # fmt: skip
+
+
+def share_policy_encoder(value_model: Any, policy: torch.nn.Module) -> None:
+    """The encoder-decoder `value_model` (a `rlhf_core.scalar_head.ScalarHeadModel`) reads the
+    prompt through `policy`'s encoder (LoRA layers included) from now on; its own encoder layers
+    are dropped. The encoder stays the policy's: the value model's parameters (so its optimizer
+    and saved directory) leave it out, and the value loss's gradient reaches it through the
+    policy's parameters, stepped by the policy's optimizer. Values equal the unshared model's
+    while the two encoders are equal (tested). Call it before the models are wrapped for
+    distribution; single process (a DDP or FSDP2 value model does not own the encoder it runs)."""
+    if not (is_encoder_decoder(policy) and is_encoder_decoder(value_model.backbone)):
+        raise ValueError(
+            "share_policy_encoder: the policy and the value model must both be encoder-decoder "
+            "models (T5)"
+        )
+    policy_config = base_model(policy).config
+    value_config = base_model(value_model.backbone).config
+    if policy_config.hidden_size != value_config.hidden_size:
+        raise ValueError(
+            f"share_policy_encoder: the policy's encoder width {policy_config.hidden_size} is "
+            f"not the value model's {value_config.hidden_size}"
+        )
+    value_model.share_encoder(base_model(policy).get_encoder())

@@ -130,6 +130,7 @@ class ScalarHeadModel(TextScoring, nn.Module):
         device = next(backbone.parameters()).device
         self.head = nn.Linear(hidden, info.head_dim, bias=False, device=device)
         nn.init.normal_(self.head.weight, std=HEAD_INIT_STD)
+        self._shared_encoder: list[nn.Module] = []  # a list: not a submodule (`share_encoder`)
         if info.encoder_only and backbone.config.is_encoder_decoder:
             raise ValueError(
                 f"encoder_only: {backbone.config.model_type} is an encoder-decoder model; "
@@ -253,6 +254,19 @@ class ScalarHeadModel(TextScoring, nn.Module):
         model.tokenizer = tokenizer
         return model.eval().requires_grad_(False)
 
+    def share_encoder(self, encoder: nn.Module) -> None:
+        """Read the prompt through `encoder` (another model's, e.g. the T5 policy's:
+        `rlhf_core.policy_model.share_policy_encoder`) instead of the backbone's own, whose
+        layers are dropped. `encoder` stays that model's: not a submodule here, so this model's
+        parameters, optimizer and saved directory leave it out, while gradients through it reach
+        its owner's parameters. Encoder-decoder backbones only."""
+        if not self.backbone.config.is_encoder_decoder:
+            raise ValueError("share_encoder: the backbone has no encoder of its own to replace")
+        own = self.backbone.get_encoder()
+        if hasattr(own, "block"):  # T5: drop the unused layers (a reloaded copy is re-shared)
+            own.block = nn.ModuleList()
+        self._shared_encoder = [encoder]
+
     # --- the forward pass
 
     @property
@@ -278,6 +292,10 @@ class ScalarHeadModel(TextScoring, nn.Module):
         and shared-prefix forwards that reward-model training uses.)"""
         if decoder_input_ids is not None:
             extra = {"decoder_input_ids": decoder_input_ids, "use_cache": False}
+            if self._shared_encoder:
+                encoder = self._shared_encoder[0]
+                encoded = encoder(input_ids=input_ids, attention_mask=attention_mask)
+                extra["encoder_outputs"] = (encoded.last_hidden_state,)
         elif self.info.encoder_only:
             extra = {}
         else:

@@ -169,3 +169,36 @@ def test_seq2seq_group_sampling_encodes_each_prompt_once(t5):
         **args,
     )  # fmt: skip
     assert torch.equal(shared, repeated)
+
+
+def test_a_t5_value_model_sharing_the_policy_encoder(t5):
+    """share_policy_encoder: the value model reads the prompt through the policy's own encoder
+    (same values while the encoders are equal), owns no encoder layers, and the value loss's
+    gradient reaches the policy's encoder."""
+    from rlhf_core.policy_model import completion_values, share_policy_encoder
+    from rlhf_core.scalar_head import ScalarHeadInfo, ScalarHeadModel
+
+    policy, tok = t5
+    policy = copy.deepcopy(policy).train()
+    torch.manual_seed(1)
+    value = ScalarHeadModel.from_config(T5, ScalarHeadInfo(kind="value"))
+    with torch.no_grad():  # the value model starts from the policy's weights, as PPO's does
+        value.backbone.load_state_dict(policy.state_dict(), strict=False)
+    ids, mask, _, _, _ = flat_rows(tok, "left")
+    prompt_length = 12
+    with torch.no_grad():
+        before = completion_values(value, ids, mask, prompt_length)
+    share_policy_encoder(value, policy)
+    assert not any("encoder.block" in name for name, _ in value.named_parameters())
+    policy_encoder = {id(p) for p in policy.get_encoder().parameters()}
+    assert not policy_encoder & {id(p) for p in value.parameters()}
+    shared = completion_values(value, ids, mask, prompt_length)
+    torch.testing.assert_close(shared, before, rtol=0, atol=1e-6)
+    shared.sum().backward()
+    layer = policy.get_encoder().block[0].layer[0].SelfAttention.q.weight
+    assert layer.grad is not None and layer.grad.abs().sum() > 0
+    with torch.no_grad():  # truly the policy's: moving its encoder moves the values
+        layer.add_(0.5)
+        assert not torch.allclose(completion_values(value, ids, mask, prompt_length), before)
+    with pytest.raises(ValueError, match="both be encoder-decoder"):
+        share_policy_encoder(value, load_policy(ModelConfig(name_or_path="tiny-qwen3")))
