@@ -1,6 +1,7 @@
 """Fine-grained vs holistic RLHF on the offline long-form task, from one SFT model.
 
     uv run python -m rlhf_lab.fine_grained [--steps 20] [--seeds 0 1] [--out outputs/longform]
+        [--segment-encoder DIR]
 
 Stages (each the trainer a user runs by hand with the named YAML; a stage whose `final/` exists
 under `--out` is reused):
@@ -10,6 +11,11 @@ under `--out` is reused):
   rm_completeness  configs/reward_models/tiny_completeness.yaml           preference, last token
   rm_holistic      configs/reward_models/tiny_holistic.yaml               preference, last token
   fine_grained_ppo / holistic_ppo (configs/policy_gradients/), per seed, `--steps` steps each
+
+`--segment-encoder DIR` trains the two segment reward models on a bidirectional encoder instead
+(a BERT / DeBERTa / Longformer-family checkpoint directory whose vocabulary fits the task's
+tokenizer: `model.name_or_path=DIR`, `encoder_only: true`), the paper's setting; use another
+`--out`, since finished stages are reused.
 
 Then every model is evaluated on the same held-out prompts (data/longform/heldout.jsonl): greedy
 and sampled (T=1, seeded) answers graded exactly by `rlhf_core.longform.grade` (each error type's
@@ -172,11 +178,19 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--seeds", type=int, nargs="+", default=[0])
     parser.add_argument("--heldout", type=int, default=100, help="held-out prompts to evaluate")
     parser.add_argument("--max-new-tokens", type=int, default=40)
+    parser.add_argument(
+        "--segment-encoder", type=Path, default=None,
+        help="an encoder checkpoint directory for the segment reward models (encoder_only)",
+    )  # fmt: skip
     args = parser.parse_args(argv)
     out: Path = args.out
     times: dict[str, float] = {}
+    encoder = args.segment_encoder
     for stage, (package, name) in STAGES.items():
-        times[stage] = run_stage(package, name, out / stage, [])
+        overrides = []
+        if encoder is not None and name.startswith("tiny_segment_"):
+            overrides = [f"model.name_or_path={encoder}", "encoder_only=true"]
+        times[stage] = run_stage(package, name, out / stage, overrides)
     rms = {
         stage: json.loads((out / stage / "summary.json").read_text())
         for stage in STAGES if stage.startswith("rm_")

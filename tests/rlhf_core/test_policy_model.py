@@ -171,7 +171,7 @@ def test_seq2seq_group_sampling_encodes_each_prompt_once(t5):
     assert torch.equal(shared, repeated)
 
 
-def test_a_t5_value_model_sharing_the_policy_encoder(t5):
+def test_a_t5_value_model_sharing_the_policy_encoder(t5, tmp_path):
     """share_policy_encoder: the value model reads the prompt through the policy's own encoder
     (same values while the encoders are equal), owns no encoder layers, and the value loss's
     gradient reaches the policy's encoder."""
@@ -197,6 +197,13 @@ def test_a_t5_value_model_sharing_the_policy_encoder(t5):
     shared.sum().backward()
     layer = policy.get_encoder().block[0].layer[0].SelfAttention.q.weight
     assert layer.grad is not None and layer.grad.abs().sum() > 0
+    value.save_pretrained(tmp_path / "value")  # without the encoder; re-shared after loading
+    again = ScalarHeadModel.from_config(T5, value.info, weights_from=tmp_path / "value")
+    share_policy_encoder(again, policy)
+    with torch.no_grad():
+        torch.testing.assert_close(
+            completion_values(again, ids, mask, prompt_length), shared, rtol=0, atol=1e-6
+        )
     with torch.no_grad():  # truly the policy's: moving its encoder moves the values
         layer.add_(0.5)
         assert not torch.allclose(completion_values(value, ids, mask, prompt_length), before)
