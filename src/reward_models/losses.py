@@ -2,8 +2,8 @@
 
 Each loss reads a reward model's outputs (never the model itself) and returns `(loss, metrics)`;
 `metrics` holds detached scalar tensors (no device sync). Each class says which model it trains
-(`kind`: preference / orm / prm, matching `rlhf_core.scalar_head.KINDS`) and how wide the head is
-(`head_dim`), so the trainer picks data and heads from the loss, never from its name.
+(`kind`: preference / orm / prm, matching `rlhf_core.scalar_head_format.KINDS`) and how wide the
+head is (`head_dim`), so the trainer picks data and heads from the loss, never from its name.
 
     name           inputs                                              per-example loss
     bradley_terry  rewards r_c, r_r (B,) [, margins m (B,)]            -logsig(r_c - r_r [- m])
