@@ -1,9 +1,11 @@
 """The speed seam: which fast paths a run takes, decided once from the model, device and dtype.
 
-`speed_plan(model)` returns a frozen `SpeedPlan`; trainers read its batch layout, attention
-(`rlhf_core.attention.fast_attention`) and generation (`rlhf_core.generation.decode`) read the
-rest. Each decision can be switched off in the config (`train.speed`, `SpeedConfig`); the run's
-plan is printed at start and written to summary.json (`rlhf_core.distributed.Engine.describe`).
+`speed_plan(model)` returns a frozen `SpeedPlan`, a function of the model's config, device and
+dtype and of the run's switches (`train.speed`, `SpeedConfig`, set once at start by
+`start_speed`), so every reader gets the same plan: trainers read its batch layout, attention
+(`rlhf_core.attention.fast_attention`) and generation (`rlhf_core.generation.decode`) the rest.
+Each decision can be switched off in the config; the run's plan is printed at start and written
+to summary.json under `speed` (`rlhf_core.distributed.Engine.announce`).
 
     layout          how a step's sequences are laid out (`rlhf_core.layout`): "segmented" rows
                     of many groups with attention one group at a time (CPU SDPA, wide enough
