@@ -24,7 +24,7 @@ from rlhf_core.chat import render_prompt
 from rlhf_core.config import RunArgs, load_config
 from rlhf_core.encoding import encode_completions, pad_sequences
 from rlhf_core.errors import UserError
-from rlhf_core.models import ModelConfig, load_policy, load_tokenizer
+from rlhf_core.models import LoraConfig, ModelConfig, load_policy, load_tokenizer
 from rlhf_core.scalar_head import ScalarHeadInfo, ScalarHeadModel
 from rlhf_core.tiny import ASSETS
 
@@ -101,3 +101,25 @@ def test_gpt2_rm_with_pad_token_exports_to_sequence_classification_with_the_same
     theirs = transformers_scores(export, PROMPTS, COMPLETIONS)
     torch.testing.assert_close(theirs, ours, rtol=0, atol=1e-5)
     assert ours.std() > 0  # the rows score differently: a real comparison
+
+
+def test_a_lora_rm_with_pad_token_reloads_onto_a_resized_base(gpt2_dir, tmp_path):
+    """The adapter directory holds no embeddings: loading it resizes the base for the saved
+    tokenizer's pad token again, so the padded batch scores as before saving."""
+    cfg = ModelConfig(name_or_path=str(gpt2_dir), pad_token=PAD, lora=LoraConfig(r=4, alpha=8))
+    tok = load_tokenizer(cfg, padding_side="right")
+    torch.manual_seed(0)
+    info = ScalarHeadInfo(kind="preference", chat_template=tok.chat_template, max_length=64)
+    model = ScalarHeadModel.from_config(cfg, info)
+    model.tokenizer = tok
+    with torch.no_grad():  # move LoRA away from the identity so the adapter matters
+        for name, param in model.named_parameters():
+            if "lora_B" in name:
+                param.normal_(0, 0.1)
+    before = model.eval().score(PROMPTS, COMPLETIONS)
+    model.save_pretrained(tmp_path / "rm")
+    assert (tmp_path / "rm" / "adapter_config.json").is_file()
+    loaded = ScalarHeadModel.from_pretrained(tmp_path / "rm")
+    assert loaded.tokenizer.pad_token_id == 50257
+    assert loaded.backbone.get_input_embeddings().weight.shape[0] == 50258
+    torch.testing.assert_close(loaded.score(PROMPTS, COMPLETIONS), before, rtol=0, atol=1e-6)
