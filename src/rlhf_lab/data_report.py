@@ -99,7 +99,7 @@ def _sft(cfg: Any, tok: Any, split: str, limits: dict, train: Loaded | None) -> 
         extra = {"limit": t.eval_size, "exclude_prompts": train.prompt_texts if train else None}
     data = build_sft_data(
         getattr(d, split), tok, fmt=d.format, where=f"data.{split}", overlong=d.overlong,
-        **limits, **extra,
+        columns=d.columns, **limits, **extra,
     )  # fmt: skip
     return Loaded(
         [(e.prompt_ids, [e.completion_ids]) for e in data.examples], ("completion",),
@@ -116,13 +116,16 @@ def _dpo(cfg: Any, tok: Any, split: str, limits: dict, train: Loaded | None) -> 
     limit = t.eval_size if split == "eval" else None
     source, where = getattr(d, split), f"data.{split}"
     if d.format == "unpaired":  # KTO: one labelled completion per row (its partner is another's)
-        data = build_unpaired_data(source, tok, where=where, limit=limit, **limits)
+        data = build_unpaired_data(
+            source, tok, where=where, limit=limit, columns=d.columns, **limits
+        )
         examples = [(p.prompt_ids, [p.chosen_ids]) for p in data.pairs]
         names: tuple[str, ...] = ("completion",)
     else:
         data = build_preference_data(
-            source, tok, fmt=d.format, overlong=d.overlong, where=where, limit=limit, **limits
-        )
+            source, tok, fmt=d.format, overlong=d.overlong, columns=d.columns, where=where,
+            limit=limit, **limits,
+        )  # fmt: skip
         examples = [(p.prompt_ids, [p.chosen_ids, p.rejected_ids]) for p in data.pairs]
         names = ("chosen", "rejected")
     counts = {k: getattr(data, k) for k in ("dropped_identical", "dropped_overlong", "truncated",

@@ -128,3 +128,19 @@ def test_a_config_of_no_trainer_is_refused_and_nothing_is_written(tmp_path):
     assert not (tmp_path / "out").exists()
     assert cli_main(["data", str(bad), "--out", str(tmp_path / "out")]) == 2
     assert not (tmp_path / "out").exists()
+
+
+def test_a_column_mapped_file_is_read_as_the_trainer_reads_it(tmp_path):
+    """An orca-style {system, question, chosen, rejected} file under data.columns: the report's
+    examples show the system turn and the question rendered by the chat template."""
+    rows = [{"system": "Answer in one word.", "question": f"Colour {i}?", "chosen": "Blue.",
+             "rejected": f"Red {i}."} for i in range(6)]  # fmt: skip
+    path = tmp_path / "orca.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    overrides = [GPT2, f"data.train.path={path}", "data.train.limit=null", "data.eval=null",
+                 "data.format=preference", "data.columns.prompt=question"]  # fmt: skip
+    report = build_report(DPO, overrides, trainer=None, out=tmp_path / "o", chars=200)
+    train = report["splits"]["train"]
+    assert train["rows_in_source"] == 6 == train["examples_kept"]
+    assert train["examples"][0]["prompt"] == "Answer in one word.\n\nHuman: Colour 0?\n\nAssistant:"
+    assert train["examples"][0]["rejected"] == "Red 0.<|endoftext|>"
