@@ -192,9 +192,13 @@ class RMConfig(TrainerConfig):
                 "lm_likelihood needs pooling: mean or sum (it adds each completion token's "
                 "log-likelihood to that token's score; the last token alone is one token's)"
             )
-        if self.encoder_only and (self.lm_likelihood is not None or (
-                kind == "preference" and (self.train.share_prompt
-                                          or self.train.export_sequence_classification))):
+        if self.encoder_only and (
+            self.lm_likelihood is not None
+            or (
+                kind == "preference"
+                and (self.train.share_prompt or self.train.export_sequence_classification)
+            )
+        ):
             raise UserError(
                 "encoder_only: an encoder's tokens see the whole row, so a preference pair "
                 "cannot share its prompt (set train.share_prompt: false); it has no causal LM "
