@@ -85,9 +85,10 @@ def pack_groups(
 ) -> dict[str, torch.Tensor]:
     """Groups (prefix, [branches]) as packed rows (see the module docstring); `pack=False` puts
     each group in a row of its own (the prompt is still shared by its branches); `row_tokens`
-    lets a row hold that many tokens when the longest group is shorter (for
-    `segmented_attention`: fewer rows, no padding); `flat=True` gives the flash-attention varlen
-    layout instead (`_pack_flat`: one row, no attention mask, no prefix shared).
+    lets a row hold that many tokens when the longest group is shorter (segmented rows for
+    `rlhf_core.attention.fast_attention`: fewer rows, no padding); `flat=True` gives the
+    flash-attention varlen layout instead (`_pack_flat`: one row, no attention mask, no prefix
+    shared).
 
     Streams are the branches in group-major order (group 0's branches, then group 1's ...).
     Returns, right-padded:
@@ -100,7 +101,7 @@ def pack_groups(
       for an empty branch); branch_lengths (S,); prefix_lengths (G,); segments (K, 3): (row,
       start, end) of every group, each row's in order and back to back from its start; a row's
       positions after its last segment are padding (no query attends outside its segment, and
-      nothing attends to padding: `segmented_attention`).
+      nothing attends to padding: `rlhf_core.attention.fast_attention`).
     """
     if not groups:
         raise ValueError("pack_groups: no groups")
