@@ -95,7 +95,8 @@ def build_preference_data(
     fmt, file = forced or fmt, source.describe()
     prompts, triples = [], []
     for index, row in enumerate(rows):
-        row = apply_columns(row, columns, f"{where} ({file}): row {index}")
+        if forced is None:  # a file's rows; generated rows have the standard keys already
+            row = apply_columns(row, columns, f"{where} ({file}): row {index}")
         prompt, chosen, rejected = preference_row(row, index, fmt, where, file=file)
         triples.append((prompt, chosen, rejected))
         prompts.append(render_prompt(tokenizer, prompt, where=f"{where}: row {index} prompt"))
@@ -172,7 +173,8 @@ def build_unpaired_data(
         rows = list(reasoning_gym_labelled_rows(entries, wrong=1, kinds=WRONG_KINDS, seed=seed))
     parsed, empty, file = [], 0, source.describe()
     for index, row in enumerate(rows):
-        row = apply_columns(row, columns, f"{where} ({file}): row {index}")
+        if source.reasoning_gym is None:  # generated rows have the standard keys already
+            row = apply_columns(row, columns, f"{where} ({file}): row {index}")
         if index == 0:  # a file in another layout altogether: one clear error
             detect_layout(row, ("unpaired",), f"{where} ({file}): row {index}")
         prompt, completion, label = unpaired_row(row, index, where)

@@ -89,3 +89,16 @@ def test_a_file_in_no_layout_is_one_clear_error_and_writes_nothing(tmp_path, cap
     assert "data.columns: {prompt: <your column>, chosen: " in error
     assert error.count("error:") == 1 and "Traceback" not in error
     assert not run.exists() or not any(run.iterdir())
+
+
+def test_columns_rename_files_not_generated_rows():
+    # data.columns describes the user's files; reasoning-gym rows are built in the standard keys
+    tok = load_tokenizer(ModelConfig(name_or_path="tiny-qwen3"), padding_side="right")
+    source = DataSource.model_validate(
+        {"reasoning_gym": {"task": "spell_backward", "size": 4, "seed": 3}}
+    )
+    data = build_preference_data(
+        source, tok, fmt="auto", max_length=64, max_prompt_length=None, where="data.train",
+        columns=Columns(prompt="question"),
+    )  # fmt: skip
+    assert len(data.pairs) == 4
