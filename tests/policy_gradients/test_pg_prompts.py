@@ -249,3 +249,30 @@ def test_compare_labels_a_reward_total_that_includes_a_penalty(tmp_path, monkeyp
     plot_curves(tmp_path, {"runs": runs})
     assert labels == ["grpo", "dapo (incl. too_long penalty)"]
     assert (tmp_path / "compare.png").stat().st_size > 1000
+
+
+def test_eval_reports_exact_shares_for_verifiers_only(tiny_rm, tokenizer):
+    """`eval/*_exact` (the share scoring 1.0) is a verifier's accuracy: kept for gsm8k, not
+    reported for a learned reward model (its scores are not grades) nor for the overlong
+    penalty (never above 0)."""
+    from policy_gradients.evaluate import evaluate_policy
+    from policy_gradients.rewards import CombinedReward
+    from rlhf_core.models import load_policy
+
+    prompts = load_prompts(
+        DataSource(path=str(REPO / "data" / "gsm8k" / "test.jsonl"), limit=3), tokenizer,
+        where="data.eval", prompt_column="question",
+    )  # fmt: skip
+    reward = CombinedReward([
+        {"name": "gsm8k"}, {"name": "reward_model", "path": str(tiny_rm), "device": "cpu"},
+        {"name": "overlong", "max_length": 4, "cache_length": 2},
+    ])  # fmt: skip
+    policy = load_policy(ModelConfig(name_or_path=GPT2_MODEL)).eval()
+    results = evaluate_policy(policy, None, tokenizer, prompts, reward, max_new_tokens=6,
+                              temperature=1.0, batch_size=3, seed=0)  # fmt: skip
+    for kind in ("greedy", "sampled"):
+        assert 0 <= results[f"eval/{kind}_gsm8k_exact"] <= 1
+        assert math.isfinite(results[f"eval/{kind}_reward_model"])
+        assert results[f"eval/{kind}_overlong"] < 0  # 6 new tokens > max_length 4
+        assert f"eval/{kind}_reward_model_exact" not in results
+        assert f"eval/{kind}_overlong_exact" not in results
