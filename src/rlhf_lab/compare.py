@@ -1,6 +1,8 @@
 """`rlhf-lab compare --config configs/quickstart/compare.yaml`: every policy-gradient algorithm
 (and, optionally, DPO-family losses) from the same SFT checkpoint, with the same budget and seeds,
-evaluated on the same held-out prompts; one table and one plot of reward curves.
+evaluated on the same held-out prompts; one table and one plot of reward curves. Any prompt set,
+judged by a verifier, a learned reward model, or both (configs/compare_hh/: GPT-2 on Anthropic
+HH with a reward model trained on HH, docs/workflows/gpt2_hh.md).
 
 How a run is put together, with nothing rewritten behind the YAML's back:
 
@@ -10,12 +12,29 @@ How a run is put together, with nothing rewritten behind the YAML's back:
                        then the algorithm's own `set` (e.g. Dr. GRPO's normalizer = the base's
                        max_new_tokens); model = the SFT checkpoint
     direct alignment   the `dpo_base` config trained on on-policy pairs sampled once from the SFT
-                       model (as the quickstart does), its `loss` block replaced by the preset's
+                       model (`rlhf_lab.onpolicy`, `pair_samples` per prompt, at the base's
+                       rollout length and temperature) on the base's training prompts (the first
+                       `pairs`, and the next `pairs // 4` as the DPO runs' held-out pairs), its
+                       `loss` block replaced by the preset's. The judge (`pairs_judge: auto`): the
+                       verifier on reasoning-gym prompts, else the reward model (chosen = the
+                       sample it scores highest, rejected = the lowest)
 
 Each run is the package's own trainer writing its own run dir under
 `outputs/compare-<time>/<name>/`; `compare.md` / `compare.json` / `compare.png` sit beside them.
-The evaluation is the quickstart's: greedy and sampled (T=1) exact match and partial credit,
-length, and the per-token KL (k3) to the SFT model, on `eval_size` held-out prompts.
+
+The evaluation (`rlhf_lab.evaluate.evaluate_models`): `eval_size` held-out prompts
+(`eval_prompts`, else the base's `data.eval`, read with the base's prompt format, columns and
+template), one greedy and one sampled completion per prompt and model at the base's rollout
+length and temperature (the same sampling seed for every model), scored by
+
+    verifier      each component of `verifier` (e.g. reasoning_gym, gsm8k): its mean and its share
+                  of 1.0 (accuracy), greedy and sampled
+    reward_model  the reward model's mean score of the sampled (and greedy) completions, and the
+                  win rate against the SFT model: per prompt, this model's sample against the SFT
+                  model's sample, both scored by the reward model (a tie counts half)
+    KL            per-token KL (k3 and k1) of the sampled completions to the SFT model
+
+Not here: several seeds per run, or more than one sample per held-out prompt.
 """
 
 from __future__ import annotations
@@ -27,14 +46,16 @@ import sqlite3
 import sys
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
-from pydantic import Field
+from pydantic import Field, field_validator
 
 from rlhf_core.config import StrictModel
-from rlhf_core.errors import UserFileNotFound
+from rlhf_core.data import DataSource
+from rlhf_core.errors import UserError, UserFileNotFound
 
 DEFAULT_CONFIG = Path("configs") / "quickstart" / "compare.yaml"
+RM_LABEL = "rm"  # the reward model's label in the evaluation's reward components
 
 
 class RunSpec(StrictModel):
@@ -48,12 +69,14 @@ class RunSpec(StrictModel):
 class CompareConfig(StrictModel):
     name: str = Field("compare", description="run name (the output dir is compare-<time>)")
     sft_model: str | None = Field(
-        None, description="the SFT model dir every run starts from; null: train "
-        "configs/quickstart/sft.yaml first",
-    )  # fmt: skip
+        None, description="the SFT model dir every run starts from; null: train sft_config first"
+    )
+    sft_config: str = Field(
+        "configs/quickstart/sft.yaml", description="SFT config trained when sft_model is null"
+    )
     base: str = Field(
         "configs/quickstart/grpo.yaml", description="policy-gradient config that sets the shared "
-        "budget: model, data, rewards, rollout, train, optim",
+        "budget: model, data (prompts and their format), rewards, rollout, train, optim",
     )  # fmt: skip
     set: list[str] = Field(
         default_factory=list, description="overrides applied to every policy-gradient run"
@@ -65,21 +88,68 @@ class CompareConfig(StrictModel):
     direct_alignment: dict[str, RunSpec] = Field(
         default_factory=dict, description="optional DPO-family runs: name -> loss preset"
     )
+    reward_model: str | None = Field(
+        None, description="a reward model dir (saved by reward_models): held-out mean score and "
+        "win rate against the SFT model, and the judge of the DPO family's pairs when there is "
+        "no verifier",
+    )  # fmt: skip
+    verifier: list[dict[str, Any]] = Field(
+        default_factory=list, description="reward components that grade held-out completions "
+        "(e.g. {name: reasoning_gym, extract: full, label: task}): mean and accuracy (share "
+        "scoring 1.0), greedy and sampled",
+    )  # fmt: skip
+    eval_prompts: DataSource | None = Field(
+        None, description="held-out prompts, read with the base's data format, columns and "
+        "template; null = the base's data.eval",
+    )  # fmt: skip
+    eval_size: int = Field(
+        200, gt=0, description="held-out prompts (reasoning-gym: the size; a file: at most this "
+        "many rows)",
+    )  # fmt: skip
     pairs: int = Field(512, gt=0, description="training prompts for the on-policy pairs")
-    eval_size: int = Field(200, gt=0, description="held-out prompts for the final evaluation")
+    pair_samples: int = Field(4, ge=2, description="SFT samples per prompt for the pairs")
+    pairs_judge: Literal["auto", "verifier", "reward_model"] = Field(
+        "auto", description="who picks chosen and rejected (rlhf_lab.onpolicy); auto = the "
+        "task's verifier on reasoning-gym prompts with a verifier configured, else reward_model",
+    )  # fmt: skip
+
+    @field_validator("verifier")
+    @classmethod
+    def _verifier(cls, specs: list[dict[str, Any]]) -> list[dict[str, Any]]:
+        from policy_gradients.rewards import REWARDS
+        from rlhf_core.registry import validate_spec
+
+        out = []
+        for i, spec in enumerate(specs):
+            core = {k: v for k, v in spec.items() if k != "label"}
+            checked = validate_spec(REWARDS, core, where=f"verifier.{i}")
+            if getattr(REWARDS.get(checked["name"]), "learned", False):
+                raise ValueError(
+                    f"verifier.{i}: {checked['name']!r} is a learned reward; set it as "
+                    "reward_model, verifier lists graders (reasoning_gym, gsm8k, exact_match)"
+                )
+            out.append({**checked, "label": spec.get("label", checked["name"])})
+        labels = [s["label"] for s in out]
+        if len(set(labels)) != len(labels) or RM_LABEL in labels:
+            raise ValueError(f"verifier: labels must be unique and not {RM_LABEL!r}: {labels}")
+        return out
 
 
-def _pg_config(cfg: CompareConfig, name: str, spec: RunSpec, sft: Path, fast: bool):
+def _pg_config(cfg: CompareConfig, name: str, spec: RunSpec | None, sft: Path, fast: bool):
+    """The policy-gradient config of run `name` (spec None: the base with the shared overrides,
+    whose data and rollout settings the pairs and the evaluation use)."""
     from policy_gradients.config import PGConfig
     from rlhf_core.config import apply_overrides, read_yaml, validate_config
 
     data = read_yaml(cfg.base)
-    data["algorithm"] = read_yaml(spec.preset)["algorithm"]
+    if spec is not None:
+        data["algorithm"] = read_yaml(spec.preset)["algorithm"]
     data["name"] = f"{cfg.name}_{name}"
     data["model"]["name_or_path"] = str(sft)
-    overrides = [*cfg.set, *spec.set] + (["train.max_steps=2"] if fast else [])
+    overrides = [*cfg.set, *(spec.set if spec else [])] + (["train.max_steps=2"] if fast else [])
     data = apply_overrides(data, overrides)
-    source = f"{cfg.base} + algorithm of {spec.preset} (with --set {', '.join(overrides)})"
+    preset = f" + algorithm of {spec.preset}" if spec else ""
+    source = f"{cfg.base}{preset} (with --set {', '.join(overrides)})"
     return validate_config(PGConfig, data, source)
 
 
@@ -98,6 +168,40 @@ def _da_config(cfg: CompareConfig, name: str, spec: RunSpec, sft: Path, pairs: P
     return validate_config(DAConfig, data, f"{cfg.dpo_base} + loss of {spec.preset}")
 
 
+def _model_dir(path: str, field: str) -> Path:
+    if not (Path(path) / "config.json").is_file():
+        raise UserFileNotFound(f"{field}: {path} is not a model directory (no config.json)")
+    return Path(path)
+
+
+def _rows(source: DataSource) -> tuple[int, float]:
+    return source.offset, source.offset + (source.limit or math.inf)
+
+
+def _heldout_sources(cfg: CompareConfig, base: Any, size: int) -> DataSource:
+    """The held-out prompts, checked to share no example with the training prompts."""
+    from rlhf_core.data import check_heldout_seeds
+    from rlhf_lab.onpolicy import sized
+
+    source = cfg.eval_prompts or base.data.eval
+    if source is None:
+        raise UserError(
+            f"compare: no held-out prompts: set eval_prompts, or data.eval in {cfg.base}"
+        )
+    source = sized(source, size)
+    train = base.data.train
+    check_heldout_seeds(train, source)
+    if source.path is not None and (source.path, source.split) == (train.path, train.split):
+        (a0, a1), (b0, b1) = _rows(train), _rows(source)
+        if a0 < b1 and b0 < a1:
+            raise UserError(
+                f"compare: the held-out prompts (rows {b0}..{b1} of {source.path}) overlap the "
+                f"training prompts of {cfg.base} (rows {a0}..{a1}); set offset/limit so they "
+                "are disjoint"
+            )
+    return source
+
+
 def _tokens_generated(run_dir: Path) -> int | None:
     path = run_dir / "rollouts.sqlite"
     if not path.is_file():
@@ -106,14 +210,72 @@ def _tokens_generated(run_dir: Path) -> int | None:
         return int(conn.execute("SELECT COALESCE(SUM(length), 0) FROM rollouts").fetchone()[0])
 
 
+def pairs_judge(cfg: CompareConfig, base: Any) -> str:
+    """Who judges the DPO family's pairs: `pairs_judge`, with auto resolved (see the docstring)."""
+    judge = cfg.pairs_judge
+    if judge == "auto":
+        rg = base.data.train.reasoning_gym is not None
+        judge = "verifier" if cfg.verifier and rg else "reward_model"
+    if judge == "reward_model" and cfg.reward_model is None:
+        raise UserError(
+            "compare: the DPO-family runs need a judge for their on-policy pairs: set "
+            "reward_model (or a verifier, on reasoning-gym prompts)"
+        )
+    return judge
+
+
+def build_compare_pairs(
+    cfg: CompareConfig, base: Any, sft: Path, out: Path, n: int
+) -> dict[str, dict[str, float]]:
+    """On-policy pairs from the SFT model on the base's prompts (rendered as the base renders
+    them), judged by the verifier or the reward model; writes out/{train,eval}.jsonl."""
+    from rlhf_core.models import ModelConfig
+    from rlhf_lab.onpolicy import PairsConfig, PairSplit, build_pairs, pair_splits
+
+    splits, judge = pair_splits(base.data.train, n), pairs_judge(cfg, base)
+    pairs_cfg = PairsConfig(
+        model=ModelConfig(name_or_path=str(sft)),
+        splits={k: PairSplit(prompts=src, seed=seed) for k, (src, seed) in splits.items()},
+        samples=cfg.pair_samples, max_new_tokens=base.rollout.max_new_tokens,
+        temperature=base.rollout.temperature, judge=judge,
+        reward_model=cfg.reward_model if judge == "reward_model" else None,
+    )  # fmt: skip
+    prompt_args = {k: v for k, v in base.prompt_args().items() if k != "answer_needed_by"}
+    return build_pairs(pairs_cfg, out, prompt_args=prompt_args)
+
+
+def evaluate_compare(
+    cfg: CompareConfig, base: Any, stages: dict[str, Path], size: int
+) -> tuple[dict[str, dict[str, float]], dict[str, list[dict[str, Any]]]]:
+    """Every stage on the held-out prompts (see the module docstring); `stages["sft"]` is the
+    KL reference, the win-rate baseline and the tokenizer."""
+    from policy_gradients.rewards import CombinedReward, answer_needed_by
+    from policy_gradients.rollout import load_prompts
+    from rlhf_core.models import ModelConfig, load_tokenizer
+    from rlhf_lab.evaluate import evaluate_models
+
+    specs = list(cfg.verifier)
+    if cfg.reward_model is not None:
+        specs.append({"name": "reward_model", "path": cfg.reward_model, "label": RM_LABEL})
+    if not specs:
+        raise UserError("compare: nothing to evaluate with: set reward_model and/or verifier")
+    tokenizer = load_tokenizer(ModelConfig(name_or_path=str(stages["sft"])), padding_side="left")
+    args = {**base.prompt_args(), "answer_needed_by": answer_needed_by(specs)}
+    source = _heldout_sources(cfg, base, size)
+    prompts = load_prompts(source, tokenizer, where="compare eval_prompts", **args)
+    reward = CombinedReward(specs, strip_thinking=base.strip_thinking)
+    return evaluate_models(
+        stages, "sft", prompts, tokenizer, reward,
+        win_label=RM_LABEL if cfg.reward_model is not None else None,
+        max_new_tokens=base.rollout.max_new_tokens, temperature=base.rollout.temperature,
+    )  # fmt: skip
+
+
 def run_compare(cfg: CompareConfig, out: Path, *, fast: bool = False) -> dict[str, Any]:
     """Train every configured run into `out`, evaluate, write compare.{md,json,png}."""
     from direct_alignment.train import train as train_da
     from policy_gradients.train import train as train_pg
-    from rlhf_core.config import RunArgs
-    from rlhf_core.data import DataSource
-    from rlhf_lab.onpolicy import build_onpolicy_pairs
-    from rlhf_lab.quickstart import PAIR_PROMPTS, _config, _run, evaluate_checkpoints
+    from rlhf_core.config import RunArgs, load_config
 
     out.mkdir(parents=True, exist_ok=True)
     results: dict[str, dict[str, Any]] = {}
@@ -122,23 +284,29 @@ def run_compare(cfg: CompareConfig, out: Path, *, fast: bool = False) -> dict[st
         print(f"\n=== compare: {text} ===", file=sys.stderr, flush=True)
         return time.perf_counter()
 
+    if cfg.reward_model is not None:
+        _model_dir(cfg.reward_model, "reward_model")
     if cfg.sft_model is None:
         from instruction_tuning.config import SFTConfig
         from instruction_tuning.train import train as train_sft
+        from rlhf_lab.quickstart import _run
 
-        banner("SFT (configs/quickstart/sft.yaml)")
-        sft_cfg = _config("sft", SFTConfig, ["train.max_steps=40"] if fast else [])
+        banner(f"SFT ({cfg.sft_config})")
+        sft_cfg = load_config(SFTConfig, cfg.sft_config, ["train.max_steps=40"] if fast else [])
         _run(train_sft, sft_cfg, out / "sft", "sft")
         sft = out / "sft" / "final"
     else:
-        sft = Path(cfg.sft_model)
-        if not (sft / "config.json").is_file():
-            raise UserFileNotFound(f"sft_model: {sft} is not a model directory (no config.json)")
+        sft = _model_dir(cfg.sft_model, "sft_model")
+    base = _pg_config(cfg, "base", None, sft, fast)
+    eval_size = min(cfg.eval_size, 64) if fast else cfg.eval_size
+    _heldout_sources(cfg, base, eval_size)  # fail before training, not after
+    if cfg.direct_alignment:
+        pairs_judge(cfg, base)
 
-    def train_one(trainer, run_cfg, base: str, name: str, spec: RunSpec) -> dict[str, Any]:
+    def train_one(trainer, run_cfg, base_path: str, name: str, spec: RunSpec) -> dict[str, Any]:
         """Run one trainer into out/<name>; its summary.json, plus the wall time."""
         t0 = banner(f"{name} ({spec.preset})")
-        code = trainer(run_cfg, RunArgs(config_path=Path(base), output_dir=out / name))
+        code = trainer(run_cfg, RunArgs(config_path=Path(base_path), output_dir=out / name))
         if code != 0:
             raise RuntimeError(f"compare: {name} exited with {code}")
         summary = json.loads((out / name / "summary.json").read_text())
@@ -156,30 +324,36 @@ def run_compare(cfg: CompareConfig, out: Path, *, fast: bool = False) -> dict[st
 
     if cfg.direct_alignment:
         t0 = banner("on-policy pairs from the SFT model")
-        pairs = out / "pairs"
-        n = 64 if fast else cfg.pairs
-        for split, seed, size in (("train", 1, n), ("eval", 20_000_000, max(8, n // 4))):
-            source = DataSource.model_validate(
-                {"reasoning_gym": {**PAIR_PROMPTS, "size": size, "seed": seed}}
-            )
-            build_onpolicy_pairs(sft, source, pairs / f"{split}.jsonl", samples=4,
-                                 max_new_tokens=16, seed=seed)  # fmt: skip
+        n = min(cfg.pairs, 64) if fast else cfg.pairs
+        pair_stats = build_compare_pairs(cfg, base, sft, out / "pairs", n)
         pair_s = time.perf_counter() - t0
         for name, spec in cfg.direct_alignment.items():
-            da_cfg = _da_config(cfg, name, spec, sft, pairs, fast)
+            da_cfg = _da_config(cfg, name, spec, sft, out / "pairs", fast)
             summary = train_one(train_da, da_cfg, cfg.dpo_base, name, spec)
             results[name] = {
                 "family": "direct_alignment", "wall_s": summary["wall_s"],
-                "pairs_s": pair_s, "tokens_generated": None,
+                "pairs_s": pair_s, "pairs": pair_stats["train"]["pairs"],
+                "tokens_generated": None,
                 "heldout_reward_accuracy": summary.get("eval/rewards/accuracy"),
             }  # fmt: skip
 
     banner("evaluate every checkpoint on the same held-out prompts")
     stages = {"sft": sft, **{name: out / name / "final" for name in results}}
-    evaluation = evaluate_checkpoints(out, size=64 if fast else cfg.eval_size, stages=stages)
+    evaluation, samples = evaluate_compare(cfg, base, stages, eval_size)
     for name, figures in evaluation.items():
         results.setdefault(name, {"family": "sft"})["eval"] = figures
-    report = {"config": cfg.model_dump(), "fast": fast, "sft_model": str(sft), "runs": results}
+    results = {"sft": results.pop("sft"), **results}
+    (out / "samples.jsonl").write_text("".join(  # each held-out prompt's sampled completions
+        json.dumps({"prompt": rows[0]["prompt"], **{
+            name: {"completion": row["completion"], "scores": row["scores"]}
+            for name, row in zip(samples, rows, strict=True)
+        }}) + "\n" for rows in zip(*samples.values(), strict=True)
+    ))  # fmt: skip
+    report = {
+        "config": cfg.model_dump(), "fast": fast, "sft_model": str(sft), "eval_prompts":
+        len(samples["sft"]), "verifiers": [s["label"] for s in cfg.verifier],
+        "reward_model": cfg.reward_model, "runs": results,
+    }  # fmt: skip
     (out / "compare.json").write_text(json.dumps(report, indent=2, default=str) + "\n")
     write_table(out, report)
     plot_curves(out, report)
@@ -192,26 +366,48 @@ def _f(value: Any, spec: str = ".3f") -> str:
     return "n/a"
 
 
+def table_columns(report: dict[str, Any]) -> list[tuple[str, Any]]:
+    """(header, cell of a run) for the held-out figures this report has."""
+    columns: list[tuple[str, Any]] = []
+    if report.get("reward_model"):
+        columns += [
+            ("RM score (sampled)", lambda r, ev: _f(ev.get(f"eval/sampled_{RM_LABEL}"))),
+            ("win rate vs SFT", lambda r, ev: f"{_f(ev.get('eval/win_rate'), '.2f')} "
+             f"± {_f(ev.get('eval/win_rate_se'), '.2f')}"),
+        ]  # fmt: skip
+    for label in report.get("verifiers", []):
+        columns += [
+            (f"greedy {label} exact", lambda r, ev, k=label: _f(ev.get(f"eval/greedy_{k}_exact"))),
+            (f"sampled {label} exact",
+             lambda r, ev, k=label: _f(ev.get(f"eval/sampled_{k}_exact"))),
+            (f"sampled {label} mean", lambda r, ev, k=label: _f(ev.get(f"eval/sampled_{k}"))),
+        ]  # fmt: skip
+    columns += [
+        ("KL to SFT (k3/token)", lambda r, ev: _f(ev.get("eval/sampled_kl_k3"))),
+        ("length (sampled)", lambda r, ev: _f(ev.get("eval/sampled_length"), ".1f")),
+        ("train reward first -> last", lambda r, ev: "n/a" if r.get("first_train_reward") is None
+         else f"{_f(r['first_train_reward'])} -> {_f(r['last_train_reward'])}"),
+        ("tokens generated", lambda r, ev: _f(r.get("tokens_generated"), "d")),
+        ("wall s", lambda r, ev: _f(r.get("wall_s"), ".0f")),
+    ]  # fmt: skip
+    return columns
+
+
 def write_table(out: Path, report: dict[str, Any]) -> None:
     runs = report["runs"]
     smoke = " (fast smoke run: the figures are not meaningful)" if report["fast"] else ""
+    columns = table_columns(report)
+    n = report.get("eval_prompts")
     lines = [
-        "# rlhf-lab compare", "", f"From `{report['sft_model']}`, run dir `{out}`{smoke}.", "",
-        "| run | family | greedy exact | sampled exact | sampled partial credit | KL to SFT "
-        "(k3/token) | train reward first -> last | tokens generated | wall s |",
-        "|---|---|---|---|---|---|---|---|---|",
+        "# rlhf-lab compare", "",
+        f"From `{report['sft_model']}`, run dir `{out}`{smoke}; {n} held-out prompts.", "",
+        "| run | family | " + " | ".join(h for h, _ in columns) + " |",
+        "|---|---|" + "---|" * len(columns),
     ]  # fmt: skip
     for name, r in runs.items():
         ev = r.get("eval", {})
-        reward = "n/a"
-        if r.get("first_train_reward") is not None:
-            reward = f"{_f(r['first_train_reward'])} -> {_f(r['last_train_reward'])}"
-        lines.append(
-            f"| {name} | {r['family']} | {_f(ev.get('eval/greedy_task_exact'))} | "
-            f"{_f(ev.get('eval/sampled_task_exact'))} | {_f(ev.get('eval/sampled_task'))} | "
-            f"{_f(ev.get('eval/sampled_kl_k3'))} | {reward} | "
-            f"{_f(r.get('tokens_generated'), 'd')} | {_f(r.get('wall_s'), '.0f')} |"
-        )
+        cells = " | ".join(cell(r, ev) for _, cell in columns)
+        lines.append(f"| {name} | {r['family']} | {cells} |")
     lines += ["", "![reward curves](compare.png)", ""]
     text = "\n".join(lines)
     (out / "compare.md").write_text(text)
@@ -275,7 +471,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--output-dir", type=Path, default=None, help="default outputs/compare-<time>"
     )
-    parser.add_argument("--fast", action="store_true", help="2 steps per run: a smoke test")
+    parser.add_argument(
+        "--fast", action="store_true", help="2 steps per run, <= 64 pairs and held-out prompts"
+    )
     parser.add_argument("--debug", action="store_true", help="show tracebacks of user errors")
     args = parser.parse_args(argv)
     cfg = load_config(CompareConfig, args.config, args.overrides)

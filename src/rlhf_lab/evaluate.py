@@ -7,10 +7,14 @@
 Greedy and one sampled completion per prompt are scored by reward components:
   --task NAME      a reasoning-gym task (held-out seed far from training by default): the task's
                    partial credit `task` and its exact match `task_exact` (share scoring 1.0)
-  --prompts FILE   rows with a prompt and a reference answer (a generation task): `exact` match
-                   and `rouge` (ROUGE-L F, rouge-score)
+  --prompts FILE   rows with a prompt (any layout `--format` reads, e.g. HH transcripts) and a
+                   reference answer: `exact` match and `rouge` (ROUGE-L F, rouge-score); rows
+                   without an answer column are scored by --reward-model alone
   --reward-model   also the reward model's score `rm` (a directory saved by reward_models)
   --reference DIR  also the per-token KL (k1, k3) of the sampled completions to that model
+  --reward-model and --reference together: also the win rate against the reference model (per
+                   prompt, the model's sampled completion against the reference's, both scored by
+                   the reward model; a tie counts half), `evaluate_models`, as `rlhf-lab compare`
 Prints a table and writes the metrics as JSON (`--output`, default <model>/eval-<task>.json).
 """
 
@@ -19,10 +23,77 @@ from __future__ import annotations
 import argparse
 import importlib.util
 import json
+import math
 import sys
 from pathlib import Path
+from typing import Any
 
 from rlhf_core.errors import UserError, run_main
+
+WIN_RATE, WIN_RATE_SE = "eval/win_rate", "eval/win_rate_se"
+
+
+def win_rate(scores: list[float], baseline: list[float]) -> dict[str, float]:
+    """Share of prompts whose score beats the baseline's on the same prompt (a tie counts
+    half), and its standard error over prompts (std of the per-prompt outcomes / sqrt(n))."""
+    if len(scores) != len(baseline) or not scores:
+        raise ValueError(f"win_rate: {len(scores)} scores against {len(baseline)} baseline scores")
+    pairs = zip(scores, baseline, strict=True)
+    outcomes = [1.0 if a > b else 0.5 if a == b else 0.0 for a, b in pairs]
+    n = len(outcomes)
+    mean = sum(outcomes) / n
+    var = sum((x - mean) ** 2 for x in outcomes) / max(1, n - 1)
+    return {WIN_RATE: mean, WIN_RATE_SE: math.sqrt(var / n)}
+
+
+def evaluate_models(
+    models: dict[str, str | Path],
+    reference: str,
+    prompts: Any,
+    tokenizer: Any,
+    reward: Any,
+    *,
+    win_label: str | None,
+    max_new_tokens: int,
+    temperature: float,
+    batch_size: int = 64,
+    seed: int = 1234,
+) -> tuple[dict[str, dict[str, float]], dict[str, list[dict[str, Any]]]]:
+    """Every model of `models` (name -> directory) on the same prompts with the same sampling
+    seed (`policy_gradients.evaluate.evaluate_policy`: greedy and sampled reward components,
+    lengths, KL to the model named `reference`). With `win_label` (a reward component's label,
+    e.g. the reward model's), each model also gets its win rate against `reference` on the
+    sampled completions (`win_rate`). Returns (figures per model, sampled completions per model:
+    prompt, completion and component scores, in prompt order)."""
+    import torch
+
+    from policy_gradients.evaluate import evaluate_policy
+    from rlhf_core.models import ModelConfig, ReferencePolicy, load_policy
+
+    if reference not in models:
+        raise ValueError(f"evaluate_models: reference {reference!r} is not one of {list(models)}")
+    ref = ReferencePolicy(load_policy(ModelConfig(name_or_path=str(models[reference]))), "frozen")
+    figures: dict[str, dict[str, float]] = {}
+    samples: dict[str, list[dict[str, Any]]] = {}
+    for name, path in models.items():
+        policy = load_policy(ModelConfig(name_or_path=str(path))).eval()
+        rows: list[tuple] = []
+        with torch.no_grad():
+            figures[name] = evaluate_policy(
+                policy, ref, tokenizer, prompts, reward, max_new_tokens=max_new_tokens,
+                temperature=temperature, batch_size=batch_size, seed=seed, log_rows=rows,
+            )  # fmt: skip
+        sampled = sorted((r for r in rows if r[0] == "sampled"), key=lambda r: r[1])
+        samples[name] = [
+            {"prompt": r[3], "completion": r[4], "scores": json.loads(r[6])} for r in sampled
+        ]
+        del policy
+    if win_label is not None:
+        baseline = [s["scores"][win_label] for s in samples[reference]]
+        for name in models:
+            scores = [s["scores"][win_label] for s in samples[name]]
+            figures[name].update(win_rate(scores, baseline))
+    return figures, samples
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -37,6 +108,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--prompt-column", default="prompt", help="file rows: the question column")
     p.add_argument("--answer-column", default="answer", help="file rows: the reference column")
     p.add_argument("--limit", type=int, default=None, help="file rows: use the first N")
+    p.add_argument("--format", default="auto", choices=["auto", "plain", "conversational", "hh"],
+                   help="file rows: how the prompt is read (as RL's data.format)")  # fmt: skip
     p.add_argument("--extract", choices=["full", "answer_tag"], default="full",
                    help="score the whole completion or its last <answer> block")  # fmt: skip
     p.add_argument("--reward-model", default=None, help="also score with this reward model")
@@ -49,10 +122,17 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-def components(args: argparse.Namespace) -> list[dict]:
+def components(args: argparse.Namespace, has_answers: bool = True) -> list[dict]:
     """The reward components that score the completions (see the module docstring)."""
     if args.task:
         specs = [{"name": "reasoning_gym", "extract": args.extract, "label": "task"}]
+    elif not has_answers:
+        if not args.reward_model:
+            raise UserError(
+                f"--prompts {args.prompts}: the rows have no answer column "
+                f"({args.answer_column!r}) to check completions against; give --reward-model"
+            )
+        specs = []
     else:
         specs = [{"name": "exact_match", "extract": args.extract, "label": "exact"}]
         if importlib.util.find_spec("rouge_score") is not None:
@@ -87,19 +167,26 @@ def main(argv: list[str] | None = None) -> int:
     tokenizer = load_tokenizer(model_cfg, padding_side="left")
     prompts = load_prompts(
         source, tokenizer, prompt_column=args.prompt_column, answer_column=args.answer_column,
-        prompt_template="{question}", system_prompt=None, where="--task/--prompts",
+        where="--task/--prompts", format=args.format,
     )  # fmt: skip
-    reward = CombinedReward(components(args))
-    policy = load_policy(model_cfg).eval()
-    reference = None
-    if args.reference:
-        reference = ReferencePolicy(load_policy(ModelConfig(name_or_path=args.reference)),
-                                    "frozen")  # fmt: skip
-    with torch.no_grad():
-        results = evaluate_policy(
-            policy, reference, tokenizer, prompts, reward, max_new_tokens=args.max_new_tokens,
-            temperature=args.temperature, batch_size=args.batch_size, seed=args.sample_seed,
-        )  # fmt: skip
+    has_answers = all(item["answer"] is not None for item in prompts.items)
+    reward = CombinedReward(components(args, has_answers))
+    sampling = {"max_new_tokens": args.max_new_tokens, "temperature": args.temperature,
+                "batch_size": args.batch_size, "seed": args.sample_seed}  # fmt: skip
+    if args.reference and args.reward_model:  # also the win rate against the reference
+        models = {"model": args.model, "reference": args.reference}
+        figures, _ = evaluate_models(
+            models, "reference", prompts, tokenizer, reward, win_label="rm", **sampling
+        )
+        results = figures["model"]
+    else:
+        policy = load_policy(model_cfg).eval()
+        reference = None
+        if args.reference:
+            reference = ReferencePolicy(load_policy(ModelConfig(name_or_path=args.reference)),
+                                        "frozen")  # fmt: skip
+        with torch.no_grad():
+            results = evaluate_policy(policy, reference, tokenizer, prompts, reward, **sampling)
     results = {"prompts": len(prompts.items), **results}
     width = max(len(k) for k in results)
     print("\n".join(f"{k:<{width}}  {v:.4f}" for k, v in results.items()))

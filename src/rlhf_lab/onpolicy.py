@@ -18,10 +18,13 @@ For each prompt of each split, `samples` completions are drawn from the model (t
                  `min_reward_gap` (the iterative-DPO recipe of Xiong et al. 2024,
                  arXiv:2312.11456; any prompt source, no verifier needed).
 
-Each split is written to `<output_dir>/<split>.jsonl` with the columns direct_alignment and
-reward_models read (`prompt` = the question, `chosen`, `rejected`), plus `summary.json` with the
-counts. For iterative DPO, alternate this command (`--set model.name_or_path=<last DPO final>`)
-with `python -m direct_alignment.train` on the new pairs.
+Prompts are read as the RL trainer reads them (`policy_gradients.rollout.load_prompts`: any
+standard layout, `format: hh` for Anthropic HH transcripts). Each split is written to
+`<output_dir>/<split>.jsonl` with the columns direct_alignment and reward_models read (`prompt` =
+the question, or the conversation as messages when it has more than one user turn or a system
+turn; `chosen`, `rejected`), plus `summary.json` with the counts. For iterative DPO, alternate
+this command (`--set model.name_or_path=<last DPO final>`) with `python -m direct_alignment.train`
+on the new pairs.
 
 `pairs_per_prompt` > 1 gives each prompt up to that many pairs, each with a different rejected
 completion, so a prompt with many distinct wrong answers teaches more contrasts while every prompt
@@ -36,7 +39,7 @@ import json
 import random
 import sys
 from pathlib import Path
-from typing import Literal
+from typing import Any, Literal
 
 import torch
 from pydantic import Field, model_validator
@@ -44,7 +47,7 @@ from pydantic import Field, model_validator
 from policy_gradients.rollout import generate_rollouts, load_prompts
 from rlhf_core.config import RunArgs, RunConfig, StrictModel, dump_config, parse_run_args
 from rlhf_core.data import DataSource
-from rlhf_core.errors import run_main
+from rlhf_core.errors import UserError, run_main
 from rlhf_core.generation import Sampling
 from rlhf_core.models import ModelConfig, load_policy, load_tokenizer
 from rlhf_core.rundir import default_run_dir
@@ -68,6 +71,10 @@ class PairsConfig(RunConfig):
     batch_prompts: int = Field(64, gt=0, description="prompts per generation batch")
     prompt_column: str = Field("prompt", description="question column of file rows")
     answer_column: str = Field("answer", description="reference answer column of file rows")
+    format: Literal["auto", "plain", "conversational", "hh"] = Field(
+        "auto", description="how a file row's prompt is read (policy_gradients.rollout."
+        "prompt_messages); hh = Anthropic HH transcripts",
+    )  # fmt: skip
     judge: Literal["verifier", "reward_model"] = Field(
         "verifier", description="who picks chosen and rejected (see rlhf_lab.onpolicy)"
     )
@@ -131,9 +138,23 @@ def _choose(
     return [(chosen[i % len(chosen)], r, not good) for i, r in enumerate(rejected)]
 
 
+def _pair_prompt(item: dict) -> str | list[dict[str, str]]:
+    """A pair row's prompt: the reasoning-gym question, the user turn's text, or the messages
+    when the prompt is more than one user turn (a conversation, a system turn)."""
+    if item["entry"] is not None and "question" in item["entry"]:
+        return item["entry"]["question"]
+    messages = item["messages"]
+    return messages[0]["content"] if len(messages) == 1 else messages
+
+
 @torch.no_grad()
-def build_pairs(cfg: PairsConfig, out_dir: Path) -> dict[str, dict[str, float]]:
-    """Write `<out_dir>/<split>.jsonl` for every split; return each split's counts."""
+def build_pairs(
+    cfg: PairsConfig, out_dir: Path, *, prompt_args: dict[str, Any] | None = None
+) -> dict[str, dict[str, float]]:
+    """Write `<out_dir>/<split>.jsonl` for every split; return each split's counts.
+    `prompt_args` (keywords of `load_prompts`, e.g. an RL config's `prompt_args()`) replaces the
+    config's prompt_column / answer_column / format, so the pairs' prompts are rendered as that
+    config renders them."""
     tokenizer = load_tokenizer(cfg.model, padding_side="left")
     model = load_policy(cfg.model).eval()
     judge_model = None
@@ -144,11 +165,11 @@ def build_pairs(cfg: PairsConfig, out_dir: Path) -> dict[str, dict[str, float]]:
     out_dir.mkdir(parents=True, exist_ok=True)
     stats: dict[str, dict[str, float]] = {}
     for name, split in cfg.splits.items():
-        prompts = load_prompts(
-            split.prompts, tokenizer, prompt_column=cfg.prompt_column,
-            answer_column=cfg.answer_column, prompt_template="{question}", system_prompt=None,
-            where=f"splits.{name}.prompts",
-        )  # fmt: skip
+        args = prompt_args or {
+            "prompt_column": cfg.prompt_column, "answer_column": cfg.answer_column,
+            "format": cfg.format,
+        }  # fmt: skip
+        prompts = load_prompts(split.prompts, tokenizer, where=f"splits.{name}.prompts", **args)
         rng = random.Random(split.seed)
         rows, scored, score_sum, correct, fallback, paired = [], 0, 0.0, 0, 0, 0
         with torch.random.fork_rng(devices=[]):
@@ -174,8 +195,7 @@ def build_pairs(cfg: PairsConfig, out_dir: Path) -> dict[str, dict[str, float]]:
                     scored += cfg.samples
                     score_sum += sum(scores[span])
                     correct += sum(s >= 1.0 for s in scores[span])
-                    entry = item["entry"]  # reasoning-gym row; file prompts: the user turn
-                    question = entry["question"] if entry else item["messages"][-1]["content"]
+                    question = _pair_prompt(item)
                     picked = _choose(texts[span], scores[span], cfg, item, rng)
                     paired += bool(picked)
                     for chosen, rejected, used_reference in picked:
@@ -195,26 +215,38 @@ def build_pairs(cfg: PairsConfig, out_dir: Path) -> dict[str, dict[str, float]]:
     return stats
 
 
-def build_onpolicy_pairs(
-    model_path: str | Path,
-    source: DataSource,
-    out_path: Path,
-    *,
-    samples: int,
-    max_new_tokens: int,
-    seed: int,
-    batch_prompts: int = 64,
-    reference_fallback: bool = True,
-) -> dict[str, float]:
-    """One split judged by the task's verifier, written to `out_path` (a thin call of
-    `build_pairs`); returns its counts."""
-    cfg = PairsConfig(
-        model=ModelConfig(name_or_path=str(model_path)),
-        splits={out_path.stem: PairSplit(prompts=source, seed=seed)},
-        samples=samples, max_new_tokens=max_new_tokens, batch_prompts=batch_prompts,
-        reference_fallback=reference_fallback,
-    )  # fmt: skip
-    return build_pairs(cfg, out_path.parent)[out_path.stem]
+PAIR_EVAL_SEED = 20_000_000  # reasoning-gym seed of held-out pairs, far from training
+
+
+def sized(source: DataSource, size: int) -> DataSource:
+    """`source` cut to `size` prompts: a reasoning-gym size, or a file's row limit."""
+    if source.reasoning_gym is not None:
+        rg = source.reasoning_gym.model_copy(update={"size": size})
+        return source.model_copy(update={"reasoning_gym": rg})
+    return source.model_copy(update={"limit": min(size, source.limit or size)})
+
+
+def pair_splits(train: DataSource, n: int) -> dict[str, tuple[DataSource, int]]:
+    """Pair prompts from RL training prompts, split -> (source, sampling seed): the first `n`,
+    and `max(8, n // 4)` more for held-out pairs (reasoning-gym: a far seed; a file: the rows
+    after the first n, which must still be training rows); `rlhf-lab compare`'s DPO family."""
+    m = max(8, n // 4)
+    if train.reasoning_gym is not None:
+        rg = train.reasoning_gym
+        heldout = rg.model_copy(update={"size": m, "seed": PAIR_EVAL_SEED})
+        return {
+            "train": (sized(train, n), rg.seed),
+            "eval": (train.model_copy(update={"reasoning_gym": heldout}), PAIR_EVAL_SEED),
+        }
+    if train.limit is not None and train.limit < n + m:
+        raise UserError(
+            f"pairs {n}: the pairs take {n} + {m} (held-out) of the training prompts, which "
+            f"have limit {train.limit}; lower pairs or raise the limit"
+        )
+    return {
+        "train": (train.model_copy(update={"limit": n}), 1),
+        "eval": (train.model_copy(update={"offset": train.offset + n, "limit": m}), 2),
+    }
 
 
 def run(cfg: PairsConfig, args: RunArgs) -> int:
