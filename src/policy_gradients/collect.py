@@ -1,13 +1,10 @@
 """One step's experience: rollouts -> rewards -> old/reference log-probs -> advantages.
 
 `collect_experience` is the first half of a policy-gradient step, kept out of `train.py` so that
-file reads as the loop. With DAPO's dynamic sampling it generates in rounds, keeps only groups
-whose rewards are not all equal (they carry no group-relative signal), and stops once it has
+file reads as the loop. With DAPO's dynamic sampling (`dynamic_sampling.GroupFilter`) it
+generates in rounds, keeps only groups whose rewards are not all equal, and stops once it has
 `prompts_per_step` groups or `max_sampling_rounds` rounds. Each round becomes its own
 `Experience` (rows of different rounds differ in width; the replay buffer never mixes them).
-Under several processes the keep decision is global (`global_keep`): the first informative
-groups in the global batch's order, as one process would keep them, so processes may end a step
-with different numbers of groups (the train loop evens out the optimizer steps).
 """
 
 from __future__ import annotations
@@ -21,6 +18,7 @@ import torch
 from accelerate.utils import gather_object
 
 from policy_gradients.advantages import last_token_rewards
+from policy_gradients.dynamic_sampling import GroupFilter
 from policy_gradients.experience import Experience
 from policy_gradients.rewards import CombinedReward, RewardInput
 from policy_gradients.rollout import (
@@ -65,18 +63,6 @@ class Collected:
     filler: Experience | None = None
 
 
-def global_keep(
-    informative: list[bool], positions: list[int], room: int, everyone: list[tuple[int, bool]]
-) -> list[bool]:
-    """Which of this process's groups (at global `positions`, `informative` or not) to keep:
-    those among the first `room` informative groups of the whole batch in global order, where
-    `everyone` lists every process's (position, informative). One process keeps exactly these
-    groups of the same batch, so the kept set does not depend on the process count."""
-    chosen = [p for p, flag in sorted(everyone) if flag][:room]
-    kept = set(chosen)
-    return [flag and p in kept for p, flag in zip(positions, informative, strict=True)]
-
-
 def rollout_metrics(
     sums: dict[str, float], counts: dict[str, int], times: dict[str, float]
 ) -> dict[str, float]:
@@ -100,6 +86,17 @@ def merge_rollout_metrics(collected: Collected, gathered: list[tuple[dict, dict]
             counts[k] += v
     times = {k: v for k, v in collected.metrics.items() if k.startswith("time/")}
     return rollout_metrics(sums, counts, times)
+
+
+def gather_collected(collected: Collected, world: int) -> list[tuple]:
+    """Under several processes: every process's rollout-log rows (rank 0 writes them) and, into
+    `collected.metrics`, the metrics of all processes' rollouts together. Every process calls it."""
+    if world == 1:
+        return collected.log_rows
+    rows = gather_object(collected.log_rows)
+    parts = gather_object([(collected.sums, collected.counts)])
+    collected.metrics = merge_rollout_metrics(collected, parts)
+    return rows
 
 
 def experience_of(
@@ -181,7 +178,7 @@ def collect_experience(
     counts = {"groups": 0, "completions": 0, "dropped_groups": 0}
     t_gen = t_score = t_logprobs = 0.0
     rounds = alg.max_sampling_rounds if alg.dynamic_sampling else 1
-    kept_everywhere = 0  # groups kept by all processes together
+    sampling = GroupFilter(prompts_per_step, r.group_size, world) if alg.dynamic_sampling else None
     filler = None
     for round_ in range(rounds):
         # every rank draws the same global batch and keeps its own slice of whole groups; each
@@ -213,15 +210,8 @@ def collect_experience(
         group_ids = group_ids + step * GROUP_ID_STRIDE
 
         keep = torch.ones(len(items), dtype=torch.bool)
-        if alg.dynamic_sampling:
-            grouped = (total if total.dim() == 1 else total.sum(-1)).view(len(items), r.group_size)
-            informative = (grouped.max(-1).values > grouped.min(-1).values).tolist()
-            everyone = list(zip(positions, informative, strict=True))
-            if world > 1:
-                everyone = gather_object(everyone)
-            room = prompts_per_step - kept_everywhere
-            keep = torch.tensor(global_keep(informative, positions, room, everyone))
-            kept_everywhere += min(room, sum(flag for _, flag in everyone))
+        if sampling is not None:  # DAPO: only groups whose rewards differ
+            keep = sampling.keep(total, positions)
             counts["dropped_groups"] += int((~keep).sum())
 
         round_state = {
@@ -233,7 +223,7 @@ def collect_experience(
         if len(rows) == 0:
             if world > 1 and not experiences and filler is None:  # see Collected.filler
                 filler, _ = experience_of(torch.arange(r.group_size), **round_state)
-            if kept_everywhere >= prompts_per_step:
+            if sampling is not None and sampling.full:
                 break
             continue
         experience, seconds = experience_of(rows, **round_state)
@@ -267,8 +257,8 @@ def collect_experience(
             sums["kl/k3_sequence"] = sums.get("kl/k3_sequence", 0.0) + float(
                 masked_sum(kl_tok, mask)
             )
-        done = kept_everywhere if alg.dynamic_sampling else counts["groups"] * world
-        if done >= prompts_per_step:
+        enough = counts["groups"] * world >= prompts_per_step
+        if sampling.full if sampling is not None else enough:
             break
     times = {"time/generate_s": t_gen, "time/score_s": t_score, "time/old_ref_values_s": t_logprobs}
     return Collected(

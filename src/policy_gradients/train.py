@@ -6,48 +6,41 @@ and KL placement.
 
 One step, top to bottom: sample prompts -> generate `group_size` completions each (KV cache,
 left padding) -> score with the reward components -> old and reference log-probs of the
-sampling distribution -> advantages (`collect.py`) -> `ppo_epochs` passes over the replay buffer
-in micro-batches, each pass `mini_batches` clipped optimizer steps (each step's loss is
-normalised over that step's tokens/sequences, so accumulation equals one big batch; the rows are
-shuffled when a pass takes several steps, kept group by group when it takes one) -> log
-(rewards, KL, entropy, clip fraction, lengths, time split) -> held-out eval every k steps ->
-checkpoint.
+sampling distribution -> advantages (`collect.py`; DAPO's dynamic sampling in
+`dynamic_sampling.py`) -> `ppo_epochs` passes over the replay buffer in micro-batches, each pass
+`mini_batches` clipped optimizer steps (`update.py`: each step's loss is normalised over that
+step's tokens/sequences, so accumulation equals one big batch) -> log (rewards, KL, entropy,
+clip fraction, lengths, time split) -> held-out eval every k steps -> checkpoint. The
+bookkeeping (data position, logging, best/, checkpoints, the stop after a signal, final/) is
+`rlhf_core.bookkeeping`'s, as in every trainer.
 """
 
 from __future__ import annotations
 
 import sys
 import time
+from dataclasses import dataclass
 from functools import partial
+from pathlib import Path
 
 import torch
-from accelerate.utils import gather_object
 
 from policy_gradients.advantages import ADVANTAGES
-from policy_gradients.collect import collect_experience, merge_rollout_metrics
+from policy_gradients.collect import collect_experience, gather_collected
 from policy_gradients.config import PGConfig
 from policy_gradients.evaluate import evaluate_policy
 from policy_gradients.experience import ReplayBuffer
 from policy_gradients.losses import LOSSES, VALUE_LOSSES
 from policy_gradients.overoptimization import write_overoptimization
 from policy_gradients.rewards import CombinedReward
-from policy_gradients.rollout import (
-    RolloutLog,
-    completion_logprobs,
-    completion_values,
-    load_prompts,
-)
+from policy_gradients.rollout import RolloutLog, load_prompts
+from policy_gradients.update import check_step_shape, optimizer_groups, policy_update
 from rlhf_core.bookkeeping import start_bookkeeping
 from rlhf_core.config import RunArgs, parse_run_args
-from rlhf_core.errors import UserError, run_main
-from rlhf_core.loop import (
-    check_engine_accumulation,
-    optimizer_step,
-    print_dry_run,
-    start_engine,
-    start_optimizer,
-)
-from rlhf_core.models import load_policy, load_reference, load_tokenizer
+from rlhf_core.distributed import Engine
+from rlhf_core.errors import run_main
+from rlhf_core.loop import print_dry_run, start_engine, start_optimizer
+from rlhf_core.models import ReferencePolicy, load_policy, load_reference, load_tokenizer
 from rlhf_core.registry import build_from_spec
 from rlhf_core.rundir import managed_run, open_run_dir
 from rlhf_core.runtime import seed_everything
@@ -57,66 +50,67 @@ from rlhf_core.stop_signal import StopSignal
 PACKAGE = "policy_gradients"
 
 
-def split_into(batches: list, parts: int) -> list[list]:
-    """`batches` cut into `parts` consecutive groups of (nearly) equal size, none empty."""
-    parts = max(1, min(parts, len(batches)))
-    size, extra = divmod(len(batches), parts)
-    out, start = [], 0
-    for k in range(parts):
-        end = start + size + (k < extra)
-        out.append(batches[start:end])
-        start = end
-    return out
+@dataclass
+class Models:
+    """The models of a run: the policy, the frozen reference (None without a KL term), the
+    learned rewards' models and PPO's value model (None without a value loss)."""
+
+    policy: torch.nn.Module
+    reference: ReferencePolicy | None
+    rewards: list[torch.nn.Module]
+    value: torch.nn.Module | None
+
+    @property
+    def held(self) -> list[torch.nn.Module | None]:
+        """Policy, the reference's own model (None when it shares the policy's), value model."""
+        own = self.reference.own_model if self.reference is not None else None
+        return [self.policy, own, self.value]
+
+    @property
+    def every(self) -> list[torch.nn.Module]:
+        """Every model the run holds (the engine reports their bytes)."""
+        return [m for m in [*self.held, *self.rewards] if m is not None]
 
 
-def even_updates(
-    accelerator, groups: list[list], batches: list, filler
-) -> list[tuple[list, float]]:
-    """(group, weight) pairs, as many on every process. With dynamic sampling the processes
-    keep different numbers of groups, so one may have fewer micro-batches (or none) than the
-    others' optimizer steps. Every step needs one synchronised backward on every process (DDP's
-    all-reduce), so a process short of groups adds zero-weight stand-ins: one of its own
-    micro-batches, or the dropped group `collect_experience` kept for this (`Collected.filler`).
-    The gradients and losses are those of the real groups alone."""
-    real = [g for g in groups if g]
-    count = torch.tensor(len(real), device=accelerator.device)
-    steps = max(1, int(accelerator.reduce(count, reduction="max")))
-    stand_in = batches[:1] or [filler]
-    return [(g, 1.0) for g in real] + [(stand_in, 0.0)] * (steps - len(real))
+def load_models(
+    cfg: PGConfig, engine: Engine, ckpt: Path | None, reward_fn: CombinedReward, *,
+    needs_reference: bool, needs_value: bool,
+) -> Models:  # fmt: skip
+    """The policy (resumed from `ckpt`), the reference (the starting weights, never the resumed
+    ones), the learned rewards (sharded at rest like the reference, gathered while they score)
+    and the value model (backbone + scalar head, from the policy's start), prepared for `engine`."""
+    device = engine.accelerator.device
+    policy = engine.prepare(load_policy(cfg.model, device, weights_from=ckpt).train())
+    reference = None
+    if needs_reference:
+        reference = load_reference(cfg.reference, cfg.model, policy, engine)
+    for component, model in reward_fn.models():
+        component.model = engine.prepare(model.requires_grad_(False), trainable=False)
+    value = None
+    if needs_value:
+        value = ScalarHeadModel.from_config(
+            cfg.value_model or cfg.model, ScalarHeadInfo(kind="value"), device,
+            weights_from=ckpt / "value" if ckpt is not None else None,
+        ).train()  # fmt: skip
+        value = engine.prepare(value)
+    return Models(policy, reference, [c.model for c, _ in reward_fn.models()], value)
 
 
 @managed_run
 def train(cfg: PGConfig, run: RunArgs) -> int:
     """Run RL as configured; returns the exit code (0, or 130/143 after a signal)."""
     accelerator, engine, threads = start_engine(cfg.train)
-    device, rank, world = accelerator.device, accelerator.process_index, accelerator.num_processes
-    is_main = accelerator.is_main_process
-    alg, ro, t = cfg.algorithm, cfg.rollout, cfg.train
-    if ro.prompts_per_step % world:
-        raise UserError(f"rollout.prompts_per_step ({ro.prompts_per_step}) must divide by {world}")
-    rows_per_rank = ro.prompts_per_step // world * ro.group_size
-    micro_per_pass = -(-rows_per_rank // t.micro_batch_size)
-    if alg.mini_batches > micro_per_pass and not alg.dynamic_sampling:  # (its rows vary)
-        raise UserError(
-            f"algorithm.mini_batches ({alg.mini_batches}) exceeds the micro-batches per pass and "
-            f"process ({micro_per_pass} = {rows_per_rank} rows / train.micro_batch_size "
-            f"{t.micro_batch_size}): lower it or train.micro_batch_size"
-        )
-    check_engine_accumulation(accelerator, -(-micro_per_pass // alg.mini_batches))
+    rank, world = accelerator.process_index, accelerator.num_processes
+    alg, ro, t, d = cfg.algorithm, cfg.rollout, cfg.train, cfg.data
+    check_step_shape(cfg, accelerator)
 
     # --- tokenizer, prompts, rewards, algorithm parts
     tokenizer = load_tokenizer(cfg.model, padding_side="left")
-    d = cfg.data
-    prompt_args = {
-        "prompt_column": d.prompt_column, "answer_column": d.answer_column,
-        "prompt_template": d.prompt_template, "system_prompt": d.system_prompt,
-    }  # fmt: skip
-    train_prompts = load_prompts(d.train, tokenizer, where="data.train", **prompt_args)
+    args = cfg.prompt_args()
+    train_prompts = load_prompts(d.train, tokenizer, where="data.train", **args)
     eval_prompts = None
     if d.eval is not None and t.evaluate:
-        eval_prompts = load_prompts(
-            d.eval, tokenizer, where="data.eval", limit=t.eval_size, **prompt_args
-        )
+        eval_prompts = load_prompts(d.eval, tokenizer, where="data.eval", limit=t.eval_size, **args)
     reward_fn = CombinedReward(cfg.rewards, strip_thinking=cfg.strip_thinking)
     estimator = build_from_spec(ADVANTAGES, alg.advantage)
     if world > 1 and not alg.dynamic_sampling:  # whiten over the whole step's batch (one call
@@ -139,187 +133,96 @@ def train(cfg: PGConfig, run: RunArgs) -> int:
         }, engine=engine, run_dir=run_dir, ckpt=ckpt)  # fmt: skip
         return 0
 
-    # --- policy, reference, optimizer
+    # --- models, optimizers, bookkeeping (data position, skips, best/, tracker): fresh or resumed
     seed_everything(cfg.seed)
-    policy = engine.prepare(load_policy(cfg.model, device, weights_from=ckpt).train())
-    reference = None
-    if needs_reference:  # the starting weights, never the resumed ones
-        reference = load_reference(cfg.reference, cfg.model, policy, engine)
-    # learned rewards: sharded at rest like the reference, gathered while they score
-    for component, model in reward_fn.models():
-        component.model = engine.prepare(model.requires_grad_(False), trainable=False)
-    reward_models = [component.model for component, _ in reward_fn.models()]
-    value_model = value_opt = value_sched = None
-    if value_loss_fn is not None:  # PPO: backbone + scalar head, from the policy's start
-        value_model = ScalarHeadModel.from_config(
-            cfg.value_model or cfg.model, ScalarHeadInfo(kind="value"), device,
-            weights_from=ckpt / "value" if ckpt is not None else None,
-        ).train()  # fmt: skip
-        value_model = engine.prepare(value_model)
-    updates_per_step = alg.ppo_epochs * alg.mini_batches
-    total_updates = t.max_steps * updates_per_step
-    optimizer, scheduler = start_optimizer(engine, policy, cfg.optim, total_updates)
-    if value_model is not None:
-        value_opt, value_sched = start_optimizer(engine, value_model, cfg.optim, total_updates)
-    # data position, skipped steps, best model, tracker: fresh, or resumed from ckpt
+    models = load_models(cfg, engine, ckpt, reward_fn, needs_reference=needs_reference,
+                         needs_value=value_loss_fn is not None)  # fmt: skip
+    total_updates = t.max_steps * alg.ppo_epochs * alg.mini_batches
+    policy = (models.policy, *start_optimizer(engine, models.policy, cfg.optim, total_updates))
+    value = None
+    if models.value is not None:
+        value = (models.value, *start_optimizer(engine, models.value, cfg.optim, total_updates))
     book = start_bookkeeping(
         cfg, run, package=PACKAGE, accelerator=accelerator, threads=threads, run_dir=run_dir,
         ckpt=ckpt, num_rows=len(train_prompts.items), total_steps=t.max_steps,
-        has_eval=cfg.data.eval is not None,
-        model=policy, tokenizer=tokenizer, optimizer=optimizer, scheduler=scheduler,
-        extra={"value": (value_model, value_opt)} if value_model is not None else None,
+        has_eval=d.eval is not None, model=policy[0], tokenizer=tokenizer, optimizer=policy[1],
+        scheduler=policy[2], extra={"value": value[:2]} if value else None,
+        extra_schedulers={"value": value[2]} if value else None,
     )  # fmt: skip
-    step, sampler, skips, tracker = book.start_step, book.sampler, book.skips, book.tracker
-    if ckpt is not None and value_model is not None:
-        value_sched.load_state_dict(book.restored["value_scheduler"])
-    rollout_log = RolloutLog(
-        run_dir / "rollouts.sqlite", enabled=is_main, resume_step=step if ckpt else None
-    )
+    step = book.start_step
+    rollout_log = RolloutLog(run_dir / "rollouts.sqlite", enabled=accelerator.is_main_process,
+                             resume_step=step if ckpt else None)  # fmt: skip
     buffer = ReplayBuffer()
-    held = [policy, reference.own_model if reference else None, value_model]
-    engine_facts = engine.announce(
-        [m for m in [*held, *reward_models] if m is not None],
-        [optimizer] + ([value_opt] if value_opt is not None else []),
-    )
+    engine_facts = engine.announce(models.every, [policy[1]] + ([value[1]] if value else []))
 
     def run_eval() -> dict[str, float]:
         if eval_prompts is None:
             return {}
         # every process evaluates all prompts (the same numbers), its models gathered
         rows: list[tuple] = []
-        with engine.gathered_all(*held[:2], *reward_models) as (whole, *_):
+        with engine.gathered_all(*models.held[:2], *models.rewards) as (whole, *_):
             results = evaluate_policy(
-                whole, reference, tokenizer, eval_prompts, reward_fn,
+                whole, models.reference, tokenizer, eval_prompts, reward_fn,
                 max_new_tokens=ro.max_new_tokens, temperature=ro.temperature,
                 batch_size=max(t.micro_batch_size, 32), seed=cfg.seed + step, log_rows=rows,
             )  # fmt: skip
         rollout_log.write_eval([(step, *row) for row in rows])
         return results
 
-    def save() -> None:
-        rollout_log.flush()
-        value = {"value_scheduler": value_sched.state_dict()} if value_sched is not None else None
-        book.save(step, extra_state=value)
-
-    def update(
-        group: list, sums: dict[str, float], weight: float = 1.0
-    ) -> tuple[torch.Tensor, float, bool]:
-        """One optimizer step on `group` (micro-batches of the replay buffer) with gradient
-        accumulation; the loss is normalised by the group's global token/sequence counts, so
-        the micro-batch losses sum to the one-big-batch loss. Metrics go into `sums` as this
-        update's share of the step's average. `weight` 0: a stand-in forward/backward that adds
-        nothing, for a process with no rows in this step (see `even_updates`)."""
-        local = torch.tensor([float(sum(mb.action_mask.sum() for mb in group)),
-                              float(sum(len(mb) for mb in group))]) * weight  # fmt: skip
-        total_tokens, total_sequences = accelerator.reduce(local.to(device), reduction="sum")
-        norm = {"total_tokens": total_tokens.clamp(min=1),
-                "total_sequences": total_sequences.clamp(min=1)}  # fmt: skip
-        step_loss = torch.zeros((), device=device)
-        for i, mb in enumerate(group):
-            sync = i == len(group) - 1
-            with engine.grad_sync(policy, sync), engine.grad_sync(value_model, sync):
-                logps, entropy = completion_logprobs(
-                    policy, mb.sequence_ids, mb.attention_mask,
-                    mb.sequence_ids.shape[1] - mb.action_mask.shape[1],
-                    temperature=ro.temperature, with_entropy=True, action_mask=mb.action_mask,
-                )  # fmt: skip
-                if mb.log_probs_old is None:  # on-policy: pi_old = pi_theta, detached
-                    mb.log_probs_old = logps.detach()
-                loss, metrics = loss_fn(logps, mb, entropy=entropy, **norm)
-                if value_model is not None:
-                    prompt_len = mb.sequence_ids.shape[1] - mb.action_mask.shape[1]
-                    values = completion_values(
-                        value_model, mb.sequence_ids, mb.attention_mask, prompt_len
-                    )
-                    v_loss, v_metrics = value_loss_fn(None, mb, values=values, **norm)
-                    metrics = {**metrics, **{f"value/{k}": v for k, v in v_metrics.items()}}
-                    loss = loss + alg.value_coef * v_loss
-                accelerator.backward(loss * world * weight)
-            step_loss += loss.detach() * weight
-            share = len(mb) / float(total_sequences) / updates_per_step * weight
-            for key, value in metrics.items():
-                sums[key] = sums.get(key, 0.0) + float(value) * share
-        step_loss = accelerator.reduce(step_loss, reduction="sum")
-        grad_norm, was_skipped = optimizer_step(
-            accelerator, policy, optimizer, scheduler,
-            max_grad_norm=cfg.optim.max_grad_norm, loss=step_loss, skips=skips,
-        )  # fmt: skip
-        if value_model is not None:
-            optimizer_step(
-                accelerator, value_model, value_opt, value_sched,
-                max_grad_norm=cfg.optim.max_grad_norm, loss=step_loss,
-            )  # fmt: skip
-        return step_loss, grad_norm, was_skipped
-
     # --- the loop
     with StopSignal() as stop:
         while step < t.max_steps:
             # each process generates its own prompts' rollouts, its models gathered
-            with engine.gathered_all(*held, *reward_models) as (whole, _, whole_value, *_):
+            with engine.gathered_all(*models.held, *models.rewards) as (whole, _, whole_value, *_):
                 collected = collect_experience(
-                    step=step, policy=whole, reference=reference, tokenizer=tokenizer,
-                    prompts=train_prompts, sampler=sampler, prompts_per_step=ro.prompts_per_step,
-                    rank=rank, world=world, cfg=cfg, reward_fn=reward_fn, estimator=estimator,
-                    value_model=whole_value,
+                    step=step, policy=whole, reference=models.reference, tokenizer=tokenizer,
+                    prompts=train_prompts, sampler=book.sampler, rank=rank, world=world,
+                    prompts_per_step=ro.prompts_per_step, cfg=cfg, reward_fn=reward_fn,
+                    estimator=estimator, value_model=whole_value,
                 )  # fmt: skip
             # every rank's rollouts, written by rank 0 alone, and their metrics together
-            rows = gather_object(collected.log_rows) if world > 1 else collected.log_rows
-            rollout_log.write(rows)
-            if world > 1:
-                parts = gather_object([(collected.sums, collected.counts)])
-                collected.metrics = merge_rollout_metrics(collected, parts)
+            rollout_log.write(gather_collected(collected, world))
             for experience in collected.experiences:
                 buffer.add(experience)
-            t_train = time.perf_counter()
-            sums: dict[str, float] = {}
+            t_train, sums = time.perf_counter(), {}
             for epoch in range(alg.ppo_epochs):
-                # one optimizer step per pass: keep each group's rows together (fewer prompt
-                # forwards; the order of an accumulated sum changes nothing but rounding)
-                batches = buffer.micro_batches(
-                    t.micro_batch_size, seed=cfg.seed * 1_000_003 + step * 101 + epoch,
-                    shuffle=alg.mini_batches > 1,
+                groups = optimizer_groups(
+                    buffer, cfg, step=step, epoch=epoch, accelerator=accelerator,
+                    filler=collected.filler,
                 )  # fmt: skip
-                groups = split_into(batches, alg.mini_batches)  # one optimizer step each
-                if world > 1 and alg.dynamic_sampling:  # as many steps on every process
-                    weighted = even_updates(accelerator, groups, batches, collected.filler)
-                else:
-                    weighted = [(group, 1.0) for group in groups]
-                for group, weight in weighted:
-                    step_loss, grad_norm, _ = update(group, sums, weight)
+                for group, weight in groups:
+                    step_loss, grad_norm, metrics = policy_update(
+                        engine, group, weight, policy=policy, value=value, loss_fn=loss_fn,
+                        value_loss_fn=value_loss_fn, cfg=cfg, skips=book.skips,
+                    )  # fmt: skip
+                    for key, v in metrics.items():  # this process's share, summed over updates
+                        sums[key] = sums.get(key, 0.0) + v
             buffer.clear()
             step += 1
 
-            if step % cfg.tracking.log_every == 0 or step == t.max_steps:
-                # each process holds its rows' share of the step's loss components: sum them
-                sums = {k: accelerator.reduce(torch.tensor(v, device=device), reduction="sum")
-                        .item() for k, v in sorted(sums.items())}  # fmt: skip
-                tracker.log(step, {
-                    "train/loss": step_loss.item(), "train/grad_norm": grad_norm,
-                    "train/lr": scheduler.get_last_lr()[0], "train/skipped_steps": skips.total,
-                    **{f"train/{k}": v for k, v in collected.metrics.items()},
-                    **{f"train/loss/{k}": v for k, v in sums.items()},
-                    "train/time/train_s": time.perf_counter() - t_train,
-                })  # fmt: skip
+            # the loss components are each process's share of the step's average: log_step sums
+            book.log_step(step, step_loss, grad_norm, {
+                **collected.metrics, **{f"loss/{k}": v.float() for k, v in sorted(sums.items())},
+                "time/train_s": time.perf_counter() - t_train,
+            })  # fmt: skip
             if book.evaluate(step, run_eval):  # every train.eval_every steps
                 break  # early stop: the final evaluation and final/ follow
-            if book.save_due(step):
-                save()
-            if stop.requested:
-                save()
+            if book.save_due(step) or stop.requested:  # a resume keeps the rollout rows up to
+                rollout_log.flush()  # its checkpoint's step: on disk before the checkpoint is
+            if (exit_code := book.checkpoint(step, stop)) is not None:
                 rollout_log.close()
-                return book.stopped(step, stop)
+                return exit_code  # stopped by a signal, checkpoint saved
 
     # --- final evaluation, final/ and summary
     final_eval = run_eval()
     rollout_log.close()
-    book.save_final_model(step, final_eval)
-    first = [r for r in tracker.history if "train/reward/total" in r]
-    book.summarize(step, {
+    first = [r for r in book.tracker.history if "train/reward/total" in r]
+    book.finish(step, final_eval, {
         "algorithm": alg.name, "train_prompts": len(train_prompts.items),
         "first_train_reward": first[0]["train/reward/total"] if first else None,
         "last_train_reward": first[-1]["train/reward/total"] if first else None,
-    }, final_eval, engine_facts)  # fmt: skip
-    if is_main:  # a learned and a verifier reward: proxy vs gold (Gao et al. 2022)
+    }, engine_facts)  # fmt: skip
+    if accelerator.is_main_process:  # a learned and a verifier reward: proxy vs gold (Gao 2022)
         write_overoptimization(run_dir, cfg.rewards)
     return 0
 

@@ -91,13 +91,16 @@ class Bookkeeping:
     extra: dict[str, tuple[torch.nn.Module, torch.optim.Optimizer | None]] = field(
         default_factory=dict
     )
+    extra_schedulers: dict[str, Any] = field(default_factory=dict)  # name -> the extra's schedule
 
     def state_dict(self) -> dict[str, Any]:
-        """The loop's state a checkpoint holds besides models, optimizers and schedules."""
+        """The loop's state a checkpoint holds besides models, optimizers and the main schedule
+        (the extra models' schedules are in it, as `<name>_scheduler`)."""
         return {
             "sampler": self.sampler.state_dict(),
             "skipped_steps": self.skips.total,
             "best": self.selector.state_dict(),
+            **{f"{k}_scheduler": s.state_dict() for k, s in self.extra_schedulers.items()},
         }
 
     def save(self, step: int, extra_state: dict[str, Any] | None = None) -> None:
@@ -228,12 +231,15 @@ def start_bookkeeping(
     optimizer: torch.optim.Optimizer,
     scheduler: Any,
     extra: dict[str, tuple[torch.nn.Module, torch.optim.Optimizer | None]] | None = None,
+    extra_schedulers: dict[str, Any] | None = None,
 ) -> Bookkeeping:
     """A fresh `Bookkeeping` for `num_rows` training rows (seeded sampler), or, with `ckpt`,
     one resumed from it: optimizer, scheduler, RNGs, data position, skipped steps and the
     selector restored (`start_step` and `restored`, the loop state read, say where).
     `has_eval`: whether the run has held-out data; with `train.eval_every` it evaluates
-    periodically, which best-model selection needs."""
+    periodically, which best-model selection needs. `extra` (name -> (model, optimizer or
+    None)) and `extra_schedulers` (name -> schedule) are more models trained beside `model`
+    (PPO's value model), saved and restored with it."""
     sampler = EpochSampler(num_rows, cfg.seed)
     skips = SkippedSteps(cfg.optim.max_consecutive_skips)
     periodic_eval = has_eval and bool(cfg.train.eval_every)
@@ -246,6 +252,8 @@ def start_bookkeeping(
         )  # fmt: skip
         skips.total = restored["skipped_steps"]
         selector.load_state_dict(restored.get("best"))
+        for key, schedule in (extra_schedulers or {}).items():
+            schedule.load_state_dict(restored[f"{key}_scheduler"])
     tracker = Tracker(
         run_dir, cfg, cfg.tracking, total_steps=total_steps,
         resume_step=step if ckpt is not None else None, enabled=accelerator.is_main_process,
@@ -255,4 +263,5 @@ def start_bookkeeping(
         total_steps=total_steps, model=model, tokenizer=tokenizer, optimizer=optimizer,
         scheduler=scheduler, sampler=sampler, skips=skips, selector=selector, tracker=tracker,
         threads=threads, start_step=step, restored=restored, extra=dict(extra or {}),
+        extra_schedulers=dict(extra_schedulers or {}),
     )  # fmt: skip

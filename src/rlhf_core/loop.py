@@ -13,6 +13,7 @@ from __future__ import annotations
 import math
 import sys
 from collections.abc import Callable
+from contextlib import ExitStack
 from pathlib import Path
 from typing import Any, Literal
 
@@ -157,7 +158,7 @@ def micro_batches(
 
 def accumulate_gradients(
     engine: Engine,
-    model: torch.nn.Module,
+    model: torch.nn.Module | tuple[torch.nn.Module | None, ...],
     batches: list[tuple[list[int], Batch]],
     loss_of: Callable[[Batch, list[int]], tuple[torch.Tensor, dict[str, torch.Tensor]]],
     *,
@@ -165,8 +166,11 @@ def accumulate_gradients(
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """The forward and backward passes of one optimizer step, its micro-batches in turn.
 
-    Each batch moves to the device and `loss_of(batch, rows)` returns its (loss, metrics); the
-    gradients are reduced across processes after the last micro-batch only (`engine.grad_sync`).
+    Each batch moves to the device (a dict of tensors, or an object with `.to(device)` such as
+    policy_gradients' `Experience`) and `loss_of(batch, rows)` returns its (loss, metrics); the
+    gradients of `model` (or of each of several models trained by one loss, e.g. PPO's policy and
+    value model; None skipped) are reduced across processes after the last micro-batch only
+    (`engine.grad_sync`).
     With `step_rows` (the step's rows over all processes) a micro-batch's loss is a mean over its
     rows and counts with weight len(rows) / step_rows, so the weighted sum over micro-batches and
     processes is the mean over the step's rows, the one-big-batch loss; with None every loss is
@@ -175,13 +179,19 @@ def accumulate_gradients(
     make them sum. Returns the step's loss, summed over processes, and this process's weighted
     metrics (reduce them over processes when logging)."""
     accelerator = engine.accelerator
-    world = accelerator.num_processes
-    step_loss = torch.zeros((), device=accelerator.device)
+    world, device = accelerator.num_processes, accelerator.device
+    models = (model,) if isinstance(model, torch.nn.Module) else model
+    step_loss = torch.zeros((), device=device)
     metrics: dict[str, torch.Tensor] = {}
     for i, (rows, batch) in enumerate(batches):
         weight = 1.0 if step_rows is None else len(rows) / step_rows
-        batch = {k: v.to(accelerator.device) for k, v in batch.items()}
-        with engine.grad_sync(model, sync=i == len(batches) - 1):
+        if isinstance(batch, dict):
+            batch = {k: v.to(device) for k, v in batch.items()}
+        else:
+            batch = batch.to(device)
+        with ExitStack() as synced:
+            for each in models:
+                synced.enter_context(engine.grad_sync(each, sync=i == len(batches) - 1))
             loss, batch_metrics = loss_of(batch, rows)
             accelerator.backward(loss * weight * world)
         step_loss += loss.detach() * weight

@@ -1,4 +1,4 @@
-"""DAPO's dynamic-sampling keep decision across processes (`policy_gradients.collect.global_keep`):
+"""DAPO's dynamic-sampling keep decision across processes (`dynamic_sampling.global_keep`):
 each process keeps exactly the groups one process would keep from the same global batch."""
 
 from __future__ import annotations
@@ -7,7 +7,7 @@ import random
 
 import pytest
 
-from policy_gradients.collect import global_keep
+from policy_gradients.dynamic_sampling import global_keep
 
 
 def one_process_keep(flags: list[bool], room: int) -> list[bool]:

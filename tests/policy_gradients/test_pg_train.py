@@ -125,7 +125,7 @@ def test_dry_run_and_config_errors(sft_checkpoint, tmp_path, capsys):
 
 
 def test_split_into_consecutive_nearly_equal_groups():
-    from policy_gradients.train import split_into
+    from policy_gradients.update import split_into
 
     assert split_into(list(range(7)), 3) == [[0, 1, 2], [3, 4], [5, 6]]
     assert split_into(list(range(2)), 5) == [[0], [1]]
