@@ -239,7 +239,7 @@ def load_policy(
 
     `weights_from` loads full weights from another directory (a checkpoint), or, with LoRA, the
     base from `cfg.name_or_path` and the adapter from `weights_from`. A sharded checkpoint holds
-    no Hugging Face weights: the base is loaded, and `rlhf_core.loop.restore_checkpoint` reads
+    no Hugging Face weights: the base is loaded, and `rlhf_core.checkpoint.restore_checkpoint` reads
     the shards once the model is sharded.
     """
     from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForSeq2SeqLM
