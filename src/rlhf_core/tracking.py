@@ -32,6 +32,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, Field
 
 from rlhf_core.config import StrictModel, dump_config
+from rlhf_core.errors import UserError
 
 Backend = Literal["wandb", "tensorboard", "trackio"]
 
@@ -207,8 +208,6 @@ def _import(backend: str, module: str) -> Any:
     try:
         return importlib.import_module(module)
     except ImportError as exc:
-        from rlhf_core.errors import UserError
-
         raise UserError(
             f"tracking.backends: {backend!r} needs the {exc.name} package (uv sync --extra "
             f"tracking, or pip install {exc.name}); or remove it from tracking.backends"
