@@ -93,7 +93,7 @@ def column(row: dict[str, Any], name: str, here: str) -> Any:
 def apply_columns(row: dict[str, Any], columns: Columns | None, where: str) -> dict[str, Any]:
     """`row` with the columns of `columns` renamed to their standard keys, and a `system` column
     (when set) made the leading system message of the prompt, the messages, or (no prompt) both
-    message-list completions. `where` names the file and row for errors."""
+    message-list completions; with none of them it stays. `where` names the file and row."""
     mapping = columns.mapping() if columns is not None else {}
     for key, name in mapping.items():
         if name not in row:
@@ -103,8 +103,9 @@ def apply_columns(row: dict[str, Any], columns: Columns | None, where: str) -> d
             )
     out = {k: v for k, v in row.items() if k not in mapping.values()}
     out.update({key: row[name] for key, name in mapping.items()})
-    system = out.pop("system", None)
+    system = out.get("system")
     if system is None or system == "":
+        out.pop("system", None)
         return out
     if not isinstance(system, str):
         raise UserError(f"{where} column 'system': expected a string, got {type(system).__name__}")
@@ -116,11 +117,9 @@ def apply_columns(row: dict[str, Any], columns: Columns | None, where: str) -> d
     elif all(isinstance(out.get(k), list) for k in ("chosen", "rejected")):
         for key in ("chosen", "rejected"):
             out[key] = first + as_messages(out[key], where=f"{where} column {key!r}")
-    else:
-        raise UserError(
-            f"{where}: a 'system' column needs a prompt (data.columns.prompt), a 'messages' "
-            f"column, or message-list completions to go before (columns found: {sorted(row)})"
-        )
+    else:  # nothing to go before: kept, so the layout error lists it (HH rows refuse it)
+        return out
+    del out["system"]
     return out
 
 

@@ -83,6 +83,11 @@ def preference_row(
             return split_message_pair(chosen, rejected, where=f"{here} columns chosen/rejected")
         if not isinstance(chosen, str) or not isinstance(rejected, str):
             raise UserError(f"{here}: HH rows need string transcripts in 'chosen' and 'rejected'")
+        if row.get("system"):
+            raise UserError(
+                f"{here}: a 'system' column has no prompt to go before in HH "
+                "transcripts; give the prompt its own column (data.columns.prompt)"
+            )
         return split_hh_pair(chosen, rejected, where=f"{here} columns chosen/rejected")
     if layout != "preference":
         raise ValueError(f"preference_row: unknown format {fmt!r}")

@@ -121,3 +121,23 @@ def test_heldout_seed_ranges_must_not_overlap():
             "eval": {"reasoning_gym": {**rg, "seed": 101}},
         }
     )
+
+
+def test_columns_map_a_users_names_and_a_mismatch_names_the_closest_layout(tokenizer, tmp_path):
+    from rlhf_core.columns import Columns
+
+    rows = [{"system": "Be terse.", "instruction": "Spell: abc", "output": "cba"}]
+    path = write_jsonl(tmp_path / "alpaca.jsonl", rows)
+    mapped = build_sft_data(
+        DataSource(path=path), tokenizer, fmt="auto", max_length=64, max_prompt_length=None,
+        where="data.train", columns=Columns(prompt="instruction", completion="output"),
+    ).examples[0]  # fmt: skip
+    assert tokenizer.decode(mapped.prompt_ids).startswith("<|system|>Be terse.")
+    assert "Spell: abc" in mapped.prompt_text and mapped.reference == "cba"
+    with pytest.raises(ValueError) as err:  # unmapped: neither SFT layout
+        build(tokenizer, path)
+    message = str(err.value)
+    assert f"data.train ({path}[train]): row 0 is missing columns 'prompt', 'completion'" in message
+    assert "columns found: ['instruction', 'output', 'system']" in message
+    with pytest.raises(ValueError, match=r"row 0 is missing column 'messages' of layout messages"):
+        build(tokenizer, path, fmt="messages")  # a declared format: its first row is checked

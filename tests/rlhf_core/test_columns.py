@@ -55,8 +55,12 @@ def test_a_system_column_becomes_the_leading_system_message():
     assert convo["messages"][0] == {"role": "system", "content": "s"}
     pair = apply_columns({"chosen": [USER], "rejected": [USER], "system": "s"}, None, "w")
     assert pair["chosen"][0] == pair["rejected"][0] == {"role": "system", "content": "s"}
-    with pytest.raises(UserError, match=r"w: a 'system' column needs a prompt"):
-        apply_columns({"system": "s", "chosen": "a", "rejected": "b"}, None, "w")
+    # nothing to go before: it stays, so a layout error lists it, and HH rows refuse it
+    kept = apply_columns({"system": "s", "chosen": "a", "rejected": "b"}, None, "w")
+    assert kept == {"system": "s", "chosen": "a", "rejected": "b"}
+    hh = {"system": "s", "chosen": HH_CHOSEN, "rejected": HH_REJECTED}
+    with pytest.raises(UserError, match=r"w: row 0: a 'system' column has no prompt"):
+        preference_row(apply_columns(hh, None, "w"), 0, "auto", "w")
 
 
 @pytest.mark.parametrize(
