@@ -21,7 +21,9 @@ class SFTDataConfig(TextDataConfig):
     )
     eval: DataSource | None = Field(None, description="held-out rows for loss and task accuracy")
     format: Literal["auto", "messages", "prompt_completion"] = Field(
-        "auto", description="row format; auto = 'messages' if that column exists"
+        "auto",
+        description="row format; auto = detected per row (rlhf_core.columns: prompt + "
+        "completion, else messages)",
     )
     max_length: int = Field(512, gt=1, description="max prompt + completion tokens")
 
