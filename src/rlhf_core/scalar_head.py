@@ -12,7 +12,8 @@ module, so it never imports `reward_models`.
 The backbone is a base model (`AutoModel`: no LM head), loaded per `ModelConfig` (tiny preset,
 local directory or hub id; dtype; attention; LoRA; gradient checkpointing; `pad_token`), and may
 be frozen so only the head trains. It is a causal LM's (Qwen, Llama, GPT-2 ...), an
-encoder-decoder's (T5: the encoder reads the prompt, the decoder positions are scored), or, with
+encoder-decoder's (T5: the encoder reads the prompt, the decoder positions are scored; with
+`share_encoder`, another model's encoder reads it, e.g. the PPO policy's), or, with
 `info.encoder_only`, a bidirectional encoder's (BERT / DeBERTa / Longformer family; a
 `...ForTokenClassification`, `...ForSequenceClassification` or `...ForMaskedLM` checkpoint's
 encoder; its pooler, unused by a per-token head, is dropped): every token's score then reads the
