@@ -4,6 +4,7 @@ config (random init: speed does not depend on the weights; nothing is downloaded
 
     uv run python -m benchmarks.gpu                 # on a CUDA machine (bf16, SDPA or flash-attn 2)
     uv run python -m benchmarks.gpu --smoke         # a tiny config on the CPU: checks the script
+    python -m benchmarks.gpu --out DIR              # gpu.json / gpu.md to DIR (gpu_proof.sh)
 
 What one step is (the library's own functions, as the trainers call them):
   SFT   `rlhf_core.logprobs.causal_lm_selected_logprobs` over `batch` rows of `seq_len` tokens (the
@@ -17,7 +18,11 @@ What one step is (the library's own functions, as the trainers call them):
   GRPO  `policy_gradients.rollout.generate_rollouts` (our KV-cache decode loop) of
         `prompts x group` completions, a stand-in reward (length-based: the scoring cost of a real
         verifier is CPU string work and is reported separately as `score_s`), GRPO advantages,
-        the clipped loss over the rollouts in micro-batches, backward, AdamW
+        the clipped loss over the rollouts in micro-batches, backward, AdamW; reported as seconds
+        and shares, generated tokens/s (through each row's first eos) and training tokens/s
+        (prompt + completion tokens of the update)
+  decode vs generate  greedy decoding of the GRPO prompts by our loop and by transformers'
+        `generate` on the same model: tokens/s of each and the share of rows that agree
 
 MFU = achieved model FLOPs / peak. Model FLOPs per token: 6 x N for a trained forward+backward
 and 2 x N per no-grad forward (the DPO reference), N = parameters doing matmuls (the LM head
@@ -34,6 +39,7 @@ import json
 import sys
 import time
 from dataclasses import asdict, dataclass
+from pathlib import Path
 from typing import Any
 
 QWEN3_0P6B = {  # Qwen/Qwen3-0.6B config.json (architecture only)
@@ -137,6 +143,7 @@ def bench_sft_dpo(s: Settings, device, dtype, peak: float) -> dict[str, Any]:
 
     import torch
 
+    from rlhf_core.fastpath import speed_plan
     from rlhf_core.logprobs import causal_lm_selected_logprobs, masked_sum
     from rlhf_core.optim import OptimConfig, build_optimizer
 
@@ -154,6 +161,7 @@ def bench_sft_dpo(s: Settings, device, dtype, peak: float) -> dict[str, Any]:
         return ids, mask, target
 
     out: dict[str, Any] = {"attention": attention, "matmul_parameters": n_params}
+    out["speed_plan"] = speed_plan(model).describe()  # what the trainers would take here
     sft_batch = rows(s.batch)
 
     def sft_step():
@@ -270,6 +278,7 @@ def bench_grpo(s: Settings, device, dtype) -> dict[str, Any]:
     ids = prompts.repeat_interleave(s.grpo_group, 0).to(device)
     mask = torch.ones_like(ids)
     split: dict[str, list[float]] = {"generate_s": [], "score_s": [], "train_s": []}
+    generated, trained = [], []
     for i in range(s.warmup + s.steps):
         sync(device)
         t0 = time.perf_counter()
@@ -304,6 +313,8 @@ def bench_grpo(s: Settings, device, dtype) -> dict[str, Any]:
         sync(device)
         t3 = time.perf_counter()
         if i >= s.warmup:
+            generated.append(int(action.sum()))  # completion tokens through the first eos
+            trained.append(int(attn.sum()))  # prompt + completion tokens the update reads
             split["generate_s"].append(t1 - t0)
             split["score_s"].append(t2 - t1)
             split["train_s"].append(t3 - t2)
@@ -312,7 +323,52 @@ def bench_grpo(s: Settings, device, dtype) -> dict[str, Any]:
     return {
         **med, "step_s": total_s, "share": {k: v / total_s for k, v in med.items()},
         "rollouts": len(ids), "new_tokens": s.grpo_new_tokens,
+        "generated_tokens_per_s": sum(generated) / sum(split["generate_s"]),
+        "training_tokens_per_s": sum(trained) / sum(split["train_s"]),
+        "decode_vs_generate": bench_decode_vs_generate(s, model, ids, mask, device),
     }  # fmt: skip
+
+
+def bench_decode_vs_generate(s: Settings, model, ids, mask, device) -> dict[str, Any]:
+    """Greedy decoding of the GRPO prompts by our KV-cache loop (`rlhf_core.generation.decode`)
+    against transformers' `generate`, on the same model and device: tokens/s of each (positions
+    decoded, rows x steps; a random-init model rarely draws its eos) and whether they agree.
+    bf16 greedy decoding may part at near-ties, so agreement is reported as the share of rows
+    equal throughout, not asserted; the float32 test of the same thing is
+    `tests/cuda/test_cuda_engines.py`."""
+    import torch
+
+    from rlhf_core.generation import decode
+
+    eos = model.config.eos_token_id
+    model.eval()
+    out: dict[str, Any] = {"rows": len(ids), "new_tokens": s.grpo_new_tokens}
+    tokens = {}
+    for name in ("decode", "generate"):
+        times = []
+        for i in range(1 + max(1, s.steps // 2)):
+            sync(device)
+            start = time.perf_counter()
+            with torch.no_grad():
+                if name == "decode":
+                    seqs = decode(model, ids, mask, max_new_tokens=s.grpo_new_tokens,
+                                  eos_token_id=eos, pad_token_id=0)  # fmt: skip
+                else:
+                    seqs = model.generate(input_ids=ids, attention_mask=mask, do_sample=False,
+                                          max_new_tokens=s.grpo_new_tokens, eos_token_id=eos,
+                                          pad_token_id=0)  # fmt: skip
+            sync(device)
+            if i > 0:
+                times.append(time.perf_counter() - start)
+        tokens[name] = seqs[:, ids.shape[1] :]
+        step_s = sorted(times)[len(times) // 2]
+        out[name] = {"s": step_s, "tokens_per_s": tokens[name].numel() / step_s}
+    model.train()
+    n = min(tokens["decode"].shape[1], tokens["generate"].shape[1])
+    equal = (tokens["decode"][:, :n] == tokens["generate"][:, :n]).all(-1)
+    out["rows_equal"] = float(equal.float().mean())
+    out["speedup"] = out["decode"]["tokens_per_s"] / out["generate"]["tokens_per_s"]
+    return out
 
 
 def render(r: dict[str, Any]) -> str:
@@ -355,7 +411,15 @@ def render(r: dict[str, Any]) -> str:
         f"{g['step_s']:.2f} s = "
         f"generation {g['generate_s']:.2f} s ({g['share']['generate_s']:.0%}), scoring "
         f"{g['score_s']:.3f} s ({g['share']['score_s']:.0%}), training {g['train_s']:.2f} s "
-        f"({g['share']['train_s']:.0%}).",
+        f"({g['share']['train_s']:.0%}); generated {g['generated_tokens_per_s']:.0f} tokens/s, "
+        f"training {g['training_tokens_per_s']:.0f} tokens/s.",
+        "",
+        f"Greedy decoding of {g['decode_vs_generate']['rows']} rows x "
+        f"{g['decode_vs_generate']['new_tokens']} tokens: our decode "
+        f"{g['decode_vs_generate']['decode']['tokens_per_s']:.0f} tokens/s, transformers "
+        f"`generate` {g['decode_vs_generate']['generate']['tokens_per_s']:.0f} tokens/s "
+        f"({g['decode_vs_generate']['speedup']:.2f}x); rows equal throughout "
+        f"{g['decode_vs_generate']['rows_equal']:.0%}.",
         "",
         f"Target >= 40% MFU for SFT/DPO: SFT {r['sft_dpo']['sft']['mfu'] >= 0.4}, "
         f"DPO {r['sft_dpo']['dpo']['mfu'] >= 0.4}.",
@@ -375,6 +439,9 @@ def main(argv: list[str] | None = None) -> int:
             parser.add_argument(f"--{field.replace('_', '-')}", action="store_true")
         else:
             parser.add_argument(f"--{field.replace('_', '-')}", type=type(value), default=value)
+    parser.add_argument("--out", type=Path, default=None,
+                        help="write gpu.json and gpu.md here (default: benchmarks/results/, "
+                        "not in --smoke)")  # fmt: skip
     args = parser.parse_args(argv)
     s = Settings(**{f: getattr(args, f) for f in asdict(defaults)})
     if s.smoke:
@@ -384,7 +451,7 @@ def main(argv: list[str] | None = None) -> int:
 
     import torch
 
-    from benchmarks.measure import RESULTS_DIR, timestamp
+    from benchmarks.measure import RESULTS_DIR, machine, timestamp
 
     if not s.smoke and not torch.cuda.is_available():
         print(
@@ -401,14 +468,18 @@ def main(argv: list[str] | None = None) -> int:
     result = {
         "settings": asdict(s), "dtype": str(dtype).removeprefix("torch."),
         "device_name": torch.cuda.get_device_name() if device.type == "cuda" else "CPU",
-        "versions": {"torch": torch.__version__},
+        "versions": {"torch": torch.__version__}, "machine": machine(),
         "peak_tflops": measured_peak_tflops(device, dtype),
     }  # fmt: skip
     result["sft_dpo"] = bench_sft_dpo(s, device, dtype, result["peak_tflops"])
     result["grpo"] = bench_grpo(s, device, dtype)
     text = render(result)
     print(text)
-    if not s.smoke:
+    if args.out is not None:
+        args.out.mkdir(parents=True, exist_ok=True)
+        (args.out / "gpu.json").write_text(json.dumps(result, indent=1))
+        (args.out / "gpu.md").write_text(text)
+    elif not s.smoke:
         stamp = timestamp()
         RESULTS_DIR.mkdir(parents=True, exist_ok=True)
         (RESULTS_DIR / f"{stamp}-gpu.json").write_text(json.dumps(result, indent=1))

@@ -204,6 +204,21 @@ def _version(dist: str) -> str:
         return "not installed"
 
 
+def cpu_capability() -> str:
+    """The vector instruction set torch's CPU kernels dispatch to here
+    (`torch.backends.cpu.get_cpu_capability()`: "AVX512", "AVX2", "DEFAULT", ...). Asked of a
+    short child process when torch is not imported yet, so the parent stays small."""
+    if "torch" in sys.modules:
+        return sys.modules["torch"].backends.cpu.get_cpu_capability()
+    code = "import torch; print(torch.backends.cpu.get_cpu_capability())"
+    try:
+        done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                              timeout=120, check=True)  # fmt: skip
+    except (OSError, subprocess.SubprocessError):
+        return "unknown"
+    return done.stdout.strip() or "unknown"
+
+
 def machine() -> dict[str, Any]:
     """What the numbers were measured on."""
     cpu = "unknown"
@@ -222,6 +237,7 @@ def machine() -> dict[str, Any]:
         cores = os.cpu_count()
     return {
         "cpu": cpu,
+        "cpu_capability": cpu_capability(),
         "cores_available": cores,
         "memory_gib": mem_gib,
         "platform": platform.platform(),
