@@ -7,7 +7,8 @@ library error and keeps its traceback.
 
 Every command-line entry (`python -m <package>.train`, `rlhf-lab ...`) runs through
 `run_main`, which prints a user error as `error: <message>` and returns 2; `--debug` or
-`RLHF_LAB_DEBUG=1` shows the traceback too.
+`RLHF_LAB_DEBUG=1` shows the traceback too. An `EnvironmentFailure` (the machine refused: a
+read-only location, no permission) is printed the same way and returns 1.
 """
 
 from __future__ import annotations
@@ -18,12 +19,18 @@ import traceback
 from collections.abc import Callable
 
 EXIT_USER_ERROR = 2
+EXIT_ENVIRONMENT = 1
 
 
 class UserError(ValueError):
     """A mistake in the user's config, data, paths or command line (exit code 2, no traceback).
 
     Subclasses ValueError so code that already catches ValueError keeps working."""
+
+
+class EnvironmentFailure(OSError):
+    """The machine refused what a correct command asked (a read-only or unwritable location, a
+    full disk): one line naming the path and what to do, exit code 1, no traceback."""
 
 
 def debug_requested(argv: list[str] | None = None) -> bool:
@@ -43,6 +50,11 @@ def run_main(main: Callable[[list[str] | None], int], argv: list[str] | None = N
             traceback.print_exc()
         print(f"error: {exc}", file=sys.stderr)
         return EXIT_USER_ERROR
+    except EnvironmentFailure as exc:
+        if debug:
+            traceback.print_exc()
+        print(f"error: {exc}", file=sys.stderr)
+        return EXIT_ENVIRONMENT
 
 
 class UserFileNotFound(UserError, FileNotFoundError):

@@ -120,9 +120,10 @@ def load_sequence_classification(
     path = Path(path)
     config = AutoConfig.from_pretrained(str(path))
     if not any(a.endswith("ForSequenceClassification") for a in config.architectures or []):
-        raise ValueError(
+        raise UserError(
             f"{path}: neither a scalar-head directory (no {HEAD_CONFIG}) nor a "
-            f"...ForSequenceClassification model (architectures: {config.architectures})"
+            f"...ForSequenceClassification model (architectures: {config.architectures}); "
+            "give a reward model saved by reward_models"
         )
     cfg = ModelConfig(name_or_path=str(path), dtype=dtype, attention=attention)
     device = torch.device(device)

@@ -15,7 +15,8 @@ Greedy and one sampled completion per prompt are scored by reward components:
   --reward-model and --reference together: also the win rate against the reference model (per
                    prompt, the model's sampled completion against the reference's, both scored by
                    the reward model; a tie counts half), `evaluate_models`, as `rlhf-lab compare`
-Prints a table and writes the metrics as JSON (`--output`, default <model>/eval-<task>.json).
+Prints a table and writes the metrics as JSON (`--output`, default <model>/eval-<task>.json); an
+existing file there is refused unless `--overwrite`, which moves it aside (`<file>.old-<time>`).
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ from pathlib import Path
 from typing import Any
 
 from rlhf_core.errors import UserError, run_main
+from rlhf_core.output_dir import check_output_path, claim_output_path
 
 WIN_RATE, WIN_RATE_SE = "eval/win_rate", "eval/win_rate_se"
 
@@ -119,6 +121,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--batch-size", type=int, default=64)
     p.add_argument("--sample-seed", type=int, default=1234)
     p.add_argument("--output", type=Path, default=None, help="metrics JSON path")
+    p.add_argument(
+        "--overwrite",
+        action="store_true",
+        help="move an existing metrics JSON aside (<file>.old-<time>) and write anew",
+    )
     return p
 
 
@@ -163,6 +170,11 @@ def main(argv: list[str] | None = None) -> int:
         if not args.prompts.is_file():
             raise UserError(f"--prompts: no such file {args.prompts}")
         source = DataSource(path=str(args.prompts), limit=args.limit)
+    name = args.task or args.prompts.stem
+    out = args.output or (Path(args.model) / f"eval-{name}.json")
+    write = args.output is not None or Path(args.model).is_dir()
+    if write:  # refused before the evaluation, not after it
+        check_output_path(out, overwrite=args.overwrite, command="rlhf-lab eval", is_file=True)
     model_cfg = ModelConfig(name_or_path=args.model)
     tokenizer = load_tokenizer(model_cfg, padding_side="left")
     prompts = load_prompts(
@@ -190,10 +202,8 @@ def main(argv: list[str] | None = None) -> int:
     results = {"prompts": len(prompts.items), **results}
     width = max(len(k) for k in results)
     print("\n".join(f"{k:<{width}}  {v:.4f}" for k, v in results.items()))
-    name = args.task or args.prompts.stem
-    out = args.output or (Path(args.model) / f"eval-{name}.json")
-    if args.output is not None or Path(args.model).is_dir():
-        out.parent.mkdir(parents=True, exist_ok=True)
+    if write:
+        claim_output_path(out, overwrite=args.overwrite, command="rlhf-lab eval", is_file=True)
         out.write_text(json.dumps({"model": args.model, "source": source.describe(),
                                    **results}, indent=2) + "\n")  # fmt: skip
         print(f"wrote {out}")

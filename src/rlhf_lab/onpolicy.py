@@ -50,6 +50,7 @@ from rlhf_core.data import DataSource
 from rlhf_core.errors import UserError, run_main
 from rlhf_core.generation import Sampling
 from rlhf_core.models import ModelConfig, load_policy, load_tokenizer
+from rlhf_core.output_dir import check_output_path, claim_output_path
 from rlhf_core.rundir import default_run_dir
 
 
@@ -251,10 +252,13 @@ def pair_splits(train: DataSource, n: int) -> dict[str, tuple[DataSource, int]]:
 
 def run(cfg: PairsConfig, args: RunArgs) -> int:
     out_dir = args.output_dir or default_run_dir("pairs", cfg.name)
+    # never over pairs written before: refused, or moved aside with --overwrite
+    check_output_path(out_dir, overwrite=args.overwrite, command="rlhf-lab pairs")
     if args.dry_run:
         print(dump_config(cfg))
         print(f"would write: {', '.join(str(out_dir / f'{s}.jsonl') for s in cfg.splits)}")
         return 0
+    claim_output_path(out_dir, overwrite=args.overwrite, command="rlhf-lab pairs")
     stats = build_pairs(cfg, out_dir)
     (out_dir / "config.yaml").write_text(dump_config(cfg))
     for name, s in stats.items():

@@ -29,7 +29,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import shutil
 import sys
 import time
 import warnings
@@ -39,11 +38,28 @@ from typing import Any
 import torch
 
 from rlhf_core.errors import UserError, run_main
+from rlhf_core.output_dir import check_output_path, claim_output_path
 from rlhf_core.quantization import QuantizationConfig, folder_name, quantized_linear_count
 
 
 def weights_bytes(directory: Path) -> int:
     return sum(p.stat().st_size for p in directory.glob("*.safetensors"))
+
+
+def check_weights_readable(directory: Path) -> None:
+    """Every `*.safetensors` file's header reads and its tensors fit the file (a damaged or
+    truncated file is a one-line UserError naming it, not a traceback from the loader)."""
+    from safetensors import safe_open
+
+    for path in sorted(directory.glob("*.safetensors")):
+        try:
+            with safe_open(str(path), framework="pt") as fh:
+                list(fh.keys())
+        except Exception as exc:  # safetensors raises its own error types for a bad file
+            raise UserError(
+                f"quantize: {path} is damaged ({str(exc).splitlines()[0][:120]}); save the "
+                "model again"
+            ) from None
 
 
 def model_kind(directory: Path) -> str:
@@ -58,7 +74,13 @@ def model_kind(directory: Path) -> str:
     config = directory / "config.json"
     if not config.is_file():
         raise UserError(f"quantize: {directory} has no config.json: not a model directory")
-    archs = json.loads(config.read_text()).get("architectures") or []
+    fields = json.loads(config.read_text())
+    if fields.get("is_encoder_decoder"):
+        raise UserError(
+            f"quantize: {directory} is an encoder-decoder ({fields.get('model_type')}) model; "
+            "quantize takes decoder-only policies and reward models"
+        )
+    archs = fields.get("architectures") or []
     return "reward" if any(a.endswith("ForSequenceClassification") for a in archs) else "policy"
 
 
@@ -269,6 +291,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--extract", choices=["full", "answer_tag"], default="full",
                         help="policy: what the verifier scores")  # fmt: skip
     parser.add_argument("--output", type=Path, help="default: quantized_int8|nf4 next to --model")
+    parser.add_argument(
+        "--overwrite",
+        action="store_true",
+        help="move an existing --output aside (<dir>.old-<time>)",
+    )
     args = parser.parse_args(argv)
     import bitsandbytes
 
@@ -277,7 +304,9 @@ def main(argv: list[str] | None = None) -> int:
         raise UserError(f"quantize: --model {src} is not a directory")
     q = QuantizationConfig(bits=args.bits)
     out = args.output or src.resolve().parent / folder_name(args.bits)
+    check_output_path(out, overwrite=args.overwrite, command="quantize")  # before minutes of work
     kind = model_kind(src)
+    check_weights_readable(src)
     cfg = eval_config(src, args.eval_config)
     start = time.time()
     with warnings.catch_warnings():
@@ -286,8 +315,7 @@ def main(argv: list[str] | None = None) -> int:
             figures, model = quantize_reward_model(src, q, args, cfg)
         else:
             figures, model = quantize_policy(src, q, args, cfg)
-    if out.exists():
-        shutil.rmtree(out)
+    claim_output_path(out, overwrite=args.overwrite, command="quantize")  # moved, not deleted
     if kind == "reward":
         model.save_pretrained(out)
     else:

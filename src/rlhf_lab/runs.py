@@ -4,7 +4,7 @@
     rlhf-lab runs show     RUN
     rlhf-lab runs compare  RUN RUN [...] [--metric KEY ...] [--png FILE]
     rlhf-lab runs prune    RUN --keep N [--by last|METRIC] [--mode min|max] [--yes]
-    rlhf-lab runs snapshot RUN NAME [--checkpoint final|checkpoint-N|latest]
+    rlhf-lab runs snapshot RUN NAME [--checkpoint final|checkpoint-N|latest] [--overwrite]
     rlhf-lab runs delete   RUN [RUN ...] [--yes]
 
 A *run* is any directory under the root holding `config.yaml` or `status.json` (what every trainer,
@@ -41,6 +41,7 @@ import yaml
 
 from rlhf_core.checkpoint import CHECKPOINT_RE, list_checkpoints
 from rlhf_core.errors import UserError, run_main
+from rlhf_core.output_dir import claim_output_path
 from rlhf_core.rundir import run_status as rundir_status
 from rlhf_core.tracking import plot_panels
 
@@ -96,7 +97,10 @@ def _package_and_algorithm(run_dir: Path, root: Path) -> tuple[str, str]:
             cfg = yaml.safe_load((run_dir / "config.yaml").read_text()) or {}
         except yaml.YAMLError:
             cfg = {}
-    parts = run_dir.resolve().relative_to(root.resolve()).parts if root else ()
+    try:
+        parts = run_dir.resolve().relative_to(root.resolve()).parts if root else ()
+    except ValueError:  # a run given by a path outside --root: its own path's folder names
+        parts = run_dir.resolve().parts
     package = next((p for p in parts if p in PACKAGES), "")
     if not package:
         if "algorithm" in cfg:
@@ -338,7 +342,9 @@ def cmd_prune(run_dir: Path, root: Path, keep: int, by: str, mode: str, yes: boo
     return 0
 
 
-def cmd_snapshot(run_dir: Path, root: Path, name: str, checkpoint: str) -> int:
+def cmd_snapshot(
+    run_dir: Path, root: Path, name: str, checkpoint: str, overwrite: bool = False
+) -> int:
     if checkpoint == "latest":
         ckpts = list_checkpoints(run_dir / "checkpoints")
         source = (
@@ -351,9 +357,9 @@ def cmd_snapshot(run_dir: Path, root: Path, name: str, checkpoint: str) -> int:
     if source is None or not source.is_dir():
         raise UserError(f"runs snapshot: no checkpoint {checkpoint!r} in {run_dir}")
     dest = Path(name) if ("/" in name or name.startswith(".")) else root / "snapshots" / name
-    if dest.exists():
-        raise UserError(f"runs snapshot: {dest} already exists; choose another name")
-    shutil.copytree(source, dest, ignore=shutil.ignore_patterns("trainer_state.pt"))
+    claim_output_path(dest, overwrite=overwrite, command="runs snapshot")  # old one moved aside
+    shutil.copytree(source, dest, ignore=shutil.ignore_patterns("trainer_state.pt"),
+                    dirs_exist_ok=True)  # fmt: skip
     for extra in ("config.yaml", "summary.json"):
         if (run_dir / extra).is_file():
             shutil.copy2(run_dir / extra, dest / f"run_{extra}")
@@ -406,6 +412,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("run")
     p.add_argument("name")
     p.add_argument("--checkpoint", default="latest", help="final, checkpoint-N or latest")
+    p.add_argument(
+        "--overwrite",
+        action="store_true",
+        help="move an existing NAME aside (NAME.old-<time>) and snapshot there",
+    )
     p = add("delete", "delete run directories (asks first)")
     p.add_argument("runs", nargs="+")
     p.add_argument("--yes", action="store_true", help="do not ask")
@@ -423,7 +434,8 @@ def main(argv: list[str] | None = None) -> int:
         run_dir = resolve_run(args.run, root)
         return cmd_prune(run_dir, root, args.keep, args.by, args.mode, args.yes)
     if args.command == "snapshot":
-        return cmd_snapshot(resolve_run(args.run, root), root, args.name, args.checkpoint)
+        return cmd_snapshot(resolve_run(args.run, root), root, args.name, args.checkpoint,
+                            args.overwrite)  # fmt: skip
     return cmd_delete([resolve_run(r, root) for r in args.runs], root, args.yes)
 
 
