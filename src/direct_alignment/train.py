@@ -98,7 +98,8 @@ def train(cfg: DAConfig, run: RunArgs) -> int:
     loss_fn = build_from_spec(LOSSES, cfg.loss)
     if loss_fn.unpaired:
         warn_kto_weights(loss_fn, train_data.pairs)
-    run_dir, ckpt = open_run_dir(accelerator, run, package=PACKAGE, name=cfg.name)
+    run_dir, ckpt = open_run_dir(accelerator, run, package=PACKAGE, name=cfg.name,
+                                 total_steps=total_steps)  # fmt: skip
     ref_mode = cfg.reference.mode if loss_fn.needs_reference else "none (reference-free loss)"
 
     if run.dry_run:

@@ -69,7 +69,8 @@ def train(cfg: SFTConfig, run: RunArgs) -> int:
             columns=d.columns,
         )  # fmt: skip
     micro, total_steps = plan_steps(t, len(train_data.examples), accelerator)
-    run_dir, ckpt = open_run_dir(accelerator, run, package=PACKAGE, name=cfg.name)
+    run_dir, ckpt = open_run_dir(accelerator, run, package=PACKAGE, name=cfg.name,
+                                 total_steps=total_steps)  # fmt: skip
 
     if run.dry_run:
         print_dry_run(cfg, tokenizer, {

@@ -119,7 +119,8 @@ def train(cfg: PGConfig, run: RunArgs) -> int:
     loss_fn = build_from_spec(LOSSES, alg.loss)
     value_loss_fn = build_from_spec(VALUE_LOSSES, alg.value_loss) if alg.value_loss else None
     needs_reference = loss_fn.needs_reference or alg.kl_in_reward.beta > 0
-    run_dir, ckpt = open_run_dir(accelerator, run, package=PACKAGE, name=cfg.name)
+    run_dir, ckpt = open_run_dir(accelerator, run, package=PACKAGE, name=cfg.name,
+                                 total_steps=t.max_steps)  # fmt: skip
 
     if run.dry_run:
         print_dry_run(cfg, tokenizer, {

@@ -7,7 +7,9 @@ written) decides it:
   `final/`, and let `keep_last` delete the old run's checkpoints): the user resumes it
   (`--resume`), picks another `--output-dir`, or passes `--overwrite`, which *moves the old run
   aside* to `<dir>.replaced-<time>`; nothing is ever deleted;
-- `--resume` continues the newest checkpoint that verifies (see `rlhf_core.checkpoint`);
+- `--resume` continues the newest checkpoint that verifies (see `rlhf_core.checkpoint`); a run
+  that finished with all its steps is not resumed (exit 2, nothing written) unless asked for
+  more steps;
   checkpoints newer than the one resumed from (resuming an explicit older checkpoint) are renamed
   `checkpoint-<n>.superseded-<time>` so that a later `--resume auto` cannot pick them;
 - `.lock` (pid, host, process start time) is created atomically (`O_EXCL`) and held until the
@@ -44,6 +46,7 @@ from rlhf_core.checkpoint import (
     verify_checkpoint,
 )
 from rlhf_core.errors import UserError
+from rlhf_core.output_dir import make_dir
 
 LOCK_FILE = ".lock"
 STATUS_FILE = "status.json"
@@ -121,7 +124,7 @@ class RunLock:
         }
 
     def acquire(self) -> None:
-        self.run_dir.mkdir(parents=True, exist_ok=True)
+        make_dir(self.run_dir, what="run directory")  # a file there, a read-only place: one line
         for _ in range(3):
             try:
                 fd = os.open(self.path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
@@ -279,13 +282,24 @@ def find_resume(
     return path, ckpt
 
 
-def _decide(run: Any, package: str, name: str) -> tuple[Path, Path | None, str | None]:
+def _decide(
+    run: Any, package: str, name: str, total_steps: int | None = None
+) -> tuple[Path, Path | None, str | None]:
     """The main process's decision: (run_dir, checkpoint, message of a refusal or None)."""
     if run.resume is not None:
         run_dir, ckpt = find_resume(run.resume, package=package, name=name,
                                     output_dir=run.output_dir)  # fmt: skip
         if run_dir is None:
             run_dir = default_run_dir(package, name)
+        done = checkpoint_step(ckpt) if ckpt is not None else None
+        if (done is not None and total_steps is not None and done >= total_steps
+                and run_status(run_dir).get("status") == "finished"):  # fmt: skip
+            return run_dir, None, (
+                f"--resume {run.resume}: {run_dir} finished at step {done} of {total_steps} "
+                "(train.max_steps): nothing to continue, and nothing was changed. To train "
+                "further on purpose, resume with more steps (--set train.max_steps=N); for a "
+                "new run use another --output-dir"
+            )  # fmt: skip
     else:
         run_dir, ckpt = (Path(run.output_dir) if run.output_dir else None), None
         run_dir = run_dir or default_run_dir(package, name)
@@ -325,16 +339,17 @@ def _decide(run: Any, package: str, name: str) -> tuple[Path, Path | None, str |
 
 
 def open_run_dir(
-    accelerator: Any, run: Any, *, package: str, name: str
+    accelerator: Any, run: Any, *, package: str, name: str, total_steps: int | None = None
 ) -> tuple[Path, Path | None]:
     """Choose the run dir and checkpoint (see the module docstring); unless `run.dry_run`, take
     the lock and mark the run `running` (main process). Refusals are `UserError`s on every
-    process. Returns (run_dir, checkpoint or None)."""
+    process; with `total_steps`, a `--resume` of a finished run whose checkpoint has them all is
+    refused before anything is written. Returns (run_dir, checkpoint or None)."""
     is_main = accelerator is None or accelerator.is_main_process
     world = 1 if accelerator is None else accelerator.num_processes
     decision: list[Any] = [None]
     if is_main:
-        decision = [_decide(run, package, name)]
+        decision = [_decide(run, package, name, total_steps)]
     if world > 1:
         from accelerate.utils import broadcast_object_list
 
