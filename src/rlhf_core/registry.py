@@ -16,7 +16,9 @@ subclass changes some of its parent's keyword defaults without repeating the con
 
 Configs name a registered class and its keyword arguments together, `{name: dpo, beta: 0.1}`;
 `validate_spec` checks such a spec against the class's `__init__` signature (so a newly registered
-loss is configurable with no config code) and `build_from_spec` instantiates it.
+loss is configurable with no config code), runs a `Configurable`'s own keyword checks (a failed
+`_require` is a config error naming the field, e.g. `loss.beta`), and `build_from_spec`
+instantiates it.
 
 User code needs no wrapper script, in either of two ways:
 
@@ -53,6 +55,15 @@ class RegistryError(UserError, KeyError):
 
     def __str__(self) -> str:  # KeyError quotes its message; show it plainly.
         return str(self.args[0])
+
+
+class ArgumentError(UserError):
+    """A registered class's own keyword check failed (`Configurable._require`); `arg` is the
+    keyword, so a config error can name its field (`loss.beta`)."""
+
+    def __init__(self, message: str, *, arg: str) -> None:
+        super().__init__(message)
+        self.arg = arg
 
 
 class Registry(Generic[T]):
@@ -148,7 +159,9 @@ class Configurable:
 
     def _require(self, ok: bool, arg: str, value: object, expected: str) -> None:
         if not ok:
-            raise ValueError(f"{self.name} {self.role}: {arg} must be {expected}, got {value!r}")
+            raise ArgumentError(
+                f"{self.name} {self.role}: {arg} must be {expected}, got {value!r}", arg=arg
+            )
 
     def extra_repr(self) -> str:
         return ", ".join(f"{p}={getattr(self, p)!r}" for p in keywords(type(self)))
@@ -249,7 +262,13 @@ def validate_spec(registry: Registry, spec: Mapping[str, Any], *, where: str) ->
             for e in exc.errors()
         )
         raise ValueError(f"{where} ({registry.kind} {name!r}): {problems}") from None
-    return {"name": name, **values.model_dump()}
+    checked = values.model_dump()
+    if isinstance(cls, type) and issubclass(cls, Configurable):  # its own checks, at config time
+        try:
+            cls(**checked)
+        except ArgumentError as exc:
+            raise ValueError(f"{where}.{exc.arg}: {exc}") from None
+    return {"name": name, **checked}
 
 
 def registered_spec(registry: str, *, where: str) -> Any:
