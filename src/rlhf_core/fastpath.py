@@ -5,7 +5,9 @@ dtype and of the run's switches (`train.speed`, `SpeedConfig`, set once at start
 `start_speed`), so every reader gets the same plan: trainers read its batch layout, attention
 (`rlhf_core.attention.fast_attention`) and generation (`rlhf_core.generation.decode`) the rest.
 Each decision can be switched off in the config; the run's plan is printed at start and written
-to summary.json under `speed` (`rlhf_core.distributed.Engine.announce`).
+to summary.json under `speed` (`rlhf_core.distributed.Engine.announce`). A CPU run in bf16 also
+gets a warning at start when a ~50 ms matmul probe finds bf16 much slower than fp32 (no native
+bf16 on this CPU: `warn_if_bf16_is_slow`).
 
     layout          how a step's sequences are laid out (`rlhf_core.layout`): "segmented" rows
                     of many groups with attention one group at a time (CPU SDPA, wide enough
@@ -33,6 +35,7 @@ from __future__ import annotations
 
 import math
 import platform
+import sys
 from dataclasses import asdict, dataclass
 from typing import Any, Literal
 
@@ -273,12 +276,65 @@ def speed_plan(model: torch.nn.Module) -> SpeedPlan:
     )
 
 
+# ----------------------------------------------------------------------------- bf16 on a CPU
+
+#: bf16 matmuls this many times slower than fp32 mean the CPU has no native bf16 (AVX-512 BF16,
+#: AMX): a 1024^2 matmul ran 66x slower in bf16 on an AVX2 CPU; with native bf16 it is ~0.5-2x.
+SLOW_BF16_RATIO = 4.0
+_BF16_CHECKED = False
+
+
+def bf16_probe(size: int = 256, budget_s: float = 0.05) -> tuple[float, float]:
+    """Seconds per (size x size) matmul on this CPU in bf16 and in fp32, each timed for about
+    `budget_s / 2` after one warm-up call (at least one timed call)."""
+    import time
+
+    timings = []
+    for dtype in (torch.bfloat16, torch.float32):
+        a = torch.randn(size, size).to(dtype)
+        torch.mm(a, a)
+        calls, start = 0, time.perf_counter()
+        while calls == 0 or (time.perf_counter() - start < budget_s / 2 and calls < 1000):
+            torch.mm(a, a)
+            calls += 1
+        timings.append((time.perf_counter() - start) / calls)
+    return timings[0], timings[1]
+
+
+def slow_bf16_warning(*, bf16_seconds: float, fp32_seconds: float, capability: str) -> str | None:
+    """The warning for a CPU whose bf16 matmuls are `SLOW_BF16_RATIO` times slower than fp32
+    (`bf16_probe`'s timings; `capability` is torch's CPU capability, e.g. "AVX2"); None if not."""
+    ratio = bf16_seconds / max(fp32_seconds, 1e-12)
+    if ratio < SLOW_BF16_RATIO:
+        return None
+    return (
+        f"warning: this CPU ({capability}) has no native bf16: a bf16 matmul ran {ratio:.0f}x "
+        "slower than fp32 here. Use model.dtype: fp32 on this machine (bf16 pays on GPUs and "
+        "CPUs with AVX-512 BF16 or AMX)"
+    )
+
+
+def warn_if_bf16_is_slow(device: str, dtype: torch.dtype) -> str | None:
+    """On a CPU run in bf16, probe once per process and print `slow_bf16_warning` if it holds."""
+    global _BF16_CHECKED
+    if device != "cpu" or dtype != torch.bfloat16 or _BF16_CHECKED:
+        return None
+    _BF16_CHECKED = True
+    bf16_s, fp32_s = bf16_probe()
+    capability = torch.backends.cpu.get_cpu_capability()
+    warning = slow_bf16_warning(bf16_seconds=bf16_s, fp32_seconds=fp32_s, capability=capability)
+    if warning:
+        print(warning, file=sys.stderr)
+    return warning
+
+
 def announce_plan(models: list[torch.nn.Module]) -> SpeedPlan:
     """The run's plan for its first model (the one trained), applied to every model where it
     acts on the modules themselves (lean norms off: `rlhf_core.lean.restore_norms`). The caller
     prints `plan.line()` and writes `plan.describe()` to summary.json
     (`rlhf_core.distributed.Engine.announce`)."""
     plan = speed_plan(models[0])
+    warn_if_bf16_is_slow(plan.device, getattr(torch, plan.dtype, None))  # at start, once
     if not plan.lean_norms:
         for model in models:
             restore_norms(model)
