@@ -117,6 +117,20 @@ def test_runs_snapshot_overwrite_moves_the_old_snapshot_aside(tmp_path, capsys):
     assert (old / "w.txt").read_text() == "old" and (dest / "w.txt").read_text() == "new"
 
 
+def test_compare_into_a_used_dir_names_overwrite_which_moves_the_old_aside(tmp_path, capsys):
+    from rlhf_core.rundir import locked_run
+
+    out = tmp_path / "cmp"
+    out.mkdir()
+    (out / "compare.md").write_text("old table")
+    assert cli(["compare", "--output-dir", str(out)]) == 2
+    assert "--overwrite" in _one_line_error(capsys)
+    with locked_run(out, package="compare", overwrite=True):  # what `compare --overwrite` opens
+        assert not (out / "compare.md").exists()
+    (old,) = tmp_path.glob("cmp.replaced-*")
+    assert (old / "compare.md").read_text() == "old table"
+
+
 # ----------------------------------------------------------------------------- 0: a finished run
 
 

@@ -440,10 +440,13 @@ class RunOutcome:
 
 
 @contextlib.contextmanager
-def locked_run(run_dir: Path, *, package: str, resume: bool = False) -> Iterator[RunOutcome]:
+def locked_run(
+    run_dir: Path, *, package: str, resume: bool = False, overwrite: bool = False
+) -> Iterator[RunOutcome]:
     """Own `run_dir` for a pipeline of runs (`rlhf-lab quickstart`, `compare`): refuse a
-    directory that holds another run unless `resume`, hold its lock, and settle `status.json`
-    from the block's `RunOutcome.exit_code` or its exception."""
+    directory that holds another run unless `resume` (or `overwrite`: the old one is moved
+    aside, as a trainer's), hold its lock, and settle `status.json` from the block's
+    `RunOutcome.exit_code` or its exception."""
     run_dir = Path(run_dir)
     holder = read_lock(run_dir)
     if lock_is_live(holder):
@@ -452,10 +455,13 @@ def locked_run(run_dir: Path, *, package: str, resume: bool = False) -> Iterator
             "finish, or use another --output-dir"
         )
     if not resume and run_dir.is_dir() and any(run_dir.iterdir()):
-        raise UserError(
-            f"{run_dir} already holds a run (status: {run_status(run_dir).get('status')}); "
-            f"continue it with --resume {run_dir}, or choose another --output-dir"
-        )
+        if not overwrite:
+            raise UserError(
+                f"{run_dir} already holds a run (status: {run_status(run_dir).get('status')}); "
+                f"continue it with --resume {run_dir}, choose another --output-dir, or pass "
+                f"--overwrite to move it aside (kept as {run_dir.name}.replaced-<time>)"
+            )
+        print(f"moved the previous run in {run_dir} aside to {move_aside(run_dir)}")
     lock = RunLock(run_dir)
     lock.acquire()
     write_status(run_dir, "running", package=package, step=None, exit_code=None,

@@ -475,10 +475,11 @@ def main(argv: list[str] | None = None) -> int:
         "--fast", action="store_true", help="2 steps per run, <= 64 pairs and held-out prompts"
     )
     parser.add_argument("--debug", action="store_true", help="show tracebacks of user errors")
+    parser.add_argument("--overwrite", action="store_true", help="move an old --output-dir aside")
     args = parser.parse_args(argv)
     cfg = load_config(CompareConfig, args.config, args.overrides)
     out = args.output_dir or Path("outputs") / f"{cfg.name}-{timestamp()}"
-    with locked_run(out, package="compare"):
+    with locked_run(out, package="compare", overwrite=args.overwrite):
         run_compare(cfg, out, fast=args.fast)
     print(f"\ntable: {out / 'compare.md'}")
     return 0
