@@ -93,7 +93,7 @@ def test_module_colon_class_spec_needs_no_import(tmp_path, user_module):
     ("spec", "message"),
     [
         ("{mod}:Missing", "module '{mod}' has no attribute 'Missing'.*TiltedDPO"),
-        ("{mod}:NotALoss", "is not a subclass of direct_alignment.losses.DirectAlignmentLoss"),
+        ("{mod}:NotALoss", "is not a subclass of direct_alignment.losses.base.DirectAlignmentLoss"),
         ("no_such_module_xyz:Loss", "module 'no_such_module_xyz' not found on sys.path"),
         ("{mod}:", "expected 'module:attribute'"),
     ],
