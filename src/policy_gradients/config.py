@@ -116,6 +116,12 @@ class PGConfig(TrainerConfig):
     value_model: ModelConfig | None = Field(
         None, description="PPO value model backbone; null = the policy's starting checkpoint"
     )
+    value_shares_policy_encoder: bool = Field(
+        False,
+        description="PPO with an encoder-decoder (T5) policy: the value model reads the prompt "
+        "through the policy's encoder instead of its own copy (single process; "
+        "rlhf_core.policy_model.share_policy_encoder)",
+    )
     data: PromptDataConfig = Field(description="prompts")
     rewards: list[dict[str, Any]] = Field(description="reward components with weights")
     strip_thinking: bool = Field(

@@ -38,9 +38,10 @@ from policy_gradients.update import check_step_shape, optimizer_groups, policy_u
 from rlhf_core.bookkeeping import start_bookkeeping
 from rlhf_core.config import RunArgs, parse_run_args
 from rlhf_core.distributed import Engine
-from rlhf_core.errors import run_main
+from rlhf_core.errors import UserError, run_main
 from rlhf_core.loop import print_dry_run, start_engine, start_optimizer
 from rlhf_core.models import ReferencePolicy, load_policy, load_reference, load_tokenizer
+from rlhf_core.policy_model import share_policy_encoder
 from rlhf_core.registry import build_from_spec
 from rlhf_core.rundir import managed_run, open_run_dir
 from rlhf_core.runtime import seed_everything
@@ -92,6 +93,13 @@ def load_models(
             cfg.value_model or cfg.model, ScalarHeadInfo(kind="value"), device,
             weights_from=ckpt / "value" if ckpt is not None else None,
         ).train()  # fmt: skip
+        if cfg.value_shares_policy_encoder:
+            if engine.world > 1:
+                raise UserError(
+                    "value_shares_policy_encoder: single process only (the value "
+                    f"model would not own the encoder it runs; world {engine.world})"
+                )
+            share_policy_encoder(value, policy)
         value = engine.prepare(value)
     return Models(policy, reference, [c.model for c, _ in reward_fn.models()], value)
 

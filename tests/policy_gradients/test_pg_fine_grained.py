@@ -149,3 +149,27 @@ def test_t5_policy_trains_with_every_tensor_changing(segment_rms, tmp_path, name
     assert not unchanged, unchanged
     if name == "ppo":  # the value model is a T5 backbone + head, saved beside the policy
         assert metric_series(tmp_path / "run", "train/loss/value/value_loss")
+
+
+def test_t5_ppo_value_model_sharing_the_policy_encoder(segment_rms, tmp_path):
+    """value_shares_policy_encoder: PPO's T5 value model reads the prompt through the policy's
+    encoder; the run trains, the saved value model holds no encoder layers, and the policy's
+    encoder moves (the value loss's gradient reaches it too)."""
+    algorithm = preset_algorithm("ppo")
+    algorithm["ppo_epochs"] = 1
+    data = t5_pg_dict(segment_rms, algorithm) | {"value_shares_policy_encoder": True}
+    data["checkpoint"] = {"save_every": 2}
+    cfg = PGConfig.model_validate(data)
+    assert train(cfg, RunArgs(Path("t.yaml"), output_dir=tmp_path / "run")) == 0
+    value_losses = metric_series(tmp_path / "run", "train/loss/value/value_loss")
+    assert len(value_losses) == 2 and all(
+        torch.isfinite(torch.tensor(v)) for v in value_losses.values()
+    )
+    saved = list((tmp_path / "run").glob("checkpoints/checkpoint-2/value/*.safetensors"))
+    assert saved, "the value model is checkpointed beside the policy"
+    value_keys = {k for p in saved for k in load_file(p)}
+    assert value_keys and not any("encoder.block" in k for k in value_keys)
+    start = load_file(preset_dir("tiny-t5-facts") / "model.safetensors")
+    final = load_file(tmp_path / "run" / "final" / "model.safetensors")
+    encoder = [k for k in final if k.startswith("encoder.block")]
+    assert encoder and all(not torch.equal(final[k], start[k]) for k in encoder)
