@@ -27,14 +27,12 @@ The evaluation (`rlhf_lab.evaluate.evaluate_models`): `eval_size` held-out promp
 template), one greedy and one sampled completion per prompt and model at the base's rollout
 length and temperature (the same sampling seed for every model), scored by
 
-    verifier      each component of `verifier` (e.g. reasoning_gym, gsm8k): its mean and its share
-                  of 1.0 (accuracy), greedy and sampled
-    reward_model  the reward model's mean score of the sampled (and greedy) completions, and the
-                  win rate against the SFT model: per prompt, this model's sample against the SFT
-                  model's sample, both scored by the reward model (a tie counts half)
+    verifier      each `verifier` component (e.g. gsm8k): its mean and accuracy (share of 1.0)
+    reward_model  its mean score, and the win rate against the SFT model: per prompt, this
+                  model's sample against the SFT model's, both scored by it (a tie counts half)
     KL            per-token KL (k3 and k1) of the sampled completions to the SFT model
 
-Not here: several seeds per run, or more than one sample per held-out prompt.
+`--resume` reuses the finished runs of an --output-dir. Not here: several seeds per run.
 """
 
 from __future__ import annotations
@@ -174,10 +172,6 @@ def _model_dir(path: str, field: str) -> Path:
     return Path(path)
 
 
-def _rows(source: DataSource) -> tuple[int, float]:
-    return source.offset, source.offset + (source.limit or math.inf)
-
-
 def _heldout_sources(cfg: CompareConfig, base: Any, size: int) -> DataSource:
     """The held-out prompts, checked to share no example with the training prompts."""
     from rlhf_core.data import check_heldout_seeds
@@ -192,7 +186,7 @@ def _heldout_sources(cfg: CompareConfig, base: Any, size: int) -> DataSource:
     train = base.data.train
     check_heldout_seeds(train, source)
     if source.path is not None and (source.path, source.split) == (train.path, train.split):
-        (a0, a1), (b0, b1) = _rows(train), _rows(source)
+        (a0, a1), (b0, b1) = [(d.offset, d.offset + (d.limit or math.inf)) for d in (train, source)]
         if a0 < b1 and b0 < a1:
             raise UserError(
                 f"compare: the held-out prompts (rows {b0}..{b1} of {source.path}) overlap the "
@@ -271,11 +265,16 @@ def evaluate_compare(
     )  # fmt: skip
 
 
-def run_compare(cfg: CompareConfig, out: Path, *, fast: bool = False) -> dict[str, Any]:
-    """Train every configured run into `out`, evaluate, write compare.{md,json,png}."""
+def run_compare(
+    cfg: CompareConfig, out: Path, *, fast: bool = False, resume: bool = False
+) -> dict[str, Any]:
+    """Train every configured run into `out`, evaluate, write compare.{md,json,png}. With
+    `resume`, runs (and pairs) that finished earlier in `out` are reused, a run stopped part-way
+    continues from its newest checkpoint."""
     from direct_alignment.train import train as train_da
     from policy_gradients.train import train as train_pg
     from rlhf_core.config import RunArgs, load_config
+    from rlhf_core.rundir import run_status
 
     out.mkdir(parents=True, exist_ok=True)
     results: dict[str, dict[str, Any]] = {}
@@ -306,11 +305,15 @@ def run_compare(cfg: CompareConfig, out: Path, *, fast: bool = False) -> dict[st
     def train_one(trainer, run_cfg, base_path: str, name: str, spec: RunSpec) -> dict[str, Any]:
         """Run one trainer into out/<name>; its summary.json, plus the wall time."""
         t0 = banner(f"{name} ({spec.preset})")
-        code = trainer(run_cfg, RunArgs(config_path=Path(base_path), output_dir=out / name))
-        if code != 0:
-            raise RuntimeError(f"compare: {name} exited with {code}")
+        done = run_status(out / name).get("status") == "finished"
+        if not (resume and done and (out / name / "summary.json").is_file()):
+            again = "auto" if resume and (out / name).exists() else None
+            args = RunArgs(config_path=Path(base_path), output_dir=out / name, resume=again)
+            code = trainer(run_cfg, args)
+            if code != 0:
+                raise RuntimeError(f"compare: {name} exited with {code}")
         summary = json.loads((out / name / "summary.json").read_text())
-        return {**summary, "wall_s": time.perf_counter() - t0}
+        return {**summary, "wall_s": summary.get("wall_time_s", time.perf_counter() - t0)}
 
     for name, spec in cfg.algorithms.items():
         pg_cfg = _pg_config(cfg, name, spec, sft, fast)
@@ -325,7 +328,10 @@ def run_compare(cfg: CompareConfig, out: Path, *, fast: bool = False) -> dict[st
     if cfg.direct_alignment:
         t0 = banner("on-policy pairs from the SFT model")
         n = min(cfg.pairs, 64) if fast else cfg.pairs
-        pair_stats = build_compare_pairs(cfg, base, sft, out / "pairs", n)
+        if resume and (out / "pairs" / "summary.json").is_file():
+            pair_stats = json.loads((out / "pairs" / "summary.json").read_text())
+        else:
+            pair_stats = build_compare_pairs(cfg, base, sft, out / "pairs", n)
         pair_s = time.perf_counter() - t0
         for name, spec in cfg.direct_alignment.items():
             da_cfg = _da_config(cfg, name, spec, sft, out / "pairs", fast)
@@ -476,11 +482,14 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--debug", action="store_true", help="show tracebacks of user errors")
     parser.add_argument("--overwrite", action="store_true", help="move an old --output-dir aside")
+    parser.add_argument(
+        "--resume", action="store_true", help="continue --output-dir: reuse its finished runs"
+    )
     args = parser.parse_args(argv)
     cfg = load_config(CompareConfig, args.config, args.overrides)
     out = args.output_dir or Path("outputs") / f"{cfg.name}-{timestamp()}"
-    with locked_run(out, package="compare", overwrite=args.overwrite):
-        run_compare(cfg, out, fast=args.fast)
+    with locked_run(out, package="compare", resume=args.resume, overwrite=args.overwrite):
+        run_compare(cfg, out, fast=args.fast, resume=args.resume)
     print(f"\ntable: {out / 'compare.md'}")
     return 0
 
