@@ -38,8 +38,8 @@ accumulation, as the flash kernel's do. Grouped-query attention (fewer key/value
 query heads) is computed on the grouped heads as they are: the G query heads that share a
 key/value head are one (G x queries)-row matmul against it, so no key or value is repeated, and
 dK, dV sum over the group inside the matmul. Past a few hundred keys the float32 (G x queries)
-x keys block costs more than the flash kernel's tiling saves, which is why the key limit shrinks
-as G grows (`rlhf_core.fastpath.short_attention_keys`).
+x keys block costs more than the flash kernel's tiling saves, which is why calls are bounded by a
+key limit (`rlhf_core.fastpath.short_attention_keys`).
 
 A query whose keys are all masked (a left-padding position) gets zeros, as from SDPA, and passes
 no gradient; such a position's output is read by no other position, so the log-probs and

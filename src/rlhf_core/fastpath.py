@@ -25,15 +25,14 @@ bf16 on this CPU: `warn_if_bf16_is_slow`).
 
 Every rule here is for the CPU: on CUDA every one of them is off (transformers' attention and
 cache, torch's caching allocator; tested), so what a GPU user runs is the plain path. The
-thresholds scale with the model's shape instead of naming one calibrated model: what a padded
-position costs is a layer's matmul work per token (its parameters), what an extra attention call
-costs is fixed (`SEGMENT_CALL_UNITS`), and the one-block attention's score block grows with the
-query heads that share a key/value head.
+layout threshold scales with the model's shape instead of naming one calibrated model: what a
+padded position costs is a layer's matmul work per token (its parameters), what an extra
+attention call costs is fixed (`SEGMENT_CALL_UNITS`). Short attention's key limit is one measured
+constant for every shape (a GQA-scaled limit lost on a second shape; see `short_attention_keys`).
 """
 
 from __future__ import annotations
 
-import math
 import platform
 import sys
 from dataclasses import asdict, dataclass
@@ -57,9 +56,9 @@ SEGMENT_CALL_UNITS = 2_000_000
 SEGMENT_PADDING_TOKENS = 8
 #: Row capacity of segmented rows: bounds the (L, L) boolean mask a row builds (16M entries).
 SEGMENTED_ROW_TOKENS = 4096
-#: Score entries (query heads per key/value head x keys^2) up to which `short_attention` beats
-#: the CPU flash kernel in bf16: 2 x 128^2, measured at 8/4 heads of width 64 on a 2-core CPU.
-SHORT_ATTENTION_SCORES = 2 * 128 * 128
+#: Keys up to which `short_attention` beats the CPU flash kernel's bf16 backward: measured at
+#: 8/4 heads of width 64 on a 2-core CPU; on the `wide` shape (12/3 heads) 128 also beat 90.
+SHORT_ATTENTION_KEYS = 128
 #: How far ahead `decode` reserves its KV cache (positions per layer); measured on a 2-core CPU
 #: (GRPO rollouts of the benchmarks' `real` model).
 RESERVE_POSITIONS = 256
@@ -194,10 +193,12 @@ def segmented_rows_pay(config: Any) -> bool:
 
 
 def short_attention_keys(config: Any) -> int:
-    """The most keys a bf16/fp16 call may have to take `short_attention`: its float32 score
-    block of one key/value head, (query heads per key/value head x queries) x keys with queries
-    about the keys in a causal call, stays within `SHORT_ATTENTION_SCORES`."""
-    return math.isqrt(SHORT_ATTENTION_SCORES // query_groups(config))
+    """The most keys a bf16/fp16 call may have to take `short_attention`: `SHORT_ATTENTION_KEYS`
+    for every shape. A limit shrinking with the query heads per key/value head (a fixed float32
+    score block) was tried and lost on the `wide` shape (90 keys slower than 128; docs/
+    performance.md), so the limit stays the measured one until a per-CPU probe replaces it."""
+    del config  # the same limit for every shape (see above)
+    return SHORT_ATTENTION_KEYS
 
 
 # ----------------------------------------------------------------------------- the plan
