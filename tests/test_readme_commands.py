@@ -74,20 +74,15 @@ PLAN: dict[str, str] = {
     "uv run python -m policy_gradients.train --config configs/policy_gradients/tiny_grpo.yaml": RUN,
     'sqlite3 outputs/policy_gradients/tiny_grpo-*/rollouts.sqlite "SELECT step, AVG(reward) '
     'FROM rollouts GROUP BY step"': RUN,
-    "uv run ruff check . && uv run ruff format --check .": RUN,
-    "uv run pytest -x -q": "the whole suite",
     "uv run python -m benchmarks.gpu": EXIT_2_WITHOUT_GPU,
     # the toolkit, fine-grained and FSDP2 sections: each has its own test that runs it
     "uv run rlhf-lab runs list": "tests/rlhf_lab/test_runs.py runs every verb on real runs",
-    "uv run rlhf-lab runs show instruction_tuning/tiny_sft-20261123-101500": "a run-name example; "
-    "tests/rlhf_lab/test_runs.py",
     "uv run rlhf-lab runs compare RUN RUN --png cmp.png": "placeholders; "
     "tests/rlhf_lab/test_runs.py",
     "uv run rlhf-lab runs prune RUN --keep 2 [--by eval/loss --mode min] --yes": "placeholders; "
     "tests/rlhf_lab/test_runs.py",
     "uv run rlhf-lab runs snapshot RUN best-sft --checkpoint checkpoint-300": "placeholders; "
     "tests/rlhf_lab/test_runs.py",
-    "uv run rlhf-lab runs delete RUN --yes": "placeholders; tests/rlhf_lab/test_runs.py",
     "uv run rlhf-lab chat outputs/quickstart-<time>/sft/final outputs/quickstart-<time>/grpo/final "
     "\\": "a server and a browser: tests/rlhf_lab/test_chat.py",
     "--reward-model outputs/quickstart-<time>/rm/final": "the continuation of the chat command",
@@ -95,10 +90,9 @@ PLAN: dict[str, str] = {
     "placeholder; tests/rlhf_lab/test_quantize.py",
     "uv run rlhf-lab quantize --model outputs/policy_gradients/<run>/final --bits 4": "a <run> "
     "placeholder; tests/rlhf_lab/test_quantize.py",
-    "sqlite3 outputs/policy_gradients/tiny_grpo-*/rollouts.sqlite \\": "the eval_rollouts query: "
-    "docs/policy_gradients/rollout_log.md's queries are checked by tests/policy_gradients",
-    "\"SELECT step, kind, AVG(json_extract(components, '$.reasoning_gym') >= 1.0) FROM "
-    'eval_rollouts GROUP BY step, kind"': "the continuation of the sqlite3 command",
+    "uv run rlhf-lab data configs/direct_alignment/dpo.yaml "
+    "--set model.name_or_path=tiny-qwen3-gpt2 --out outputs/data-hh-dpo --chars 160": "a minute "
+    "of CPU over 2,312 HH pairs; tests/rlhf_lab/test_data_report.py runs it on a slice",
     "uv run python -m rlhf_core.longform data/longform": "writes the committed data files; "
     "tests/rlhf_core/test_segmentation.py checks them",
     "uv run python -m rlhf_lab.fine_grained --steps 20 --seeds 0 1 2": "47 CPU minutes",
@@ -177,10 +171,6 @@ def test_readme_commands_run(tmp_path):
             (found,) = glob.glob(str(tmp_path / path))
             rows = sqlite3.connect(found).execute(query).fetchall()
             assert [step for step, _ in rows] == [1, 2], rows
-        elif how == RUN and command.startswith("uv run ruff"):
-            for part in command.split(" && "):
-                result = _run([sys.executable, "-m", *shlex.split(part)[2:]], cwd=REPO)
-                assert result.returncode == 0, part + "\n" + result.stdout[-3000:]
         elif how == RUN:
             argv, trainer = _argv(command)
             argv += TRAINER_SMOKE if trainer else PAIRS_SMOKE if " pairs " in command else []
