@@ -292,8 +292,11 @@ def _decide(
         if run_dir is None:
             run_dir = default_run_dir(package, name)
         done = checkpoint_step(ckpt) if ckpt is not None else None
+        # finished = its status says so and final/ was written (a run SIGKILLed after its last
+        # checkpoint, before final/, is resumed to write it)
         if (done is not None and total_steps is not None and done >= total_steps
-                and run_status(run_dir).get("status") == "finished"):  # fmt: skip
+                and run_status(run_dir).get("status") == "finished"
+                and (run_dir / "final").is_dir()):  # fmt: skip
             return run_dir, None, (
                 f"--resume {run.resume}: {run_dir} finished at step {done} of {total_steps} "
                 "(train.max_steps): nothing to continue, and nothing was changed. To train "
