@@ -86,7 +86,7 @@ def _hh_compare(gpt2_rm, extra: list[str] = ()) -> CompareConfig:
     base_set = [
         f"rewards=[{{name: reward_model, weight: 1.0, path: {gpt2_rm}}}]",
         "rollout.prompts_per_step=2", "rollout.group_size=2", "rollout.max_new_tokens=6",
-        "train.micro_batch_size=4",
+        "train.micro_batch_size=4", "train.eval_size=4",  # each arm's own final evaluation
     ]  # fmt: skip
     return load_config(CompareConfig, REPO / "configs/compare_hh/compare.yaml", [
         f"sft_model={preset_dir('tiny-gpt2')}", f"reward_model={gpt2_rm}",
