@@ -11,6 +11,7 @@ Hugging Face `final/` loads in plain transformers and gives the trained model's 
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import platform
@@ -19,6 +20,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import psutil
 import pytest
 import torch
 from conftest import REPO, metric_series, tiny_pg_dict, wait_for_checkpoint, write_yaml
@@ -115,7 +117,14 @@ def test_sft_fsdp2_equals_one_process_resumes_after_sigkill_and_final_loads(
                             stderr=subprocess.STDOUT, text=True,
                             start_new_session=True)  # fmt: skip
     wait_for_checkpoint(proc, killed / "checkpoints" / "checkpoint-2")
-    os.killpg(proc.pid, signal.SIGKILL)  # torchrun and both workers
+    # torchrun and both workers: the workers by pid too (a kill of the group alone has let them
+    # run on and finish the run, which --resume then rightly refuses as finished)
+    workers = psutil.Process(proc.pid).children(recursive=True)
+    os.killpg(proc.pid, signal.SIGKILL)
+    for worker in workers:
+        with contextlib.suppress(psutil.NoSuchProcess):
+            worker.kill()
+    psutil.wait_procs(workers, timeout=60)
     proc.wait()
     assert not (killed / "final").exists()
     launch("instruction_tuning.train", cfg, killed, 2, *FSDP2, "--resume", "auto")
