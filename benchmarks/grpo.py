@@ -205,14 +205,16 @@ def run_ours(w: Workload, workdir: Path) -> dict[str, Any]:
         "checkpoint": {"save_every": 0, "save_final": False},
         "tracking": {"log_every": 1, "plot_every": 10_000},
     })  # fmt: skip
-    original_logprobs = pg_train.completion_logprobs
+    import policy_gradients.update as pg_update  # the training forward's owner
+
+    original_logprobs = pg_update.completion_logprobs
 
     def counted_logprobs(model, ids, attention_mask, *args, **kwargs):  # the training forward
         clock.count(attention_mask)
         return original_logprobs(model, ids, attention_mask, *args, **kwargs)
 
     clock_steps(pg_train, clock)
-    pg_train.completion_logprobs = counted_logprobs
+    pg_update.completion_logprobs = counted_logprobs
     metrics = run_our_trainer(pg_train, cfg, workdir, "benchmarks/grpo.py")
     per_step = [m for m in metrics if "train/length/mean" in m]
     timed = per_step[w.warmup_steps :]
