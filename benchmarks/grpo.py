@@ -213,7 +213,7 @@ def run_ours(w: Workload, workdir: Path) -> dict[str, Any]:
         clock.count(attention_mask)
         return original_logprobs(model, ids, attention_mask, *args, **kwargs)
 
-    clock_steps(pg_train, clock)
+    clock_steps(pg_update, clock)  # policy_gradients.update calls optimizer_step
     pg_update.completion_logprobs = counted_logprobs
     metrics = run_our_trainer(pg_train, cfg, workdir, "benchmarks/grpo.py")
     per_step = [m for m in metrics if "train/length/mean" in m]
