@@ -31,6 +31,7 @@ Components:
                  judges every sentence or sub-sentence; each segment's reward lands on the policy
                  token that ends it (dense, (B, T)); see `SegmentRewardModelReward`
   rouge          ROUGE F1 of the completion against the prompt row's reference answer
+  environment    a multi-turn episode's summed rewards from its environment (`environment:`)
 """
 
 from __future__ import annotations
@@ -64,6 +65,7 @@ class RewardInput:
     scorer: Any | None = None  # the reasoning-gym dataset (score_answer), if any
     completion_ids: list[list[int]] | None = None  # the policy's completion tokens (through eos)
     tokenizer: Any = None  # the policy's tokenizer (dense rewards map text to its tokens)
+    environment_rewards: torch.Tensor | None = None  # (B,) episode rewards (environment: block)
 
 
 def extract_answer(text: str) -> str | None:
@@ -414,6 +416,17 @@ class RougeReward:
         refs = [str(item["answer"]) for item in batch.items]
         scores = rouge_scores(batch.completions, refs, (self.rouge_type,))
         return torch.tensor(scores[self.rouge_type])
+
+
+@REWARDS.register("environment")
+class EnvironmentReward:
+    """The episode's rewards from the configured `environment:` (`policy_gradients.episodes`),
+    summed over its turns."""
+
+    def __call__(self, batch: RewardInput) -> torch.Tensor:
+        if batch.environment_rewards is None:
+            raise UserError("reward 'environment' needs an environment: block in the config")
+        return batch.environment_rewards
 
 
 def answer_needed_by(specs: list[dict[str, Any]]) -> list[str]:
