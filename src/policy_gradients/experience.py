@@ -23,10 +23,14 @@ class LossInputs:
 
     action_mask: torch.Tensor  # (B, T) 1 on completion tokens through the first eos
     advantages: torch.Tensor | None = None  # (B, T); the policy losses require it
-    log_probs_old: torch.Tensor | None = None  # (B, T) sampler log-probs; policy losses need it
+    log_probs_old: torch.Tensor | None = None  # (B, T) pi_old, the trainer's; policy losses need it
     log_probs_ref: torch.Tensor | None = None  # (B, T) under pi_ref (KL in the loss)
     values_old: torch.Tensor | None = None  # (B, T) value model at rollout time (value loss)
     returns: torch.Tensor | None = None  # (B, T) value targets (value loss)
+    # (B, T) log mu(a_t | s_t): the sampler's own log-probs, of the distribution it drew from
+    # (after temperature and top-k/top-p/min-p truncation, in its dtype); the off-policy
+    # corrections (`policy_gradients.off_policy`) weigh tokens by exp(log_probs_old - these)
+    log_probs_behaviour: torch.Tensor | None = None
 
 
 @dataclass(kw_only=True)
@@ -36,13 +40,18 @@ class Experience(LossInputs):
 
     sequence_ids: torch.Tensor  # (B, S) prompt + completion token ids
     attention_mask: torch.Tensor  # (B, S)
-    # (B, T) log pi_old(a_t | s_t) of the sampling distribution; None when the update is
+    # (B, T) log pi_old(a_t | s_t), the trainer's forward before the update at the sampling
+    # temperature (its truncation aside: see log_probs_behaviour); None when the update is
     # on-policy (one optimizer step per batch): the loop then fills in the current log-probs,
     # detached, which are the same numbers without a second forward
     log_probs_old: torch.Tensor | None
     advantages: torch.Tensor  # (B, T)
     rewards: dict[str, torch.Tensor] = field(default_factory=dict)  # name -> (B,) or (B, T)
     group_ids: torch.Tensor | None = None  # (B,) which prompt each completion answers
+    # (B, T) bool, logged only: the sampled token lies outside the set the trainer's own
+    # distribution, truncated as the sampler's (top-k/top-p/min-p), would sample from
+    # (`off_policy.outside_sampling_set`); None without truncation
+    outside_sampling_set: torch.Tensor | None = None
 
     @property
     def completion_length(self) -> int:

@@ -42,9 +42,12 @@ value_mean. Everything is computed in the inputs' dtype.
 Padding positions of the inputs may hold anything (even inf or nan): every input is replaced by 0
 where action_mask is 0 before use, so neither the loss nor its gradient can pick them up.
 
-Not here: dual-clip PPO, SAPO/soft gates, vLLM importance-sampling corrections, token masks by
-entropy, and KL in the reward. Shapes are checked on the host; values are not (that would need a
-device sync): a non-finite loss is the train loop's to count and skip.
+`importance_weights=w` (B, T) multiplies the policy term by a detached weight: the off-policy
+corrections of `policy_gradients.off_policy` (TIS, MIS, decoupled PPO) are such weights.
+
+Not here: dual-clip PPO, SAPO/soft gates, token masks by entropy, and KL in the reward. Shapes
+are checked on the host; values are not (that would need a device sync): a non-finite loss is
+the train loop's to count and skip.
 """
 
 from __future__ import annotations
@@ -201,9 +204,12 @@ class PolicyLoss(PolicyGradientLoss):
         total_sequences: torch.Tensor | float | None = None,
         entropy: torch.Tensor | None = None,
         values: torch.Tensor | None = None,
+        importance_weights: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, Metrics]:
         """log_probs (B, T) under the current policy -> (scalar loss, metrics). `values` is
-        accepted for a uniform call signature and ignored by the policy losses."""
+        accepted for a uniform call signature and ignored by the policy losses.
+        `importance_weights` (B, T): a per-token weight on the policy term, detached (an
+        off-policy correction, `policy_gradients.off_policy`); None leaves the loss as it is."""
         why = "(B, T) under the current policy"
         mask, log_probs = self._mask_and_input(experience, "log_probs", log_probs, why)
         shape = tuple(mask.shape)
@@ -228,6 +234,9 @@ class PolicyLoss(PolicyGradientLoss):
         log_ratio = logp - _zero_outside(old, mask).detach()
         advantages = _zero_outside(advantages, mask).detach()
         policy, ratio, clipped = self._policy_term(logp, log_ratio, advantages, mask)
+        if importance_weights is not None:
+            w = self._checked("importance_weights", importance_weights, shape, "(B, T)")
+            policy = _zero_outside(w, mask).detach() * policy
 
         loss = policy
         metrics: Metrics = {}

@@ -45,6 +45,11 @@ of a group never re-encode their prompt; the draws (one uniform per row per toke
 are the ones the N x G repeated prompts would make, and so are the tokens (tested against
 `decode` of the repeated prompts, greedy and sampled).
 
+The behaviour log-probs (`with_logprobs`): for every sampled token, its log-prob under the
+distribution it was drawn from (after temperature and truncation, in float32 from the logits in
+the model's dtype), the log of the probability the draw itself used; what an off-policy
+correction compares the trainer's recomputed log-probs with.
+
 `generate_completions` takes rendered prompt texts and returns, per prompt, the completion token
 ids (up to and including the first eos), the decoded text (special tokens removed) and whether it
 was truncated at `max_new_tokens` without an eos. Both decode greedily unless given a `Sampling`.
@@ -89,13 +94,16 @@ def _scratch(workspace: Workspace | None, name: str, like: torch.Tensor,
 
 
 def sample_from_logits(
-    logits: torch.Tensor, generator: Generators = None, *, workspace: Workspace | None = None
-) -> torch.Tensor:
+    logits: torch.Tensor, generator: Generators = None, *, workspace: Workspace | None = None,
+    with_logprob: bool = False,
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
     """One token per row of `logits` (B, V), drawn from softmax(logits) by inverting the CDF
     with a single uniform per row (see the module docstring). `generator` is one generator for
     the batch, or a sequence of one per row (`row_generators`). `workspace`: a dict the caller
     keeps across the steps of one decoding loop; the probabilities and the float64 CDF are
-    written into its buffers instead of fresh tensors (see the module docstring)."""
+    written into its buffers instead of fresh tensors (see the module docstring).
+    `with_logprob`: also each drawn token's log-prob (B,) under that softmax, the log of the
+    probability the draw used (a gather of B entries; no further pass over the vocabulary)."""
     probs = torch.softmax(logits, -1, out=_scratch(workspace, "probs", logits, logits.dtype))
     cdf = _scratch(workspace, "cdf", logits, torch.float64)
     torch.cumsum(probs, -1, dtype=torch.float64, out=cdf)  # = probs.to(float64).cumsum(-1)
@@ -110,7 +118,10 @@ def sample_from_logits(
     else:
         u = torch.rand(cdf.shape[0], 1, dtype=torch.float64, device=cdf.device, generator=generator)
     index = torch.searchsorted(cdf, u * cdf[:, -1:], right=True)
-    return index.clamp_(max=cdf.shape[-1] - 1).squeeze(-1)
+    index = index.clamp_(max=cdf.shape[-1] - 1)
+    if with_logprob:
+        return index.squeeze(-1), probs.gather(-1, index).log_().squeeze(-1)
+    return index.squeeze(-1)
 
 
 @dataclass(frozen=True)
@@ -125,6 +136,11 @@ class Sampling:
     top_p: float = 1.0
     top_k: int = 0
     min_p: float = 0.0
+
+    @property
+    def truncates(self) -> bool:
+        """Whether `warp` may remove tokens: top-k, top-p or min-p is set."""
+        return self.top_k > 0 or self.top_p < 1.0 or self.min_p > 0.0
 
     def warp(self, logits: torch.Tensor, workspace: Workspace | None = None) -> torch.Tensor:
         """Next-token logits (B, V) -> the sampling distribution's logits in float32, -inf on
@@ -151,13 +167,17 @@ class Sampling:
 
     def next_token(
         self, logits: torch.Tensor, generator: Generators = None,
-        workspace: Workspace | None = None,
-    ) -> torch.Tensor:  # fmt: skip
+        workspace: Workspace | None = None, *, with_logprob: bool = False,
+    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
         """The next token of each row from its logits (B, V); `workspace`: see
-        `sample_from_logits`."""
+        `sample_from_logits`. `with_logprob`: also each token's log-prob (B,) in float32 under
+        the distribution it was drawn from, the warped one (0 when greedy: a point mass)."""
         if self.temperature <= 0:
-            return logits.argmax(-1)
-        return sample_from_logits(self.warp(logits, workspace), generator, workspace=workspace)
+            token = logits.argmax(-1)
+            return (token, torch.zeros(token.shape, device=token.device)) if with_logprob else token
+        return sample_from_logits(
+            self.warp(logits, workspace), generator, workspace=workspace, with_logprob=with_logprob
+        )
 
 
 GREEDY = Sampling()
@@ -175,10 +195,12 @@ def _decode_encoder_decoder(
     sampling: Sampling,
     generator: Generators,
     group_size: int,
-) -> torch.Tensor:
+    with_logprobs: bool = False,
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """`decode` for an encoder-decoder model: the encoder once per distinct prompt (its output
     repeated `group_size` times), then the decoder token by token through its KV cache from the
-    decoder start token; returns [input_ids | completion], input_ids repeated per group."""
+    decoder start token; returns [input_ids | completion], input_ids repeated per group (and
+    the sampled tokens' log-probs with `with_logprobs`, as `decode`)."""
     base = base_model(model)  # peft's adapters live in the base model's layers
     mask = attention_mask.long()
     encoded = base.get_encoder()(input_ids=input_ids, attention_mask=mask)
@@ -191,7 +213,7 @@ def _decode_encoder_decoder(
                        device=input_ids.device)  # fmt: skip
     done = torch.zeros(batch, dtype=torch.bool, device=input_ids.device)
     pad = torch.full_like(token, pad_token_id)
-    cache, new_tokens, workspace = None, [], {}
+    cache, new_tokens, logprobs, workspace = None, [], [], {}
     room = min(max_new_tokens, speed_plan(model).reserve_positions)
     for step in range(max_new_tokens):
         out = base(
@@ -201,13 +223,18 @@ def _decode_encoder_decoder(
         if cache is None and room:  # the decoder's own keys and values (not cross-attention's)
             _reserve_cache(getattr(out.past_key_values, "self_attention_cache", None), room)
         cache = out.past_key_values
-        token = sampling.next_token(out.logits[:, -1], generator, workspace)
+        token = sampling.next_token(out.logits[:, -1], generator, workspace,
+                                    with_logprob=with_logprobs)  # fmt: skip
+        if with_logprobs:
+            token, logprob = token
+            logprobs.append(logprob.masked_fill(done, 0.0))
         token = torch.where(done, pad, token.to(input_ids.dtype))
         new_tokens.append(token)
         done = done | (token == eos_token_id)
         if step == max_new_tokens - 1 or bool(done.all()):
             break
-    return torch.cat([input_ids, torch.stack(new_tokens, dim=1)], dim=1)
+    sequences = torch.cat([input_ids, torch.stack(new_tokens, dim=1)], dim=1)
+    return (sequences, torch.stack(logprobs, dim=1)) if with_logprobs else sequences
 
 
 class _ReservedLayer(DynamicLayer):
@@ -283,13 +310,20 @@ def decode(
     sampling: Sampling = GREEDY,
     generator: Generators = None,
     group_size: int = 1,
-) -> torch.Tensor:
+    with_logprobs: bool = False,
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """Complete left-padded prompts `input_ids` (B, P): returns (B x G, P + T) with T <=
     `max_new_tokens`, G = `group_size` completions of each prompt in consecutive rows (the
     prompt encoded once, see the module docstring); after a row's eos it holds `pad_token_id`.
     Stops early once every row has produced an eos. The model is used as is (call
     `model.eval()` first). `generator`: see `sample_from_logits` (None: the global torch RNG),
-    one per output row when a sequence."""
+    one per output row when a sequence.
+
+    `with_logprobs`: returns (sequences, behaviour log-probs (B x G, T) float32): each sampled
+    token's log-prob under the distribution it was drawn from, after temperature and the
+    top-k / top-p / min-p truncation, from the logits in the dtype the model ran in (0 after a
+    row's eos, and everywhere when greedy). It costs a gather of the probabilities the draw
+    already computed, B entries per token, and changes no token (tested)."""
     if max_new_tokens < 1:
         raise ValueError(f"decode: max_new_tokens must be >= 1, got {max_new_tokens}")
     if group_size < 1:
@@ -298,7 +332,7 @@ def decode(
         return _decode_encoder_decoder(
             model, input_ids, attention_mask, max_new_tokens=max_new_tokens,
             eos_token_id=eos_token_id, pad_token_id=pad_token_id, sampling=sampling,
-            generator=generator, group_size=group_size,
+            generator=generator, group_size=group_size, with_logprobs=with_logprobs,
         )  # fmt: skip
     mask = attention_mask.long()
     position_ids = (mask.cumsum(-1) - 1).clamp(min=0)
@@ -322,10 +356,13 @@ def decode(
     done = torch.zeros(batch, dtype=torch.bool, device=input_ids.device)
     pad = torch.full_like(done, pad_token_id, dtype=input_ids.dtype)
     ones = torch.ones(batch, 1, dtype=mask.dtype, device=mask.device)
-    new_tokens, workspace = [], {}
+    new_tokens, logprobs, workspace = [], [], {}
     with fast_attention(model):  # a step's grouped heads as query rows (bf16, CPU)
         for step in range(max_new_tokens):
-            token = sampling.next_token(logits, generator, workspace)
+            token = sampling.next_token(logits, generator, workspace, with_logprob=with_logprobs)
+            if with_logprobs:
+                token, logprob = token
+                logprobs.append(logprob.masked_fill(done, 0.0))
             token = torch.where(done, pad, token.to(input_ids.dtype))
             new_tokens.append(token)
             done = done | (token == eos_token_id)
@@ -338,7 +375,8 @@ def decode(
             )  # fmt: skip
             logits, cache = out.logits[:, -1], out.past_key_values
             next_position = next_position + 1
-    return torch.cat([input_ids, torch.stack(new_tokens, dim=1)], dim=1)
+    sequences = torch.cat([input_ids, torch.stack(new_tokens, dim=1)], dim=1)
+    return (sequences, torch.stack(logprobs, dim=1)) if with_logprobs else sequences
 
 
 @dataclass

@@ -1,0 +1,272 @@
+"""The sampler is not the trainer: its mismatch, measured, and the corrections (registry
+`CORRECTIONS`).
+
+The rollout keeps, for every sampled token, its log-prob under the distribution the sampler drew
+it from, mu (`Experience.log_probs_behaviour`: after temperature and top-k / top-p / min-p
+truncation, in the sampler's dtype), beside the trainer's recomputed pi_old
+(`Experience.log_probs_old`, the proximal policy of the update). With rho = pi_old / mu per
+token, a correction turns (pi_old, mu) into a detached per-token weight w (B, T) on the policy
+term of the loss (`PolicyLoss.forward(..., importance_weights=w)`; the KL and entropy terms are
+not weighed):
+
+    name        w_t                                                 paper
+    tis         min(rho_t, cap)                                     Yao et al. 2025
+    mis         rho * 1[low <= rho <= high],  rho = rho_t (token)   Liu, Li et al. 2025 (MIS),
+                or rho = prod_t rho_t over the sequence (sequence)  IcePop (token level)
+    decoupled   rho_t, or rho_t * 1[rho_t <= cap] with a cap        Hilton et al. 2021, AReaL
+
+Tokens a mask removes weigh 0 but stay in the aggregation's token and sequence counts, so the
+normalisers of a step do not depend on the correction. The algorithm pages
+(docs/algorithms/tis.md, mis.md, decoupled_ppo.md) give the equations.
+
+`MismatchStats` gathers, over a step's tokens, how far the two are apart: the k3 estimate of
+KL(mu || pi_old), the max and 99th percentile of rho, and, with truncated sampling, the share of
+sampled tokens outside the set the trainer's own distribution, truncated the same way, would
+sample from (`outside_sampling_set`, one extra no-grad forward of the rollouts).
+
+Not here: asynchronous rollouts and policy versions (the behaviour policy is today's sampler, a
+numerically different copy of pi_old).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import ClassVar, Literal
+
+import torch
+
+from policy_gradients.experience import Experience, LossInputs
+from rlhf_core.generation import Sampling
+from rlhf_core.kl import kl_estimate
+from rlhf_core.logprobs import decoder_and_head, masked_mean, masked_sum
+from rlhf_core.policy_model import is_encoder_decoder
+from rlhf_core.registry import Configurable, Registry
+
+CORRECTIONS: Registry[type[OffPolicyCorrection]] = Registry("off-policy correction")
+Metrics = dict[str, torch.Tensor]
+
+
+class OffPolicyCorrection(Configurable):
+    """A per-token weight from the trainer's pi_old and the sampler's mu; subclasses implement
+    `_weights(log_rho, mask)`."""
+
+    role: ClassVar[str] = "correction"
+    changes: ClassVar[str] = "masked"  # what `_weights` reports as changed: masked / truncated
+
+    def __call__(self, experience: LossInputs) -> tuple[torch.Tensor, Metrics]:
+        """(w (B, T) detached, 0 off the action mask; metrics: weight_mean, and the share of
+        tokens truncated or masked), from `experience.log_probs_old` and
+        `experience.log_probs_behaviour`."""
+        mask = experience.action_mask.bool()
+        shape = tuple(mask.shape)
+        for arg in ("log_probs_old", "log_probs_behaviour"):
+            value = getattr(experience, arg)
+            if value is None or tuple(value.shape) != shape:
+                got = None if value is None else tuple(value.shape)
+                raise ValueError(
+                    f"{self.name} correction needs experience.{arg} of the action_mask shape "
+                    f"(B, T) = {shape}, got {got}"
+                )
+        old, behaviour = experience.log_probs_old.detach(), experience.log_probs_behaviour
+        log_rho = torch.where(mask, old - behaviour.to(old.dtype), torch.zeros_like(old))
+        weights, changed = self._weights(log_rho, mask)
+        weights = torch.where(mask, weights, torch.zeros_like(weights))
+        metrics = {
+            "weight_mean": masked_mean(weights, mask),
+            f"{self.changes}_fraction": masked_mean(changed.to(weights.dtype), mask),
+        }
+        return weights, metrics
+
+    def _weights(
+        self, log_rho: torch.Tensor, mask: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(w (B, T), bool (B, T) where the correction cut or masked rho) from log rho (0 off
+        `mask`)."""
+        raise NotImplementedError
+
+
+CORRECTIONS.base = OffPolicyCorrection
+
+
+def _require_cap(owner: Configurable, arg: str, value: float | None, none_ok: bool) -> None:
+    ok = (value is None and none_ok) or (value is not None and 1 <= value < math.inf)
+    expected = "a finite number >= 1" + (", or null for none" if none_ok else "")
+    owner._require(ok, arg, value, expected)
+
+
+@CORRECTIONS.register("tis")
+class TruncatedImportanceSampling(OffPolicyCorrection):
+    """Token-level truncated importance sampling (TIS; Yao, Liu et al. 2025, "Your efficient RL
+    framework secretly brings you off-policy RL training", fengyao.notion.site/off-policy-rl;
+    Ionides 2008 for truncated IS):
+
+        rho_t = pi_old(y_t) / mu(y_t)            w_t = min(rho_t, cap)
+
+    The trainer's gradient is taken on samples of the sampler mu; rho_t corrects it back to
+    pi_old, truncated at `cap` to bound its variance (a small bias). Default cap 2 (the paper's
+    C = 2)."""
+
+    changes = "truncated"
+
+    def __init__(self, *, cap: float = 2.0) -> None:
+        _require_cap(self, "cap", cap, none_ok=False)
+        self.cap = float(cap)
+
+    def _weights(self, log_rho, mask):
+        rho = log_rho.exp()
+        return rho.clamp(max=self.cap), rho > self.cap
+
+
+@CORRECTIONS.register("mis")
+class MaskedImportanceSampling(OffPolicyCorrection):
+    """Masked importance sampling (MIS; Liu, Li et al. 2025, "When speed kills stability:
+    demystifying RL collapse from the training-inference mismatch"; the token level is IcePop's
+    M(k), Ling Team 2025, arXiv:2510.18855):
+
+        token:     rho_t = pi_old(y_t) / mu(y_t)                 w_t = rho_t 1[low <= rho_t <= high]
+        sequence:  rho   = prod_{t in y} pi_old(y_t) / mu(y_t)    w_t = rho 1[low <= rho <= high]
+
+    Unlike TIS, a token (or, at sequence level, a whole completion) whose ratio leaves
+    [low, high] is dropped instead of cut to the bound: such tokens are where the sampler and the
+    trainer disagree most, and their truncated gradient is still biased. Defaults: token level,
+    [0.5, 2]."""
+
+    def __init__(
+        self, *, level: Literal["token", "sequence"] = "token", low: float = 0.5,
+        high: float = 2.0,
+    ) -> None:  # fmt: skip
+        self._require(level in ("token", "sequence"), "level", level, "'token' or 'sequence'")
+        self._require(0 <= low <= 1, "low", low, "in [0, 1] (rho = 1, on-policy, is kept)")
+        _require_cap(self, "high", high, none_ok=False)
+        self._require(low < high, "low", low, f"below high ({high})")
+        self.level, self.low, self.high = level, float(low), float(high)
+
+    def _weights(self, log_rho, mask):
+        if self.level == "sequence":  # fully masked row: rho = 1
+            log_rho = masked_sum(log_rho, mask, dim=-1)[:, None].expand_as(log_rho)
+        rho = log_rho.exp()
+        keep = (rho >= self.low) & (rho <= self.high)
+        return torch.where(keep, rho, torch.zeros_like(rho)), ~keep
+
+
+@CORRECTIONS.register("decoupled")
+class DecoupledPPO(OffPolicyCorrection):
+    """The decoupled PPO objective (Hilton, Cobbe, Schulman 2021, "Batch size-invariance for
+    policy optimization", arXiv:2110.00641, eq. 2; AReaL, Fu et al. 2025, arXiv:2505.24298,
+    eq. 5): the behaviour policy mu that sampled the data, the proximal policy pi_prox the trust
+    region is centred on, and the current policy pi_theta are three different policies:
+
+        loss_t = -(pi_prox(y_t) / mu(y_t)) min(r_t A_t, clip(r_t, 1 - eps_low, 1 + eps_high) A_t)
+        r_t    = pi_theta(y_t) / pi_prox(y_t)
+
+    Here pi_prox is the trainer's pi_old (`Experience.log_probs_old`, the policy at the start of
+    the step) and the loss (`clipped`, `gspo`, `cispo`) is the min/clip term, so the correction
+    is the weight w_t = pi_prox / mu. `cap` (AReaL's behaviour importance weight cap): tokens
+    with w_t above it are dropped (w_t = 0); null (the default, the paper's form) keeps every
+    weight. With the `pg` loss it is importance-weighted REINFORCE."""
+
+    def __init__(self, *, cap: float | None = None) -> None:
+        _require_cap(self, "cap", cap, none_ok=True)
+        self.cap = None if cap is None else float(cap)
+
+    def _weights(self, log_rho, mask):
+        rho = log_rho.exp()
+        if self.cap is None:
+            return rho, torch.zeros_like(mask)
+        over = rho > self.cap
+        return torch.where(over, torch.zeros_like(rho), rho), over
+
+
+@torch.no_grad()
+def outside_sampling_set(
+    model: torch.nn.Module, ids: torch.Tensor, attention_mask: torch.Tensor, prompt_length: int,
+    action_mask: torch.Tensor, sampling: Sampling, *, rows: int,
+) -> torch.Tensor | None:  # fmt: skip
+    """bool (B, T): whether each sampled completion token lies outside the set the trainer's
+    distribution, warped by `sampling` (`Sampling.warp`: temperature, top-k, top-p, min-p), would
+    sample from; False off `action_mask`. One no-grad forward of `rows` rows at a time (model in
+    eval mode), the LM head run on the completion positions only, `Sampling.warp` on ~4M logits
+    at a time. None for an encoder-decoder policy (not measured)."""
+    if is_encoder_decoder(model):
+        return None
+    was_training = model.training
+    model.eval()
+    parts = decoder_and_head(model)
+    outside = torch.zeros(action_mask.shape, dtype=torch.bool, device=action_mask.device)
+    try:
+        for start in range(0, ids.shape[0], rows):
+            part_ids, mask = ids[start : start + rows], attention_mask[start : start + rows].long()
+            position_ids = (mask.cumsum(-1) - 1).clamp(min=0)
+            args = {"input_ids": part_ids, "attention_mask": mask, "position_ids": position_ids,
+                    "use_cache": False}  # fmt: skip
+            if parts is None:
+                logits = model(**args).logits[:, prompt_length - 1 : -1]
+                hidden, head = None, None
+            else:
+                hidden = parts[0](**args).last_hidden_state[:, prompt_length - 1 : -1]
+                head = parts[1]
+            select = action_mask[start : start + rows].bool()
+            source = (logits if hidden is None else hidden)[select]  # (N, V) or (N, H)
+            tokens = part_ids[:, prompt_length:][select]
+            flags = torch.zeros(tokens.shape, dtype=torch.bool, device=tokens.device)
+            vocab = head.out_features if head is not None else source.shape[-1]
+            chunk = max(1, (1 << 22) // vocab)
+            for lo in range(0, source.shape[0], chunk):
+                z = source[lo : lo + chunk]
+                warped = sampling.warp(head(z) if head is not None else z)
+                picked = warped.gather(-1, tokens[lo : lo + chunk, None]).squeeze(-1)
+                flags[lo : lo + chunk] = picked == float("-inf")
+            outside[start : start + rows][select] = flags
+    finally:
+        model.train(was_training)
+    return outside
+
+
+class MismatchStats:
+    """The sampler-trainer mismatch over one step's tokens: `add` each micro-batch once (after
+    its pi_old is known), then `metrics()`:
+
+        mismatch/k3                   mean_t k3 = rho_t - 1 - log rho_t, rho_t = pi_old / mu:
+                                      the k3 estimate of KL(mu || pi_old) (`rlhf_core.kl`)
+        mismatch/ratio_max            max_t rho_t
+        mismatch/ratio_p99            the 99th percentile of rho_t (nearest rank)
+        mismatch/outside_truncation   share of sampled tokens outside the trainer's truncated
+                                      sampling set (with top_p < 1: its top-p set); only when
+                                      the rollouts measured it (`outside_sampling_set`)
+
+    Under several processes `metrics(gather)` pools every process's tokens (`gather`: accelerate's
+    `gather_object`; every process calls it), so all report the same numbers."""
+
+    def __init__(self) -> None:
+        self.log_rho: list[torch.Tensor] = []
+        self.outside: list[torch.Tensor] = []
+
+    def add(self, experience: Experience) -> None:
+        """The masked tokens of a micro-batch whose log_probs_old and log_probs_behaviour are
+        set (skipped otherwise), and its `outside_sampling_set` when measured."""
+        old, behaviour = experience.log_probs_old, experience.log_probs_behaviour
+        if old is None or behaviour is None:
+            return
+        keep = experience.action_mask.bool()
+        log_rho = old.detach().double() - behaviour.double()
+        self.log_rho.append(log_rho[keep].cpu())
+        if experience.outside_sampling_set is not None:
+            self.outside.append(experience.outside_sampling_set[keep].cpu())
+
+    def metrics(self, gather=None) -> dict[str, float]:
+        log_rho, outside = list(self.log_rho), list(self.outside)
+        if gather is not None:
+            log_rho, outside = gather(log_rho), gather(outside)
+        if not log_rho or sum(x.numel() for x in log_rho) == 0:
+            return {}
+        log_rho = torch.cat(log_rho)
+        zeros = torch.zeros_like(log_rho)
+        rank = max(1, math.ceil(0.99 * log_rho.numel()))
+        out = {
+            "mismatch/k3": float(kl_estimate(zeros - log_rho, zeros, "k3").mean()),
+            "mismatch/ratio_max": math.exp(float(log_rho.max())),
+            "mismatch/ratio_p99": math.exp(float(log_rho.kthvalue(rank).values)),
+        }
+        if outside:
+            out["mismatch/outside_truncation"] = float(torch.cat(outside).double().mean())
+        return out
