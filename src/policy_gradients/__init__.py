@@ -8,6 +8,9 @@ aggregation.
     advantages.py  advantage estimators (registry `ADVANTAGES`)
     experience.py  `Experience` and the `ReplayBuffer`
     collect.py     one step's experience: rollouts -> rewards -> log-probs -> advantages
+    environments.py  multi-turn environments (registry `ENVIRONMENTS`), two tiny-world ones
+    tools.py       tools (registry `TOOLS`), `<tool_call>` parsing, safe calls with a timeout
+    episodes.py    multi-turn rollouts: sampled ids kept, environment tokens masked out
     losses.py      per-token policy losses (`LOSSES`) and PPO's value loss
     evaluate.py    held-out greedy and sampled evaluation
     train.py       `train(cfg)`, the loop, read top to bottom

@@ -34,6 +34,7 @@ import operator
 import re
 import signal
 import threading
+import time
 import typing
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -165,12 +166,15 @@ def call_with_timeout(fn: Callable[[], Any], timeout_s: float) -> Any:
         raise ToolTimeout
 
     previous = signal.signal(signal.SIGALRM, on_alarm)
-    signal.setitimer(signal.ITIMER_REAL, timeout_s)
+    start = time.monotonic()
+    pending, _ = signal.setitimer(signal.ITIMER_REAL, timeout_s)  # someone else's timer, if any
     try:
         return fn()
     finally:
         signal.setitimer(signal.ITIMER_REAL, 0)
         signal.signal(signal.SIGALRM, previous)
+        if pending > 0:  # give it back what is left of it (at least a moment)
+            signal.setitimer(signal.ITIMER_REAL, max(pending - (time.monotonic() - start), 1e-3))
 
 
 class ToolBox:
