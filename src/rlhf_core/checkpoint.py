@@ -14,8 +14,10 @@ It is written into a hidden temporary directory and renamed into place, so a dir
 `checkpoint-<step>` is complete when it appears; re-saving a step renames the old one aside
 first and deletes it last. Bytes can still rot after the rename: `newest_valid_checkpoint`
 checks the manifest and falls back to the newest checkpoint that verifies, with a warning. A
-model with a non-finite parameter is never written. `trainer_state.pt` holds only tensors and
-plain containers, read with `torch.load(..., weights_only=True)`.
+model with a non-finite parameter is never written. A save that will not fit is warned first; a
+failed write (a full disk) leaves no partial directory and stops the run with one line naming
+the space needed and the last good checkpoint (`rlhf_core.disk_space`). `trainer_state.pt`
+holds only tensors and plain containers, read with `torch.load(..., weights_only=True)`.
 
 The train loops call, on every process: `save_training_state` (checkpoint-<step>; a sharded
 model's shards written by every process with torch.distributed.checkpoint, the rest by the main
@@ -44,6 +46,7 @@ from accelerate.utils import broadcast_object_list, gather_object
 from pydantic import Field
 
 from rlhf_core.config import StrictModel
+from rlhf_core.disk_space import CheckpointWriteError, guarded_write  # noqa: F401 (its home)
 from rlhf_core.distributed import is_sharded, local_tensor
 from rlhf_core.errors import UserError
 from rlhf_core.runtime import capture_rng_state, restore_rng_state
@@ -54,10 +57,6 @@ STATE_FILE = "trainer_state.pt"
 #: a sharded (FSDP2) checkpoint's torch.distributed.checkpoint directory (model + optimizer)
 SHARDED_DIR = "sharded"
 MANIFEST_FILE = "manifest.json"
-
-
-class CheckpointWriteError(UserError, OSError):
-    """Writing a checkpoint failed (disk full, permissions): what failed, and the last good one."""
 
 
 class NonFiniteModelError(RuntimeError):
@@ -106,10 +105,13 @@ def save_checkpoint(
     for name, extra in (extra_models or {}).items():
         assert_finite_parameters(extra, where=f"checkpoint-{step}/{name}")
     final = checkpoints_dir / f"checkpoint-{step}"
-    tmp: Path | None = None
-    try:
+    # a failed write: tmp removed, the previous checkpoints kept, a full disk one line (exit 1)
+    with guarded_write(final.name, checkpoints_dir, previous=latest_checkpoint(checkpoints_dir),
+                       last_good=lambda: newest_valid_checkpoint(checkpoints_dir, quiet=True),
+                       ) as partial:  # fmt: skip
         checkpoints_dir.mkdir(parents=True, exist_ok=True)
         tmp = Path(tempfile.mkdtemp(prefix=f".tmp-checkpoint-{step}-", dir=checkpoints_dir))
+        partial.append(tmp)
         if model is not None:
             model.save_pretrained(tmp, safe_serialization=True)
         for name, directory in (staged or {}).items():
@@ -133,20 +135,6 @@ def save_checkpoint(
             os.fsync(fh.fileno())
         write_manifest(tmp, step)
         replace_dir(tmp, final)
-    except OSError as exc:
-        if tmp is not None:
-            shutil.rmtree(tmp, ignore_errors=True)
-        good = newest_valid_checkpoint(checkpoints_dir, quiet=True)
-        last = "There is no earlier checkpoint." if good is None else (
-            f"The last good checkpoint is {good} (resume with --resume {good.parent.parent})"
-        )  # fmt: skip
-        raise CheckpointWriteError(
-            f"could not write checkpoint-{step} in {checkpoints_dir}: {exc}. {last}"
-        ) from exc
-    except BaseException:
-        if tmp is not None:
-            shutil.rmtree(tmp, ignore_errors=True)
-        raise
     for old in list_checkpoints(checkpoints_dir)[:-keep_last]:
         aside = old.with_name(f".deleting-{old.name}")  # never a half-deleted checkpoint-<n>
         os.replace(old, aside)
@@ -471,10 +459,13 @@ def save_final(
         unwrapped = model if sharded else accelerator.unwrap_model(model)
         if not sharded:
             assert_finite_parameters(unwrapped, where=str(path))
-        tmp = path.with_name(f".tmp-{path.name}")
+        tmp, checkpoints = path.with_name(f".tmp-{path.name}"), path.parent / "checkpoints"
         shutil.rmtree(tmp, ignore_errors=True)
-        unwrapped.save_pretrained(tmp, state_dict=state)
-        tokenizer.save_pretrained(tmp)
+        with guarded_write(path.name, path.parent, previous=None, last_good=lambda: (
+                newest_valid_checkpoint(checkpoints, quiet=True))) as partial:  # fmt: skip
+            partial.append(tmp)
+            unwrapped.save_pretrained(tmp, state_dict=state)
+            tokenizer.save_pretrained(tmp)
         replace_dir(tmp, path)
     if sharded:
         accelerator.wait_for_everyone()
