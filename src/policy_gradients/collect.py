@@ -20,6 +20,7 @@ from accelerate.utils import gather_object
 from policy_gradients.advantages import last_token_rewards
 from policy_gradients.dynamic_sampling import GroupFilter
 from policy_gradients.experience import Experience
+from policy_gradients.off_policy import outside_sampling_set
 from policy_gradients.rewards import CombinedReward, RewardInput
 from policy_gradients.rollout import (
     PromptSet,
@@ -135,6 +136,14 @@ def experience_of(
     values = None
     if value_model is not None:  # V(s_t) for completion token t: the state before it
         values = completion_values(value_model, ids, attn, ro.prompt_length)
+    behaviour = outside = None
+    if ro.log_probs_behaviour is not None:  # the sampler's mu, beside the trainer's pi_old
+        behaviour = ro.log_probs_behaviour[rows].to(device)
+        if r.sampling().truncates:  # diagnostic: sampled tokens the trainer would not sample
+            outside = outside_sampling_set(
+                policy, ids, attn, ro.prompt_length, mask, r.sampling(),
+                rows=cfg.train.micro_batch_size,
+            )  # fmt: skip
     seconds = time.perf_counter() - t0
     reward = total[rows].to(device)
     if alg.kl_in_reward.beta > 0:
@@ -151,6 +160,7 @@ def experience_of(
         sequence_ids=ids, attention_mask=attn, action_mask=mask, log_probs_old=old,
         log_probs_ref=ref, values_old=values, advantages=advantages, returns=returns,
         rewards={k: v[rows] for k, v in parts.items()}, group_ids=group_ids[rows],
+        log_probs_behaviour=behaviour, outside_sampling_set=outside,
     )  # fmt: skip
     return experience, seconds
 
@@ -193,6 +203,7 @@ def collect_experience(
         ro = generate_rollouts(
             policy, tokenizer, [it["prompt"] for it in items], group_size=r.group_size,
             max_new_tokens=r.max_new_tokens, sampling=r.sampling(), seeds=seeds,
+            behaviour_logprobs=r.behaviour_logprobs,
         )  # fmt: skip
         t1 = time.perf_counter()
         rep_items = [it for it in items for _ in range(r.group_size)]

@@ -11,6 +11,8 @@ behind the user's back except documented keyword defaults, which the resolved co
       kl_in_reward: {beta: 0.0, estimator: k1}     # KL as a per-token reward (PPO, REINFORCE)
       value_loss: null                             # PPO: {name: value, eps_value: 0.2}, coef
       dynamic_sampling: false                      # DAPO: drop groups with equal rewards
+      correction: null                             # off-policy: {name: tis, cap: 2.0}, mis,
+                                                   # decoupled (policy_gradients.off_policy)
 """
 
 from __future__ import annotations
@@ -34,6 +36,9 @@ AdvantageSpec = registered_spec(
 PolicyLossSpec = registered_spec("policy_gradients.losses:LOSSES", where="algorithm.loss")
 ValueLossSpec = registered_spec(
     "policy_gradients.losses:VALUE_LOSSES", where="algorithm.value_loss"
+)
+CorrectionSpec = registered_spec(
+    "policy_gradients.off_policy:CORRECTIONS", where="algorithm.correction"
 )
 
 
@@ -61,6 +66,11 @@ class AlgorithmConfig(StrictModel):
         False, description="DAPO: drop groups whose rewards are all equal, resample to fill"
     )
     max_sampling_rounds: int = Field(4, ge=1, description="cap on dynamic-sampling generations")
+    correction: CorrectionSpec | None = Field(
+        None, description="off-policy correction for the sampler/trainer mismatch, name + "
+        "keywords (policy_gradients.off_policy.CORRECTIONS: tis, mis, decoupled); a per-token "
+        "weight on the policy term from pi_old / mu; null = none",
+    )  # fmt: skip
 
 
 class PromptDataConfig(SplitDataConfig):
@@ -97,6 +107,12 @@ class RolloutConfig(StrictModel):
     top_p: float = Field(1.0, gt=0, le=1, description="nucleus sampling")
     top_k: int = Field(0, ge=0, description="top-k sampling; 0 = off")
     min_p: float = Field(0.0, ge=0, lt=1, description="min-p sampling; 0 = off")
+    behaviour_logprobs: bool = Field(
+        True, description="keep the sampler's log-prob of each token (after temperature and "
+        "truncation) and log its mismatch with the trainer's (mismatch/*; with top_p, top_k or "
+        "min_p set, one extra no-grad forward of up to train.micro_batch_size rows per round "
+        "finds the tokens outside the trainer's truncated set); algorithm.correction needs it",
+    )  # fmt: skip
 
     def sampling(self) -> Sampling:
         """These settings as `rlhf_core.generation.Sampling`, what `decode` takes."""
@@ -168,6 +184,12 @@ class PGConfig(TrainerConfig):
     @model_validator(mode="after")
     def _consistent(self) -> PGConfig:
         self.reference.check([self.model], precomputed_ok=False)
+        correction = self.algorithm.correction
+        if correction is not None and not self.rollout.behaviour_logprobs:
+            raise UserError(
+                f"algorithm.correction {correction['name']!r} weighs tokens by pi_old / mu and "
+                "needs the sampler's log-probs mu, but rollout.behaviour_logprobs is false"
+            )
         uses_gae = self.algorithm.advantage["name"] == "gae"
         if uses_gae != (self.algorithm.value_loss is not None):
             raise UserError("the 'gae' advantage needs algorithm.value_loss, and only it does")

@@ -27,10 +27,6 @@ class LossInputs:
     log_probs_ref: torch.Tensor | None = None  # (B, T) under pi_ref (KL in the loss)
     values_old: torch.Tensor | None = None  # (B, T) value model at rollout time (value loss)
     returns: torch.Tensor | None = None  # (B, T) value targets (value loss)
-    # (B, T) log mu(a_t | s_t): the sampler's own log-probs, of the distribution it drew from
-    # (after temperature and top-k/top-p/min-p truncation, in its dtype); the off-policy
-    # corrections (`policy_gradients.off_policy`) weigh tokens by exp(log_probs_old - these)
-    log_probs_behaviour: torch.Tensor | None = None
 
 
 @dataclass(kw_only=True)
@@ -48,9 +44,14 @@ class Experience(LossInputs):
     advantages: torch.Tensor  # (B, T)
     rewards: dict[str, torch.Tensor] = field(default_factory=dict)  # name -> (B,) or (B, T)
     group_ids: torch.Tensor | None = None  # (B,) which prompt each completion answers
-    # (B, T) bool, logged only: the sampled token lies outside the set the trainer's own
-    # distribution, truncated as the sampler's (top-k/top-p/min-p), would sample from
-    # (`off_policy.outside_sampling_set`); None without truncation
+    # (B, T) log mu(a_t | s_t): the sampler's own log-probs, of the distribution it drew from
+    # (after temperature and top-k/top-p/min-p truncation, in its dtype); the off-policy
+    # corrections (`policy_gradients.off_policy`) turn exp(log_probs_old - these) into
+    # `importance_weights` for the loss; the losses themselves never read them
+    log_probs_behaviour: torch.Tensor | None = None
+    # (B, T) float, logged only: 1 where the sampled token lies outside the set the trainer's
+    # own distribution, truncated as the sampler's (top-k/top-p/min-p), would sample from, 0
+    # inside, NaN where not measured (`off_policy.outside_sampling_set`); None without truncation
     outside_sampling_set: torch.Tensor | None = None
 
     @property

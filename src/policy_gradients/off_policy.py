@@ -22,7 +22,8 @@ normalisers of a step do not depend on the correction. The algorithm pages
 `MismatchStats` gathers, over a step's tokens, how far the two are apart: the k3 estimate of
 KL(mu || pi_old), the max and 99th percentile of rho, and, with truncated sampling, the share of
 sampled tokens outside the set the trainer's own distribution, truncated the same way, would
-sample from (`outside_sampling_set`, one extra no-grad forward of the rollouts).
+sample from (`outside_sampling_set`: one extra no-grad forward of up to `train.micro_batch_size`
+rows per round, spread over the batch).
 
 Not here: asynchronous rollouts and policy versions (the behaviour policy is today's sampler, a
 numerically different copy of pi_old).
@@ -35,7 +36,7 @@ from typing import ClassVar, Literal
 
 import torch
 
-from policy_gradients.experience import Experience, LossInputs
+from policy_gradients.experience import Experience
 from rlhf_core.generation import Sampling
 from rlhf_core.kl import kl_estimate
 from rlhf_core.logprobs import decoder_and_head, masked_mean, masked_sum
@@ -53,7 +54,7 @@ class OffPolicyCorrection(Configurable):
     role: ClassVar[str] = "correction"
     changes: ClassVar[str] = "masked"  # what `_weights` reports as changed: masked / truncated
 
-    def __call__(self, experience: LossInputs) -> tuple[torch.Tensor, Metrics]:
+    def __call__(self, experience: Experience) -> tuple[torch.Tensor, Metrics]:
         """(w (B, T) detached, 0 off the action mask; metrics: weight_mean, and the share of
         tokens truncated or masked), from `experience.log_probs_old` and
         `experience.log_probs_behaviour`."""
@@ -182,43 +183,45 @@ def outside_sampling_set(
     model: torch.nn.Module, ids: torch.Tensor, attention_mask: torch.Tensor, prompt_length: int,
     action_mask: torch.Tensor, sampling: Sampling, *, rows: int,
 ) -> torch.Tensor | None:  # fmt: skip
-    """bool (B, T): whether each sampled completion token lies outside the set the trainer's
+    """float (B, T): 1 where the sampled completion token lies outside the set the trainer's
     distribution, warped by `sampling` (`Sampling.warp`: temperature, top-k, top-p, min-p), would
-    sample from; False off `action_mask`. One no-grad forward of `rows` rows at a time (model in
-    eval mode), the LM head run on the completion positions only, `Sampling.warp` on ~4M logits
-    at a time. None for an encoder-decoder policy (not measured)."""
+    sample from, 0 inside, NaN where not measured (off `action_mask`, and the rows left out).
+
+    A diagnostic with a bounded cost: at most `rows` rows, spread evenly over the batch (every
+    ceil(B / rows)-th), in one no-grad forward (model in eval mode), the LM head run on their
+    completion positions only and `Sampling.warp` on ~4M logits at a time. None for an
+    encoder-decoder policy (not measured)."""
     if is_encoder_decoder(model):
         return None
+    picked_rows = torch.arange(0, ids.shape[0], -(-ids.shape[0] // max(1, rows)))
+    part_ids = ids[picked_rows]
+    mask = attention_mask[picked_rows].long()
+    select = action_mask[picked_rows].bool()
+    args = {"input_ids": part_ids, "attention_mask": mask, "use_cache": False,
+            "position_ids": (mask.cumsum(-1) - 1).clamp(min=0)}  # fmt: skip
+    parts = decoder_and_head(model)
     was_training = model.training
     model.eval()
-    parts = decoder_and_head(model)
-    outside = torch.zeros(action_mask.shape, dtype=torch.bool, device=action_mask.device)
     try:
-        for start in range(0, ids.shape[0], rows):
-            part_ids, mask = ids[start : start + rows], attention_mask[start : start + rows].long()
-            position_ids = (mask.cumsum(-1) - 1).clamp(min=0)
-            args = {"input_ids": part_ids, "attention_mask": mask, "position_ids": position_ids,
-                    "use_cache": False}  # fmt: skip
-            if parts is None:
-                logits = model(**args).logits[:, prompt_length - 1 : -1]
-                hidden, head = None, None
-            else:
-                hidden = parts[0](**args).last_hidden_state[:, prompt_length - 1 : -1]
-                head = parts[1]
-            select = action_mask[start : start + rows].bool()
-            source = (logits if hidden is None else hidden)[select]  # (N, V) or (N, H)
-            tokens = part_ids[:, prompt_length:][select]
-            flags = torch.zeros(tokens.shape, dtype=torch.bool, device=tokens.device)
-            vocab = head.out_features if head is not None else source.shape[-1]
-            chunk = max(1, (1 << 22) // vocab)
-            for lo in range(0, source.shape[0], chunk):
-                z = source[lo : lo + chunk]
-                warped = sampling.warp(head(z) if head is not None else z)
-                picked = warped.gather(-1, tokens[lo : lo + chunk, None]).squeeze(-1)
-                flags[lo : lo + chunk] = picked == float("-inf")
-            outside[start : start + rows][select] = flags
+        if parts is None:
+            source, head = model(**args).logits[:, prompt_length - 1 : -1][select], None
+        else:  # hidden states (N, H), the head applied a chunk at a time below
+            hidden = parts[0](**args).last_hidden_state[:, prompt_length - 1 : -1]
+            source, head = hidden[select], parts[1]
     finally:
         model.train(was_training)
+    tokens = part_ids[:, prompt_length:][select]
+    flags = torch.empty(tokens.shape, dtype=torch.float32, device=tokens.device)
+    chunk = max(1, (1 << 22) // (head.out_features if head is not None else source.shape[-1]))
+    for lo in range(0, source.shape[0], chunk):
+        z = source[lo : lo + chunk]
+        warped = sampling.warp(head(z) if head is not None else z)
+        picked = warped.gather(-1, tokens[lo : lo + chunk, None]).squeeze(-1)
+        flags[lo : lo + chunk] = (picked == float("-inf")).float()
+    measured = torch.full(select.shape, float("nan"), device=flags.device)
+    measured[select] = flags
+    outside = torch.full(action_mask.shape, float("nan"), device=flags.device)
+    outside[picked_rows] = measured
     return outside
 
 
@@ -231,30 +234,29 @@ class MismatchStats:
         mismatch/ratio_max            max_t rho_t
         mismatch/ratio_p99            the 99th percentile of rho_t (nearest rank)
         mismatch/outside_truncation   share of sampled tokens outside the trainer's truncated
-                                      sampling set (with top_p < 1: its top-p set); only when
-                                      the rollouts measured it (`outside_sampling_set`)
+                                      sampling set (with top_p < 1: its top-p set), over the
+                                      rows the rollouts measured (`outside_sampling_set`)
 
     Under several processes `metrics(gather)` pools every process's tokens (`gather`: accelerate's
     `gather_object`; every process calls it), so all report the same numbers."""
 
     def __init__(self) -> None:
-        self.log_rho: list[torch.Tensor] = []
-        self.outside: list[torch.Tensor] = []
+        self.parts: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]] = []
 
     def add(self, experience: Experience) -> None:
-        """The masked tokens of a micro-batch whose log_probs_old and log_probs_behaviour are
-        set (skipped otherwise), and its `outside_sampling_set` when measured."""
+        """A micro-batch whose log_probs_old and log_probs_behaviour are set (skipped
+        otherwise), with its `outside_sampling_set` when measured. Kept on its device until
+        `metrics` (no host sync per micro-batch)."""
         old, behaviour = experience.log_probs_old, experience.log_probs_behaviour
         if old is None or behaviour is None:
             return
-        keep = experience.action_mask.bool()
         log_rho = old.detach().double() - behaviour.double()
-        self.log_rho.append(log_rho[keep].cpu())
-        if experience.outside_sampling_set is not None:
-            self.outside.append(experience.outside_sampling_set[keep].cpu())
+        self.parts.append((log_rho, experience.action_mask.bool(),
+                           experience.outside_sampling_set))  # fmt: skip
 
     def metrics(self, gather=None) -> dict[str, float]:
-        log_rho, outside = list(self.log_rho), list(self.outside)
+        log_rho = [x[keep].cpu() for x, keep, _ in self.parts]
+        outside = [o[keep & ~o.isnan()].cpu() for _, keep, o in self.parts if o is not None]
         if gather is not None:
             log_rho, outside = gather(log_rho), gather(outside)
         if not log_rho or sum(x.numel() for x in log_rho) == 0:
@@ -267,6 +269,6 @@ class MismatchStats:
             "mismatch/ratio_max": math.exp(float(log_rho.max())),
             "mismatch/ratio_p99": math.exp(float(log_rho.kthvalue(rank).values)),
         }
-        if outside:
+        if outside and sum(o.numel() for o in outside):
             out["mismatch/outside_truncation"] = float(torch.cat(outside).double().mean())
         return out

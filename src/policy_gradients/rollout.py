@@ -14,7 +14,8 @@ for <answer> tags) and an optional system prompt is prepended.
 `rlhf_core.generation.decode` (KV cache, left padding; each prompt encoded once and its KV cache
 shared by its group) and returns token-level tensors: the completion is everything after the
 (left-padded) prompt; `action_mask` is 1 through the first eos and 0 after it; a completion
-without eos is `truncated`.
+without eos is `truncated`; `log_probs_behaviour` keeps the sampler's own log-prob of each token
+(the distribution it drew from, after temperature and truncation).
 
 `RolloutLog` appends every training rollout and every evaluation completion to
 `rollouts.sqlite` from a background thread, so writing never blocks training.
@@ -203,6 +204,9 @@ class Rollouts:
     prompt_length: int  # P
     completions: list[str]
     truncated: torch.Tensor  # (B,) bool
+    # (B, T) float32: each sampled token's log-prob under the distribution the sampler drew it
+    # from (after temperature and truncation), 0 off the action mask; None when not recorded
+    log_probs_behaviour: torch.Tensor | None = None
 
     def completion_token_ids(self) -> list[list[int]]:
         """Each completion's tokens through its eos (or all T if truncated)."""
@@ -221,8 +225,11 @@ def generate_rollouts(
     max_new_tokens: int,
     sampling: Sampling,
     seeds: list[int] | None = None,
+    behaviour_logprobs: bool = False,
 ) -> Rollouts:
     """`group_size` sampled completions per prompt, grouped consecutively (rows g*G ... g*G+G-1).
+    With `behaviour_logprobs`, the rollouts keep the sampler's own log-prob of each token
+    (`rlhf_core.generation.decode`'s `with_logprobs`).
 
     `seeds` (one per prompt): completion j of prompt g is drawn with its own generator seeded
     from (seeds[g], j), so a rollout does not depend on how prompts are split across processes
@@ -243,9 +250,11 @@ def generate_rollouts(
             model, enc["input_ids"], enc["attention_mask"], max_new_tokens=max_new_tokens,
             eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id,
             sampling=sampling, generator=generator, group_size=group_size,
+            with_logprobs=behaviour_logprobs,
         )  # fmt: skip
     finally:
         model.train(was_training)
+    out, behaviour = out if behaviour_logprobs else (out, None)
     prompt_length = enc["input_ids"].shape[1]
     ids = out[:, :prompt_length]
     mask = enc["attention_mask"].repeat_interleave(group_size, dim=0)
@@ -261,7 +270,10 @@ def generate_rollouts(
         [ids, completion.masked_fill(action_mask == 0, tokenizer.pad_token_id)], 1
     )
     attention_mask = torch.cat([mask, action_mask], dim=1)
-    return Rollouts(sequence_ids, attention_mask, action_mask, prompt_length, texts, truncated)
+    if behaviour is not None:
+        behaviour = behaviour.masked_fill(action_mask == 0, 0.0)
+    return Rollouts(sequence_ids, attention_mask, action_mask, prompt_length, texts, truncated,
+                    behaviour)  # fmt: skip
 
 
 def completion_logprobs(

@@ -9,8 +9,9 @@ left padding) -> score with the reward components -> old and reference log-probs
 sampling distribution -> advantages (`collect.py`; DAPO's dynamic sampling in
 `dynamic_sampling.py`) -> `ppo_epochs` passes over the replay buffer in micro-batches, each pass
 `mini_batches` clipped optimizer steps (`update.py`: each step's loss is normalised over that
-step's tokens/sequences, so accumulation equals one big batch) -> log (rewards, KL, entropy,
-clip fraction, lengths, time split) -> held-out eval every k steps -> checkpoint. The
+step's tokens/sequences, so accumulation equals one big batch; an off-policy correction weighs
+the policy term, `off_policy.py`) -> log (rewards, KL, entropy, clip fraction, lengths, the
+sampler-trainer mismatch, time split) -> held-out eval every k steps -> checkpoint. The
 bookkeeping (data position, logging, best/, checkpoints, the stop after a signal, final/) is
 `rlhf_core.bookkeeping`'s, as in every trainer.
 """
@@ -24,6 +25,7 @@ from functools import partial
 from pathlib import Path
 
 import torch
+from accelerate.utils import gather_object
 
 from policy_gradients.advantages import ADVANTAGES
 from policy_gradients.collect import collect_experience, gather_collected
@@ -31,6 +33,7 @@ from policy_gradients.config import PGConfig
 from policy_gradients.evaluate import evaluate_policy
 from policy_gradients.experience import ReplayBuffer
 from policy_gradients.losses import LOSSES, VALUE_LOSSES
+from policy_gradients.off_policy import CORRECTIONS, MismatchStats
 from policy_gradients.overoptimization import write_overoptimization
 from policy_gradients.rewards import CombinedReward
 from policy_gradients.rollout import RolloutLog, load_prompts
@@ -126,6 +129,7 @@ def train(cfg: PGConfig, run: RunArgs) -> int:
         estimator.sum_across_processes = partial(accelerator.reduce, reduction="sum")
     loss_fn = build_from_spec(LOSSES, alg.loss)
     value_loss_fn = build_from_spec(VALUE_LOSSES, alg.value_loss) if alg.value_loss else None
+    correction = build_from_spec(CORRECTIONS, alg.correction) if alg.correction else None
     needs_reference = loss_fn.needs_reference or alg.kl_in_reward.beta > 0
     run_dir, ckpt = open_run_dir(accelerator, run, package=PACKAGE, name=cfg.name,
                                  total_steps=t.max_steps)  # fmt: skip
@@ -193,7 +197,7 @@ def train(cfg: PGConfig, run: RunArgs) -> int:
             rollout_log.write(gather_collected(collected, world))
             for experience in collected.experiences:
                 buffer.add(experience)
-            t_train, sums = time.perf_counter(), {}
+            t_train, sums, mismatch = time.perf_counter(), {}, MismatchStats()
             for epoch in range(alg.ppo_epochs):
                 groups = optimizer_groups(
                     buffer, cfg, step=step, epoch=epoch, accelerator=accelerator,
@@ -203,6 +207,7 @@ def train(cfg: PGConfig, run: RunArgs) -> int:
                     step_loss, grad_norm, metrics = policy_update(
                         engine, group, weight, policy=policy, value=value, loss_fn=loss_fn,
                         value_loss_fn=value_loss_fn, cfg=cfg, skips=book.skips,
+                        correction=correction, mismatch=mismatch if epoch == 0 else None,
                     )  # fmt: skip
                     for key, v in metrics.items():  # this process's share, summed over updates
                         sums[key] = sums.get(key, 0.0) + v
@@ -212,6 +217,7 @@ def train(cfg: PGConfig, run: RunArgs) -> int:
             # the loss components are each process's share of the step's average: log_step sums
             book.log_step(step, step_loss, grad_norm, {
                 **collected.metrics, **{f"loss/{k}": v.float() for k, v in sorted(sums.items())},
+                **mismatch.metrics(gather_object if world > 1 else None),  # sampler vs trainer
                 "time/train_s": time.perf_counter() - t_train,
             })  # fmt: skip
             if book.evaluate(step, run_eval):  # every train.eval_every steps

@@ -21,6 +21,7 @@ from accelerate import Accelerator
 
 from policy_gradients.dynamic_sampling import even_updates
 from policy_gradients.experience import Experience, ReplayBuffer
+from policy_gradients.off_policy import MismatchStats, OffPolicyCorrection
 from policy_gradients.rollout import completion_logprobs, completion_values
 from rlhf_core.distributed import Engine
 from rlhf_core.errors import UserError
@@ -100,12 +101,16 @@ def policy_update(
     value_loss_fn: Any,
     cfg: PGConfig,
     skips: SkippedSteps,
+    correction: OffPolicyCorrection | None = None,
+    mismatch: MismatchStats | None = None,
 ) -> tuple[torch.Tensor, float, dict[str, torch.Tensor]]:
     """One optimizer step on `group` (micro-batches of the replay buffer) for the policy and,
     with PPO, the value model. Returns (the step's loss summed over processes, the policy's
     gradient norm, metrics): each metric is this process's share of the pass's average over its
     rows, in float64, to be summed over the step's updates and over processes. `weight` 0: a
-    stand-in forward/backward that adds nothing (see `dynamic_sampling.even_updates`)."""
+    stand-in forward/backward that adds nothing (see `dynamic_sampling.even_updates`).
+    `correction`: the off-policy weights on the policy term (`off_policy.CORRECTIONS`);
+    `mismatch`: collects each micro-batch's pi_old and mu (pass it on one pass per step)."""
     accelerator, alg = engine.accelerator, cfg.algorithm
     model, value_model = policy[0], value[0] if value is not None else None
     local = torch.tensor([float(sum(mb.action_mask.sum() for mb in group)),
@@ -123,7 +128,19 @@ def policy_update(
         )  # fmt: skip
         if mb.log_probs_old is None:  # on-policy: pi_old = pi_theta, detached
             mb.log_probs_old = logps.detach()
-        loss, metrics = loss_fn(logps, mb, entropy=entropy, **norm)
+        if mismatch is not None and weight > 0:
+            mismatch.add(mb)
+        if correction is None:
+            loss, metrics = loss_fn(logps, mb, entropy=entropy, **norm)
+        else:
+            if mb.log_probs_behaviour is None:  # e.g. rollouts from a source that has none
+                raise UserError(
+                    f"algorithm.correction {correction.name!r} needs the sampler's log-probs, "
+                    "and these rollouts have none (rollout.behaviour_logprobs)"
+                )
+            weights, c_metrics = correction(mb)
+            loss, metrics = loss_fn(logps, mb, entropy=entropy, importance_weights=weights, **norm)
+            metrics.update({f"correction/{k}": v for k, v in c_metrics.items()})
         if value_model is not None:
             values = completion_values(value_model, mb.sequence_ids, mb.attention_mask, prompt_len)
             v_loss, v_metrics = value_loss_fn(None, mb, values=values, **norm)

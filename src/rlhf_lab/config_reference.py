@@ -38,6 +38,7 @@ REGISTRIES = [
     ("algorithm.advantage (policy_gradients)", "policy_gradients.advantages:ADVANTAGES"),
     ("algorithm.loss (policy_gradients)", "policy_gradients.losses:LOSSES"),
     ("algorithm.value_loss (policy_gradients)", "policy_gradients.losses:VALUE_LOSSES"),
+    ("algorithm.correction (policy_gradients)", "policy_gradients.off_policy:CORRECTIONS"),
     ("rewards[] (policy_gradients)", "policy_gradients.rewards:REWARDS"),
 ]
 
