@@ -136,7 +136,7 @@ def read_yaml(path: str | Path) -> dict[str, Any]:
             "save the config as UTF-8"
         ) from None
     except yaml.YAMLError as exc:
-        raise ConfigError(f"{path}: not valid YAML: {exc}") from exc
+        raise ConfigError(f"{path}{yaml_problem(exc)}") from None
     if data is None:
         data = {}
     if not isinstance(data, dict):
@@ -144,6 +144,16 @@ def read_yaml(path: str | Path) -> dict[str, Any]:
             f"{path}: the top level must be a mapping of keys, got {type(data).__name__}"
         )
     return data
+
+
+def yaml_problem(exc: yaml.YAMLError) -> str:
+    """`:LINE:COLUMN: not valid YAML: <the problem>` on one line (PyYAML's own text spans
+    several, quoting the file)."""
+    mark = getattr(exc, "problem_mark", None)
+    where = f":{mark.line + 1}:{mark.column + 1}" if mark is not None else ""
+    parts = [getattr(exc, "context", None), getattr(exc, "problem", None)]
+    what = ", ".join(str(p) for p in parts if p) or str(exc).strip().splitlines()[0]
+    return f"{where}: not valid YAML: {what}"
 
 
 def apply_overrides(data: dict[str, Any], overrides: list[str]) -> dict[str, Any]:
@@ -158,7 +168,7 @@ def apply_overrides(data: dict[str, Any], overrides: list[str]) -> dict[str, Any
         try:
             value = yaml.safe_load(raw) if raw.strip() else ""
         except yaml.YAMLError as exc:
-            raise ConfigError(f"--set {item!r}: value is not valid YAML: {exc}") from exc
+            raise ConfigError(f"--set {item!r}: the value{yaml_problem(exc)}") from None
         node: Any = data
         for depth, part in enumerate(parts[:-1]):
             where = ".".join(parts[: depth + 1])

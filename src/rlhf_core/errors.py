@@ -1,4 +1,4 @@
-"""User errors: one clear line, no traceback, exit code 2.
+"""User errors: one clear line, no traceback, exit code 2; environment failures: exit code 1.
 
 A *user error* is a mistake in what the user gave us (a config value, a data file, a path, a
 resume request): the message names the file, field, row or shape and says what was expected.
@@ -8,18 +8,28 @@ library error and keeps its traceback.
 Every command-line entry (`python -m <package>.train`, `rlhf-lab ...`) runs through
 `run_main`, which prints a user error as `error: <message>` and returns 2; `--debug` or
 `RLHF_LAB_DEBUG=1` shows the traceback too. An `EnvironmentFailure` (the machine refused: a
-read-only location, no permission) is printed the same way and returns 1.
+read-only location, no permission, a full disk) is printed the same way and returns 1.
+
+An exception raised inside the user's own code (a module of `imports:` / `--import`, or of a
+`module:attribute` name) is theirs to read: `run_main` prints a one-line header naming their
+module, then the traceback from their first frame on (all of it with `--debug`), and returns 2.
+`rlhf_core.user_modules` records which files are theirs (`register_user_module`).
 """
 
 from __future__ import annotations
 
+import importlib
 import os
 import sys
 import traceback
 from collections.abc import Callable
+from pathlib import Path
 
 EXIT_USER_ERROR = 2
 EXIT_ENVIRONMENT = 1
+
+_debug_depth = 0  # > 0 inside a run_main that was given --debug (a nested run_main inherits it)
+_user_files: dict[str, str] = {}  # a user module's file, or its package's directory -> its name
 
 
 class UserError(ValueError):
@@ -33,28 +43,105 @@ class EnvironmentFailure(OSError):
     full disk): one line naming the path and what to do, exit code 1, no traceback."""
 
 
+class UserCodeError(Exception):
+    """The user's own module raised `original` (while being imported): reported as `header`, then
+    the original's traceback (exit code 2). Not a ValueError, so pydantic never swallows it."""
+
+    def __init__(self, header: str, original: BaseException) -> None:
+        super().__init__(header)
+        self.header, self.original = header, original
+
+
 def debug_requested(argv: list[str] | None = None) -> bool:
     argv = sys.argv[1:] if argv is None else argv
-    return "--debug" in argv or os.environ.get("RLHF_LAB_DEBUG", "") not in ("", "0")
+    return (
+        _debug_depth > 0
+        or "--debug" in argv
+        or os.environ.get("RLHF_LAB_DEBUG", "") not in ("", "0")
+    )
+
+
+def register_user_module(name: str, file: str | None) -> None:
+    """Remember that `file` (a module's `__file__`) is the user's code, named `name`; a package's
+    `__init__.py` stands for its whole directory."""
+    if file:
+        path = Path(file).resolve()
+        _user_files[str(path.parent if path.name == "__init__.py" else path)] = name
+
+
+def user_module_of(filename: str) -> str | None:
+    """The name of the user module `filename` belongs to, or None for code that is not theirs."""
+    path = Path(filename).resolve()
+    for candidate in (path, *path.parents):
+        if str(candidate) in _user_files:
+            return _user_files[str(candidate)]
+    return None
+
+
+def exit_code_for(error: BaseException) -> int:
+    """The exit code `run_main` gives `error` (also written to a run's status.json)."""
+    if isinstance(error, UserError | UserCodeError) or _raising_user_frame(error) is not None:
+        return EXIT_USER_ERROR
+    return EXIT_ENVIRONMENT  # an EnvironmentFailure, or a library error (Python's own 1)
+
+
+def _raising_user_frame(error: BaseException) -> tuple[str, traceback.FrameSummary] | None:
+    """(module, frame) of the innermost frame of `error`'s traceback that is the user's code."""
+    found = None
+    if _user_files:
+        for frame in traceback.extract_tb(error.__traceback__):
+            module = user_module_of(frame.filename)
+            if module is not None:
+                found = (module, frame)
+    return found
+
+
+def print_user_traceback(error: BaseException, *, full: bool) -> None:
+    """`error`'s traceback from the first frame that is not ours (src/, importlib) on; all
+    of it, with chained exceptions, when `full`."""
+    if full:
+        traceback.print_exception(error, file=sys.stderr)
+        return
+    frames = traceback.extract_tb(error.__traceback__)
+    ours = (str(Path(__file__).parents[1]), str(Path(importlib.__file__).parent), "<frozen ")
+    start = next((i for i, f in enumerate(frames) if not f.filename.startswith(ours)), None)
+    lines = []  # a SyntaxError has no frame of theirs: only its own lines (file, line, caret)
+    if start is not None:
+        lines = ["Traceback (most recent call last):\n", *traceback.format_list(frames[start:])]
+    lines += traceback.format_exception_only(type(error), error)
+    sys.stderr.write("".join(lines))
 
 
 def run_main(main: Callable[[list[str] | None], int], argv: list[str] | None = None) -> int:
-    """Call `main(argv)`; a `UserError` becomes one line on stderr and exit code 2."""
+    """Call `main(argv)`; a `UserError` becomes one line on stderr and exit code 2, an
+    `EnvironmentFailure` one line and exit code 1, an error in the user's own code a header line
+    and its traceback (exit code 2). Anything else keeps its traceback."""
+    global _debug_depth
     argv = list(sys.argv[1:] if argv is None else argv)
     debug = debug_requested(argv)
     argv = [a for a in argv if a != "--debug"]
+    _debug_depth += debug
     try:
         return main(argv)
-    except UserError as exc:
+    except (UserError, EnvironmentFailure) as exc:
         if debug:
             traceback.print_exc()
         print(f"error: {exc}", file=sys.stderr)
+        return exit_code_for(exc)
+    except UserCodeError as exc:
+        print(f"error: {exc.header}", file=sys.stderr)
+        print_user_traceback(exc.original, full=debug)
         return EXIT_USER_ERROR
-    except EnvironmentFailure as exc:
-        if debug:
-            traceback.print_exc()
-        print(f"error: {exc}", file=sys.stderr)
-        return EXIT_ENVIRONMENT
+    except Exception as exc:
+        if (raised := _raising_user_frame(exc)) is None:
+            raise  # a library error: its traceback, exit 1
+        module, frame = raised
+        print(f"error: your module {module!r} raised {type(exc).__name__} in {frame.name} "
+              f"({frame.filename}:{frame.lineno}); its traceback:", file=sys.stderr)  # fmt: skip
+        print_user_traceback(exc, full=True)
+        return EXIT_USER_ERROR
+    finally:
+        _debug_depth -= debug
 
 
 class UserFileNotFound(UserError, FileNotFoundError):

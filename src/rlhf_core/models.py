@@ -35,7 +35,7 @@ from pydantic import Field, model_validator
 from rlhf_core.chat import ensure_chat_template, set_thinking
 from rlhf_core.checkpoint import is_sharded_checkpoint
 from rlhf_core.config import StrictModel
-from rlhf_core.errors import UserError, UserFileNotFound
+from rlhf_core.errors import EnvironmentFailure, UserError, UserFileNotFound
 from rlhf_core.lean import apply_lean
 from rlhf_core.logprobs import causal_lm_token_logprobs
 from rlhf_core.quantization import (
@@ -135,6 +135,34 @@ def resolve_model_path(name_or_path: str) -> str:
     return name_or_path
 
 
+@contextmanager
+def loading(what: str, source: str) -> Iterator[None]:
+    """Around a `from_pretrained` of `source`: files it cannot read (missing, not JSON, not UTF-8)
+    or an unknown hub id are one line naming it (UserError), a hub it cannot reach is an
+    EnvironmentFailure; `--debug` shows transformers' traceback."""
+    try:
+        yield
+    except (UserError, EnvironmentFailure):
+        raise
+    except (OSError, ValueError) as exc:
+        text = " ".join(str(exc).split())
+        text = text if len(text) <= 200 else text[:200] + "..."
+        if "couldn't connect" in text or "connection" in type(exc).__name__.lower():
+            raise EnvironmentFailure(
+                f"{what} {source!r}: the Hugging Face hub cannot be reached and the files are not "
+                f"in the local cache ({text}); connect, or give a local directory"
+            ) from None
+        held = ""
+        if Path(source).is_dir():  # say what the directory holds and what it should
+            names = sorted(p.name for p in Path(source).iterdir())
+            held = (f"; {source} holds {', '.join(names[:6]) if names else 'nothing'}; a model "
+                    "directory holds config.json, the weights and the tokenizer files, as "
+                    "save_pretrained writes them")  # fmt: skip
+        raise UserError(
+            f"{what} {source!r} could not be loaded: {type(exc).__name__}: {text}{held}"
+        ) from None
+
+
 def resolve_dtype(cfg: ModelConfig, device: torch.device) -> torch.dtype:
     if cfg.dtype != "auto":
         return DTYPES[cfg.dtype]
@@ -156,9 +184,10 @@ def load_tokenizer(cfg: ModelConfig, *, padding_side: Literal["left", "right"]):
     from transformers import AutoTokenizer
 
     source = resolve_model_path(cfg.tokenizer or cfg.name_or_path)
-    tokenizer = AutoTokenizer.from_pretrained(
-        source, revision=cfg.revision, trust_remote_code=cfg.trust_remote_code
-    )
+    with loading("model.tokenizer" if cfg.tokenizer else "model.name_or_path", source):
+        tokenizer = AutoTokenizer.from_pretrained(
+            source, revision=cfg.revision, trust_remote_code=cfg.trust_remote_code
+        )
     if tokenizer.eos_token is None and tokenizer.sep_token is not None:
         tokenizer.eos_token = tokenizer.sep_token  # an encoder's (BERT): [SEP] ends a sequence
     if tokenizer.eos_token is None:
@@ -249,10 +278,11 @@ def load_policy(
         weights_from = None  # shards: loaded into the sharded model (rlhf_core.loop)
     base_path = resolve_model_path(cfg.name_or_path)
     full_path = str(weights_from) if (weights_from is not None and cfg.lora is None) else base_path
-    config = AutoConfig.from_pretrained(
-        full_path, revision=cfg.revision if full_path == base_path else None,
-        trust_remote_code=cfg.trust_remote_code,
-    )  # fmt: skip
+    with loading("model.name_or_path" if full_path == base_path else "weights", full_path):
+        config = AutoConfig.from_pretrained(
+            full_path, revision=cfg.revision if full_path == base_path else None,
+            trust_remote_code=cfg.trust_remote_code,
+        )  # fmt: skip
     seq2seq = bool(getattr(config, "is_encoder_decoder", False))
     auto = AutoModelForSeq2SeqLM if seq2seq else AutoModelForCausalLM
     model = load_pretrained(auto, cfg, full_path, device)
@@ -275,14 +305,15 @@ def load_pretrained(auto, cfg: ModelConfig, path: str, device: torch.device) -> 
     resized for `cfg.pad_token` as configured. No adapter: the caller adds or loads one."""
     base_path = resolve_model_path(cfg.name_or_path)
     dtype = resolve_dtype(cfg, device)
-    model = auto.from_pretrained(
-        path,
-        revision=cfg.revision if path == base_path else None,
-        dtype=dtype,
-        attn_implementation=resolve_attention(cfg, device),
-        trust_remote_code=cfg.trust_remote_code,
-        **quantized_load_kwargs(cfg.quantization, dtype, device),
-    )
+    with loading("model.name_or_path" if path == base_path else "weights", path):
+        model = auto.from_pretrained(
+            path,
+            revision=cfg.revision if path == base_path else None,
+            dtype=dtype,
+            attn_implementation=resolve_attention(cfg, device),
+            trust_remote_code=cfg.trust_remote_code,
+            **quantized_load_kwargs(cfg.quantization, dtype, device),
+        )
     if not getattr(model, "is_quantized", False):  # a k-bit model is placed while loading
         model = model.to(device)
     else:  # its full-precision tensors out of the checkpoint's file mapping (CPU)

@@ -45,7 +45,7 @@ from rlhf_core.checkpoint import (
     newest_valid_checkpoint,
     verify_checkpoint,
 )
-from rlhf_core.errors import UserError
+from rlhf_core.errors import UserError, exit_code_for
 from rlhf_core.output_dir import make_dir
 
 LOCK_FILE = ".lock"
@@ -402,8 +402,7 @@ def settle_runs(depth: int, *, exit_code: int | None, error: BaseException | Non
         run_dir, lock = _ACTIVE.pop()
         if error is not None:
             status = "interrupted" if isinstance(error, KeyboardInterrupt) else "failed"
-            code = 130 if isinstance(error, KeyboardInterrupt) else (
-                2 if isinstance(error, UserError) else 1)  # fmt: skip
+            code = 130 if isinstance(error, KeyboardInterrupt) else exit_code_for(error)
             message = f"{type(error).__name__}: {error}".splitlines()[0][:500]
         else:
             status = {0: "finished", 130: "interrupted", 143: "interrupted"}.get(

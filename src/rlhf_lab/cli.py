@@ -33,7 +33,7 @@ TRAINERS = {
     "pairs": "rlhf_lab.onpolicy",
     "eval": "rlhf_lab.evaluate",
 }
-# tools (not trainers): a UserError prints as one line and exits 2
+# tools (not trainers)
 TOOLS = {
     "runs": "rlhf_lab.runs",
     "quantize": "rlhf_lab.quantize",
@@ -70,13 +70,12 @@ def _dispatch(argv: list[str] | None = None) -> int:
     command, rest = argv[0], argv[1:]
     if command == "tiny":
         return _tiny(rest)
-    if command in TOOLS:
-        from rlhf_core.errors import run_main
-
-        return run_main(importlib.import_module(TOOLS[command]).main, rest)
+    if command in TOOLS:  # main's run_main reports their errors (and keeps --debug)
+        return importlib.import_module(TOOLS[command]).main(rest)
     if command not in TRAINERS:
-        print(f"rlhf-lab: unknown command {command!r}; choose from {', '.join(commands)}")
-        return 2
+        from rlhf_core.errors import UserError
+
+        raise UserError(f"rlhf-lab: unknown command {command!r}; choose from {', '.join(commands)}")
     return importlib.import_module(TRAINERS[command]).main(rest)
 
 

@@ -222,4 +222,6 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    from rlhf_core.errors import run_main
+
+    sys.exit(run_main(main))

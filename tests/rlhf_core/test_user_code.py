@@ -115,12 +115,17 @@ def test_missing_import_is_one_user_error(tmp_path):
 
 def test_a_broken_user_module_keeps_its_own_traceback(tmp_path, monkeypatch):
     """A user module that itself imports something missing is a bug in that module: its
-    ModuleNotFoundError propagates (with the user's line), not a misleading 'not found'."""
+    ModuleNotFoundError is kept (with the user's line, under a header naming the module:
+    `UserCodeError`), not a misleading 'not found'."""
+    from rlhf_core.errors import UserCodeError
+
     (tmp_path / "broken_user_mod.py").write_text("import no_such_dependency_xyz\n")
     monkeypatch.syspath_prepend(str(tmp_path))
     path = _config_file(tmp_path, {"name": "dpo"}, imports=["broken_user_mod"])
-    with pytest.raises(ModuleNotFoundError, match="no_such_dependency_xyz"):
+    with pytest.raises(UserCodeError, match="'broken_user_mod' raised ModuleNotFoundError") as info:
         load_config(DAConfig, path)
+    assert isinstance(info.value.original, ModuleNotFoundError)
+    assert info.value.original.name == "no_such_dependency_xyz"
 
 
 def test_every_package_registry_names_its_base():
