@@ -79,18 +79,24 @@ def warn_if_it_will_not_fit(directory: Path, what: str, previous: Path | None) -
               file=sys.stderr, flush=True)  # fmt: skip
 
 
-def is_disk_full(exc: BaseException) -> bool:
-    """Whether `exc`, or an exception it was raised from or while handling, is a full disk."""
+def disk_full_cause(exc: BaseException) -> BaseException | None:
+    """The exception in `exc`'s chain (itself, what it was raised from or while handling) that
+    says the disk is full, or None. (torch's writer raises "unexpected pos ..." while handling
+    the OSError; safetensors puts "os error 28" in its own error's text.)"""
     seen: set[int] = set()
     current: BaseException | None = exc
     while current is not None and id(current) not in seen:
         seen.add(id(current))
         if isinstance(current, OSError) and current.errno in DISK_FULL_ERRNOS:
-            return True
+            return current
         if any(text in str(current) for text in DISK_FULL_TEXT):
-            return True
+            return current
         current = current.__cause__ or current.__context__
-    return False
+    return None
+
+
+def is_disk_full(exc: BaseException) -> bool:
+    return disk_full_cause(exc) is not None
 
 
 @contextlib.contextmanager
@@ -124,12 +130,13 @@ def write_failure(
 ) -> CheckpointWriteError:  # fmt: skip
     """The one-line error for `exc`, an OSError or a full disk, raised while writing `what` into
     `directory` (`partial`: the temporary directory written so far, still there)."""
-    cause = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-    failed = f"could not write {what} in {directory}: {cause}."
+    cause = disk_full_cause(exc) or exc
+    text = str(cause).strip().splitlines()[0] if str(cause).strip() else type(cause).__name__
+    failed = f"could not write {what} in {directory}: {text}."
     resume = "There is no earlier checkpoint; the run has to start again." if last_good is None \
         else f"The last good checkpoint is {last_good} (continue with --resume " \
              f"{last_good.parent.parent})."  # fmt: skip
-    if not is_disk_full(exc):
+    if cause is exc and not is_disk_full(exc):
         return CheckpointWriteError(f"{failed} {resume}")
     written = directory_size(partial) if partial is not None else 0
     needed = max(directory_size(previous) if previous is not None else 0, written)
