@@ -2,6 +2,9 @@
 headless Debian chromium (selenium + chromedriver) sends a message and waits for both models'
 replies and the reward to appear in the page, then saves a screenshot.
 
+Then it pastes a 200,000-character message, which the page refuses within seconds with a visible
+note (issue 36: it failed after ~120 s with an empty AppError).
+
 The screenshot goes to the test's tmp dir; with CHAT_SCREENSHOT=docs/images/chat.png (and
 CHAT_MODELS / CHAT_REWARD_MODEL naming trained checkpoints) the same code makes the README's."""
 
@@ -57,9 +60,10 @@ def start_chat(models: list[str], reward_model: str | None, port: int, cwd: Path
 
 
 def chat_in_browser(url: str, message: str, n_models: int, screenshot: Path, profile: Path,
-                    reward: bool) -> list[str]:  # fmt: skip
-    """Send `message`, wait for every model's reply (and reward), save a screenshot; returns the
-    replies' texts."""
+                    reward: bool) -> tuple[list[str], str, float]:  # fmt: skip
+    """Send `message`, wait for every model's reply (and reward), save a screenshot, then paste
+    200,000 characters and send them; returns the replies' texts, the page's notice and the
+    seconds it took to appear."""
     from selenium import webdriver
     from selenium.webdriver.chrome.service import Service
     from selenium.webdriver.common.by import By
@@ -93,7 +97,22 @@ def chat_in_browser(url: str, message: str, n_models: int, screenshot: Path, pro
         time.sleep(0.5)  # let the last stream frame paint
         screenshot.parent.mkdir(parents=True, exist_ok=True)
         driver.save_screenshot(str(screenshot))
-        return texts
+        box = driver.find_element(By.CSS_SELECTOR, "#message textarea")
+        driver.execute_script(  # a paste: the value set at once, then the input event
+            "const setter = Object.getOwnPropertyDescriptor(HTMLTextAreaElement.prototype, "
+            "'value').set; setter.call(arguments[0], arguments[1]);"
+            "arguments[0].dispatchEvent(new Event('input', {bubbles: true}));",
+            box, "x" * 200_000,
+        )  # fmt: skip
+        start = time.monotonic()
+        driver.find_element(By.ID, "send").click()
+
+        def refused(d):
+            text = d.find_element(By.ID, "notice").text
+            return text if "not sent" in text else False
+
+        notice = WebDriverWait(driver, 60).until(refused)
+        return texts, notice, time.monotonic() - start
     finally:
         driver.quit()
 
@@ -109,7 +128,7 @@ def test_chat_page_in_headless_chromium(tmp_path):
     port = free_port()
     proc = start_chat(models, reward_model, port, tmp_path)
     try:
-        texts = chat_in_browser(
+        texts, notice, seconds = chat_in_browser(
             f"http://127.0.0.1:{port}/", os.environ.get("CHAT_MESSAGE", "hello"), len(models),
             screenshot, tmp_path / "profile", reward=reward_model is not None,
         )  # fmt: skip
@@ -117,5 +136,6 @@ def test_chat_page_in_headless_chromium(tmp_path):
         proc.terminate()
         proc.wait(timeout=30)
     assert len(texts) == len(models) and all(texts)
+    assert "200,000 characters" in notice and seconds < 20, (notice, seconds)
     assert screenshot.stat().st_size > 10_000
     shutil.rmtree(tmp_path / "profile", ignore_errors=True)
