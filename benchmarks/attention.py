@@ -5,7 +5,8 @@ call, per shape, alternating the two in one process.
            flash kernel; what `rlhf_core.attention._grouped_sdpa` calls above the key limit)
     short  `rlhf_core.attention.short_attention` (below it)
 
-The shapes are the real model's heads (8 query heads over 4 key/value heads, width 64) at the
+The shapes are a benchmark model's heads (`--model real`: 8 query heads over 4 key/value heads;
+`wide`: 12 over 3; width 64) at the
 lengths our trainers meet: a GRPO micro-batch's completions over prompt + completion keys, its
 distinct prompts, longer completions, a DPO pair's packed segment (one row), and beyond the
 crossover. Each shape gets a causal mask over its keys with left padding on some rows, as in
@@ -14,7 +15,7 @@ without gradients (a reference model's or an evaluation's call), and the largest
 of each arm's output and gradients against float64 (the same inputs), so a speed-up is never
 bought with accuracy.
 
-    uv run --group bench python -m benchmarks.attention --threads 2 --dtype bf16
+    uv run --group bench python -m benchmarks.attention --threads 2 --dtype bf16 [--model wide]
 """
 
 from __future__ import annotations
@@ -35,18 +36,24 @@ SHAPES = [
     ("DPO pair segment: one row of 120 tokens", 1, 120, 120),
     ("16 completions x 128 tokens over 160 keys", 16, 128, 160),
     ("DPO pair segment: one row of 200 tokens", 1, 200, 200),
+    ("DPO pair segment: one row of 256 tokens", 1, 256, 256),
+    ("DPO pair segment: one row of 384 tokens", 1, 384, 384),
     ("8 completions x 256 tokens over 300 keys", 8, 256, 300),
     ("4 completions x 512 tokens over 600 keys", 4, 512, 600),
 ]
-HEADS, KV_HEADS, WIDTH = 8, 4, 64
+#: (query heads, key/value heads) of the benchmark models (`benchmarks.workload.BENCH_MODELS`);
+#: both have heads of width 64
+MODEL_HEADS = {"real": (8, 4), "wide": (12, 3)}
+WIDTH = 64
 
 
-def measure(threads: int, dtype: str, repeats: int) -> dict[str, Any]:
+def measure(threads: int, dtype: str, repeats: int, model: str = "real") -> dict[str, Any]:
     import torch
 
     from rlhf_core.attention import short_attention
 
     torch.set_num_threads(threads)
+    HEADS, KV_HEADS = MODEL_HEADS[model]  # noqa: N806 (constants of the shape measured)
     low = {"fp32": torch.float32, "bf16": torch.bfloat16}[dtype]
 
     def sdpa(q, k, v, mask, scale):
@@ -100,7 +107,7 @@ def measure(threads: int, dtype: str, repeats: int) -> dict[str, Any]:
                          "ms": ms, "forward_ms": forward_ms, "max_rel_error": errors,
                          "sdpa_over_short": ms["sdpa"] / ms["short"]})  # fmt: skip
         print(f"  {name}: sdpa {ms['sdpa']:.2f} ms, short {ms['short']:.2f} ms", flush=True)
-    return {"threads": threads, "dtype": dtype, "repeats": repeats, "heads": HEADS,
+    return {"threads": threads, "dtype": dtype, "repeats": repeats, "model": model, "heads": HEADS,
             "kv_heads": KV_HEADS, "width": WIDTH, "load_average": os.getloadavg(),
             "torch": torch.__version__, "shapes": rows_out}  # fmt: skip
 
@@ -135,10 +142,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--dtype", choices=("fp32", "bf16"), default="bf16")
     parser.add_argument("--repeats", type=int, default=20)
+    parser.add_argument("--model", choices=tuple(MODEL_HEADS), default="real",
+                        help="whose heads: real (8 over 4) or wide (12 over 3)")  # fmt: skip
     a = parser.parse_args(argv)
-    result = measure(a.threads, a.dtype, a.repeats)
+    result = measure(a.threads, a.dtype, a.repeats, a.model)
     text = markdown(result)
-    paths = write_results(f"{timestamp()}-attention-{a.dtype}", result, text, latest=False)
+    name = f"{timestamp()}-attention-{a.model}-{a.dtype}"
+    paths = write_results(name, result, text, latest=False)
     print("\n" + text + f"\nwrote {paths[0]} and {paths[1]}")
     return 0
 
