@@ -195,14 +195,14 @@ def run_entry(entry: str, argv: list[str]) -> int:
 
 def error_block(err: str) -> str:
     """The one `error:` line of stderr and the indented lines under it (a config error lists
-    each bad field on its own line)."""
-    lines = err.splitlines()
+    each bad field on its own line); nothing may follow them (PyYAML's several-line message
+    did)."""
+    lines = err.rstrip().splitlines()
     starts = [i for i, line in enumerate(lines) if "error: " in line]
     assert len(starts) == 1, f"expected one error line, got:\n{err}"
     block = [lines[starts[0]]]
     for line in lines[starts[0] + 1 :]:
-        if not line.startswith("  "):
-            break
+        assert line.startswith("  "), f"more after the error line:\n{err}"
         block.append(line)
     return "\n".join(block)
 
@@ -221,7 +221,8 @@ def test_a_bad_input_is_one_line_with_the_right_exit_code(row, tmp_path, capsys,
 
 
 def test_the_table_through_real_processes(tmp_path):
-    """A few rows as the commands a user types: `python -m ...train` and `rlhf-lab`."""
+    """A few rows as the commands a user types: `python -m ...train` and `rlhf-lab`, one of
+    them a directory with no model in it (a transformers traceback before)."""
     (tmp_path / "afile").write_text("x")
     write_yaml(tmp_path / "cfg.yaml", _sft(tmp_path))
     cases = [
@@ -230,6 +231,8 @@ def test_the_table_through_real_processes(tmp_path):
           "/sys/rlhf-lab-hostile/run"], 1, "/sys/rlhf-lab-hostile/run"),
         (["rlhf_lab.cli", "sft", "--config", str(tmp_path / "cfg.yaml"), "--set",
           "optim.lr=yes"], 2, "optim.lr"),
+        (["rlhf_lab.cli", "sft", "--config", str(tmp_path / "cfg.yaml"), "--set",
+          f"model.name_or_path={tmp_path}"], 2, "could not be loaded"),  # no model files there
         (["rlhf_lab.cli", "runs", "show", str(tmp_path / "gone")], 2, "gone"),
         (["rlhf_lab.quickstart", "--resume", str(tmp_path / "gone")], 2, "gone"),
     ]  # fmt: skip
