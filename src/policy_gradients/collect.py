@@ -19,6 +19,7 @@ from accelerate.utils import gather_object
 
 from policy_gradients.advantages import last_token_rewards
 from policy_gradients.dynamic_sampling import GroupFilter
+from policy_gradients.episodes import EpisodeRunner, episode_records
 from policy_gradients.experience import Experience
 from policy_gradients.off_policy import outside_sampling_set
 from policy_gradients.rewards import CombinedReward, RewardInput
@@ -62,6 +63,8 @@ class Collected:
     # dynamic sampling under several processes, when this process kept no group: one group it
     # dropped, to run a zero-weight forward/backward so the gradient all-reduce still meets
     filler: Experience | None = None
+    # with an environment: the rollout log's `turns` rows (`policy_gradients.episodes`)
+    turn_rows: list[tuple] = field(default_factory=list)
 
 
 def rollout_metrics(
@@ -181,9 +184,10 @@ def collect_experience(
     reward_fn: CombinedReward,
     estimator: Any,
     value_model: torch.nn.Module | None = None,
+    environment: EpisodeRunner | None = None,
 ) -> Collected:
     r, alg = cfg.rollout, cfg.algorithm
-    experiences, log_rows = [], []
+    experiences, log_rows, turn_rows = [], [], []
     sums: dict[str, float] = {}
     counts = {"groups": 0, "completions": 0, "dropped_groups": 0}
     t_gen = t_score = t_logprobs = 0.0
@@ -200,11 +204,18 @@ def collect_experience(
         items = [prompts.items[i] for i in indices]
         seeds = [sample_seed(cfg.seed, step, round_, p) for p in positions]
         t0 = time.perf_counter()
-        ro = generate_rollouts(
-            policy, tokenizer, [it["prompt"] for it in items], group_size=r.group_size,
-            max_new_tokens=r.max_new_tokens, sampling=r.sampling(), seeds=seeds,
-            behaviour_logprobs=r.behaviour_logprobs,
-        )  # fmt: skip
+        if environment is None:
+            ro = generate_rollouts(
+                policy, tokenizer, [it["prompt"] for it in items], group_size=r.group_size,
+                max_new_tokens=r.max_new_tokens, sampling=r.sampling(), seeds=seeds,
+                behaviour_logprobs=r.behaviour_logprobs,
+            )  # fmt: skip
+        else:  # multi-turn episodes: model and environment turns (policy_gradients.episodes)
+            ro = environment.rollouts(
+                policy, tokenizer, items, group_size=r.group_size,
+                max_new_tokens=r.max_new_tokens, sampling=r.sampling(), seeds=seeds,
+                behaviour_logprobs=r.behaviour_logprobs,
+            )  # fmt: skip
         t1 = time.perf_counter()
         rep_items = [it for it in items for _ in range(r.group_size)]
         lengths = ro.action_mask.sum(-1)
@@ -212,7 +223,7 @@ def collect_experience(
             prompts=[it["prompt"] for it in rep_items], completions=ro.completions,
             items=rep_items, lengths=lengths.cpu(), action_mask=ro.action_mask.cpu(),
             scorer=prompts.scorer, completion_ids=ro.completion_token_ids(),
-            tokenizer=tokenizer,
+            tokenizer=tokenizer, environment_rewards=ro.rewards if environment else None,
         )  # fmt: skip
         total, parts = reward_fn(rin)
         t_score += time.perf_counter() - t1
@@ -253,6 +264,14 @@ def collect_experience(
                 rin.prompts[row], ro.completions[row], float(total[row].sum()), components,
                 float(seq_adv[j]), int(lengths[row]), int(ro.truncated[row]),
             ))  # fmt: skip
+        if environment is not None:  # per-episode figures, and every turn for the log
+            env_sums, turns = episode_records(
+                ro, rows.tolist(), step=step + 1, prompt_indices=indices, group_ids=group_ids,
+                group_size=r.group_size,
+            )  # fmt: skip
+            turn_rows += turns
+            for key, value in env_sums.items():
+                sums[key] = sums.get(key, 0.0) + value
         counts["groups"] += int(keep.sum())
         counts["completions"] += len(rows)
         for key, value in parts.items():
@@ -274,5 +293,5 @@ def collect_experience(
     times = {"time/generate_s": t_gen, "time/score_s": t_score, "time/old_ref_values_s": t_logprobs}
     return Collected(
         experiences=experiences, metrics=rollout_metrics(sums, counts, times), log_rows=log_rows,
-        sums=sums, counts=counts, filler=None if experiences else filler,
+        sums=sums, counts=counts, filler=None if experiences else filler, turn_rows=turn_rows,
     )  # fmt: skip

@@ -121,6 +121,28 @@ class RolloutConfig(StrictModel):
         )
 
 
+EnvironmentSpec = registered_spec(
+    "policy_gradients.environments:ENVIRONMENTS", where="environment.env"
+)
+
+
+class EnvironmentConfig(StrictModel):
+    env: EnvironmentSpec = Field(
+        description="the environment's registered name and keywords "
+        "(policy_gradients.environments.ENVIRONMENTS, or module:Class)"
+    )
+    max_turns: int = Field(4, gt=0, description="model turns per episode at most")
+    max_tokens: int = Field(
+        256, gt=0, description="token budget of an episode after its first prompt, model and "
+        "environment tokens together; an episode whose next turn would pass it ends, truncated",
+    )  # fmt: skip
+    tool_role: Literal["tool", "user"] = Field(
+        "tool", description="tool results rendered with the chat template's 'tool' role (Qwen3 "
+        "and most tool-calling templates), or as user turns wrapped in "
+        "<tool_response>...</tool_response> for templates without one (the tiny world's)",
+    )  # fmt: skip
+
+
 class PGTrainConfig(BaseLoopConfig):
     max_steps: int = Field(100, gt=0, description="rollout + update steps")
     micro_batch_size: int = Field(16, gt=0, description="completions per forward/backward")
@@ -150,6 +172,11 @@ class PGConfig(TrainerConfig):
         default_factory=ReferenceConfig, description="pi_ref (used when a KL term needs it)"
     )
     rollout: RolloutConfig = Field(default_factory=RolloutConfig, description="sampling")
+    environment: EnvironmentConfig | None = Field(
+        None, description="multi-turn episodes against an environment "
+        "(policy_gradients.episodes; rollout.max_new_tokens caps each model turn); null = one "
+        "prompt, one completion",
+    )  # fmt: skip
     train: PGTrainConfig = Field(default_factory=PGTrainConfig, description="loop settings")
 
     @field_validator("rewards")
@@ -193,6 +220,8 @@ class PGConfig(TrainerConfig):
         uses_gae = self.algorithm.advantage["name"] == "gae"
         if uses_gae != (self.algorithm.value_loss is not None):
             raise UserError("the 'gae' advantage needs algorithm.value_loss, and only it does")
+        if self.environment is None and any(r["name"] == "environment" for r in self.rewards):
+            raise UserError("rewards: the 'environment' reward needs an environment: block")
         from policy_gradients.advantages import ADVANTAGES
 
         estimator = ADVANTAGES.get(self.algorithm.advantage["name"])
@@ -202,5 +231,11 @@ class PGConfig(TrainerConfig):
                 f"{self.algorithm.advantage['name']!r} advantage compares completions of the same "
                 "prompt, so a group of one always gets advantage 0 and nothing is learned; use "
                 "group_size >= 2 (or an estimator without groups, e.g. reinforce)"
+            )
+        if self.environment is not None and estimator.needs_values:
+            raise UserError(
+                f"algorithm.advantage {self.algorithm.advantage['name']!r} with an environment: "
+                "per-token values across environment turns are not supported; use a group "
+                "estimator (grpo, dr_grpo, rloo) or reinforce"
             )
         return self

@@ -100,6 +100,7 @@ class Turn:
     text: str
     reward: float = 0.0  # the environment's reward for this model turn
     tools: str = ""  # the tools called (assistant) or answering (environment), comma-separated
+    logprobs: list[float] | None = None  # assistant: the sampler's log-prob of each token
 
 
 @dataclass
@@ -139,14 +140,18 @@ def left_pad(rows: list[list[int]], pad_id: int) -> tuple[torch.Tensor, torch.Te
     return ids, mask
 
 
-def episode_rows(episodes: list[Episode], pad_id: int) -> tuple[torch.Tensor, ...]:
-    """(sequence_ids (B, P + T), attention_mask, action_mask (B, T), P): left-padded prompts,
-    then each episode's turns, right-padded."""
+def episode_rows(episodes: list[Episode], pad_id: int) -> tuple[Any, ...]:
+    """(sequence_ids (B, P + T), attention_mask, action_mask (B, T), P, the sampler's log-probs
+    (B, T) float32 or None): left-padded prompts, then each episode's turns, right-padded."""
     prompt_ids, prompt_mask = left_pad([e.prompt_ids for e in episodes], pad_id)
     width = max(1, max(len(e.completion_ids) for e in episodes))
     ids = torch.full((len(episodes), width), pad_id, dtype=torch.long)
     attention = torch.zeros((len(episodes), width), dtype=torch.long)
     action = torch.zeros((len(episodes), width), dtype=torch.long)
+    recorded = all(
+        t.logprobs is not None for e in episodes for t in e.turns if t.role != "environment"
+    )
+    behaviour = torch.zeros((len(episodes), width), dtype=torch.float32) if recorded else None
     for b, episode in enumerate(episodes):
         at = 0
         for turn in episode.turns:
@@ -155,9 +160,12 @@ def episode_rows(episodes: list[Episode], pad_id: int) -> tuple[torch.Tensor, ..
                 ids[b, at : at + n] = torch.tensor(turn.token_ids)
                 attention[b, at : at + n] = 1
                 action[b, at : at + n] = int(turn.role == "assistant")
+                if behaviour is not None and turn.role == "assistant":
+                    behaviour[b, at : at + n] = torch.tensor(turn.logprobs)
             at += n
     sequence_ids = torch.cat([prompt_ids, ids], 1)
-    return sequence_ids, torch.cat([prompt_mask, attention], 1), action, prompt_ids.shape[1]
+    attention = torch.cat([prompt_mask, attention], 1)
+    return sequence_ids, attention, action, prompt_ids.shape[1], behaviour
 
 
 class EpisodeRunner:
@@ -184,9 +192,12 @@ class EpisodeRunner:
     def rollouts(
         self, model: torch.nn.Module, tokenizer: Any, items: list[dict[str, Any]], *,
         group_size: int, max_new_tokens: int, sampling: Sampling, seeds: list[int] | None = None,
+        behaviour_logprobs: bool = False,
     ) -> Episodes:  # fmt: skip
         """`group_size` episodes of each prompt item, grouped consecutively; `seeds` (one per
-        item) seed each episode's model turns (as `rollout.generate_rollouts` seeds its rows)."""
+        item) seed each episode's model turns (as `rollout.generate_rollouts` seeds its rows);
+        `behaviour_logprobs` keeps the sampler's log-prob of each model token (`decode`'s
+        `with_logprobs`) as `log_probs_behaviour`, 0 on environment tokens."""
         device = next(model.parameters()).device
         eos, pad = tokenizer.eos_token_id, tokenizer.pad_token_id
         rows = [it for it in items for _ in range(group_size)]
@@ -213,18 +224,25 @@ class EpisodeRunner:
                 out = decode(
                     model, ids.to(device), mask.to(device), max_new_tokens=max(room.values()),
                     eos_token_id=eos, pad_token_id=pad, sampling=sampling, generator=generator,
+                    with_logprobs=behaviour_logprobs,
                 )  # fmt: skip
+                out, logprobs = out if behaviour_logprobs else (out, None)
                 sampled = out[:, ids.shape[1] :].tolist()
+                logprobs = (
+                    logprobs.float().cpu().tolist()
+                    if logprobs is not None
+                    else [None] * len(active)
+                )
                 active = [
                     b for k, b in enumerate(active)
                     if self._step(b, sampled[k][: room[b]], turn, envs, messages, episodes,
-                                  context, used, tokenizer)
+                                  context, used, tokenizer, logprobs[k])
                 ]  # fmt: skip
         finally:
             model.train(was_training)
         for episode, env in zip(episodes, envs, strict=True):
             episode.stats = dict(getattr(env, "stats", {}))
-        sequence_ids, attention, action, prompt_length = episode_rows(episodes, pad)
+        sequence_ids, attention, action, prompt_length, behaviour = episode_rows(episodes, pad)
         completions = tokenizer.batch_decode(
             [e.completion_ids for e in episodes], skip_special_tokens=False
         )
@@ -233,28 +251,30 @@ class EpisodeRunner:
             prompt_length=prompt_length, completions=completions,
             truncated=torch.tensor([e.truncated for e in episodes]), episodes=episodes,
             rewards=torch.tensor([e.reward for e in episodes], dtype=torch.float32),
+            log_probs_behaviour=behaviour,
         )  # fmt: skip
 
     def _step(self, b: int, sampled: list[int], turn: int, envs: list[Environment],
               messages: list[Messages], episodes: list[Episode], context: list[list[int]],
-              used: list[int], tokenizer: Any) -> bool:  # fmt: skip
-        """Record episode b's sampled model turn, let the environment answer, and append its
-        tokens; True while the episode goes on."""
+              used: list[int], tokenizer: Any, logprobs: list[float] | None) -> bool:  # fmt: skip
+        """Record episode b's sampled model turn (and the sampler's log-probs of its tokens),
+        let the environment answer, and append its tokens; True while the episode goes on."""
         episode, eos = episodes[b], tokenizer.eos_token_id
         closed = eos in sampled
         if closed:
             sampled = sampled[: sampled.index(eos) + 1]
+        logprobs = logprobs[: len(sampled)] if logprobs is not None else None
         text = tokenizer.decode(sampled, skip_special_tokens=True)
         called = ",".join(c.name or "?" for c in parse_tool_calls(text))
         context[b] += sampled
         used[b] += len(sampled)
         if not closed:  # cut at max_new_tokens or the budget: the episode ends here
-            episode.turns.append(Turn("assistant", sampled, text, 0.0, called))
+            episode.turns.append(Turn("assistant", sampled, text, 0.0, called, logprobs))
             episode.truncated = True
             return False
         new, reward, done = envs[b].step([dict(m) for m in messages[b]], text)
         episode.reward += float(reward)
-        episode.turns.append(Turn("assistant", sampled, text, float(reward), called))
+        episode.turns.append(Turn("assistant", sampled, text, float(reward), called, logprobs))
         messages[b] = [*messages[b], {"role": "assistant", "content": text}, *new]
         answered = ",".join(m.get("name", "") for m in new if m["role"] == "tool")
         content = "\n".join(m["content"] for m in new)

@@ -333,15 +333,17 @@ def completion_values(
 class RolloutLog:
     """Appends rollouts to `<run_dir>/rollouts.sqlite` on a background thread.
 
-    Two tables (schema and example queries: docs/policy_gradients/rollout_log.md):
+    Three tables (schema and example queries: docs/policy_gradients/rollout_log.md):
 
     - `rollouts`: every training sample, one row per completion: the step, the sampler's epoch,
       the prompt's index in the training set, the sample's index within its group, the texts,
       total reward, reward components (JSON), sequence advantage, length and truncation.
     - `eval_rollouts`: every held-out completion of every evaluation (`kind` greedy / sampled),
       with the same columns but no advantage.
+    - `turns`: with an environment, every turn of every training episode: its trajectory id,
+      turn index, role (assistant / environment), text, tools called or answering, reward.
 
-    Both are indexed on `step`. `write` / `write_eval` only queue rows; one thread owns the
+    All are indexed on `step`. `write` / `write_eval` only queue rows; one thread owns the
     connection and commits, so the training thread never waits on the disk.
     """
 
@@ -354,11 +356,17 @@ class RolloutLog:
         "step INTEGER, kind TEXT, prompt_index INTEGER, rollout_index INTEGER, prompt TEXT, "
         "completion TEXT, reward REAL, components TEXT, length INTEGER, truncated INTEGER"
     )
+    TURN_COLUMNS = (
+        "step INTEGER, prompt_index INTEGER, rollout_index INTEGER, trajectory INTEGER, "
+        "turn INTEGER, role TEXT, text TEXT, tool TEXT, reward REAL"
+    )
     SCHEMA = (
         f"CREATE TABLE IF NOT EXISTS rollouts ({COLUMNS})",
         f"CREATE TABLE IF NOT EXISTS eval_rollouts ({EVAL_COLUMNS})",
+        f"CREATE TABLE IF NOT EXISTS turns ({TURN_COLUMNS})",
         "CREATE INDEX IF NOT EXISTS rollouts_step ON rollouts (step)",
         "CREATE INDEX IF NOT EXISTS eval_rollouts_step ON eval_rollouts (step)",
+        "CREATE INDEX IF NOT EXISTS turns_step ON turns (step)",
     )
 
     def __init__(self, path: Path, *, enabled: bool = True, resume_step: int | None = None) -> None:
@@ -375,7 +383,7 @@ class RolloutLog:
             for statement in self.SCHEMA:
                 conn.execute(statement)
             # a fresh run starts empty; a resumed one drops the rows it is about to redo
-            for table in ("rollouts", "eval_rollouts"):
+            for table in ("rollouts", "eval_rollouts", "turns"):
                 conn.execute(f"DELETE FROM {table} WHERE step > ?", (resume_step or 0,))
         self._thread = threading.Thread(target=self._run, name="rollout-log", daemon=True)
         self._thread.start()
@@ -390,10 +398,16 @@ class RolloutLog:
         if self.enabled:
             self._queue.put(("eval_rollouts", rows))
 
+    def write_turns(self, rows: list[tuple]) -> None:
+        """Queue episode turns, in the order of `TURN_COLUMNS`."""
+        if self.enabled and rows:
+            self._queue.put(("turns", rows))
+
     def _run(self) -> None:
         conn = sqlite3.connect(self.path)
         width = {"rollouts": self.COLUMNS.count(",") + 1,
-                 "eval_rollouts": self.EVAL_COLUMNS.count(",") + 1}  # fmt: skip
+                 "eval_rollouts": self.EVAL_COLUMNS.count(",") + 1,
+                 "turns": self.TURN_COLUMNS.count(",") + 1}  # fmt: skip
         while True:
             item = self._queue.get()
             if item is None:

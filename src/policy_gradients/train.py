@@ -30,6 +30,7 @@ from accelerate.utils import gather_object
 from policy_gradients.advantages import ADVANTAGES
 from policy_gradients.collect import collect_experience, gather_collected
 from policy_gradients.config import PGConfig
+from policy_gradients.episodes import EpisodeRunner, evaluate_episodes, gather_rows
 from policy_gradients.evaluate import evaluate_policy
 from policy_gradients.experience import ReplayBuffer
 from policy_gradients.losses import LOSSES, VALUE_LOSSES
@@ -123,6 +124,7 @@ def train(cfg: PGConfig, run: RunArgs) -> int:
     if d.eval is not None and t.evaluate:
         eval_prompts = load_prompts(d.eval, tokenizer, where="data.eval", limit=t.eval_size, **args)
     reward_fn = CombinedReward(cfg.rewards, strip_thinking=cfg.strip_thinking)
+    environment = EpisodeRunner.from_config(cfg.environment)  # None: one completion per prompt
     estimator = build_from_spec(ADVANTAGES, alg.advantage)
     if world > 1 and not alg.dynamic_sampling:  # whiten over the whole step's batch (one call
         # per process per step; dynamic sampling's rounds differ between processes: per slice)
@@ -139,6 +141,7 @@ def train(cfg: PGConfig, run: RunArgs) -> int:
             "algorithm": f"{alg.name}: {type(estimator).__name__} + {type(loss_fn).__name__}",
             "reference": cfg.reference.mode if needs_reference else "none (no KL term)",
             "rewards": ", ".join(f"{r['weight']} x {r['label']}" for r in cfg.rewards),
+            "environment": cfg.environment.env["name"] if cfg.environment else "none",
             "train prompts": f"{len(train_prompts.items)} ({d.train.describe()})",
             "eval prompts": len(eval_prompts.items) if eval_prompts else 0,
             "would run": f"{t.max_steps} steps x {ro.prompts_per_step} prompts x "
@@ -174,11 +177,18 @@ def train(cfg: PGConfig, run: RunArgs) -> int:
         # every process evaluates all prompts (the same numbers), its models gathered
         rows: list[tuple] = []
         with engine.gathered_all(*models.held[:2], *models.rewards) as (whole, *_):
-            results = evaluate_policy(
-                whole, models.reference, tokenizer, eval_prompts, reward_fn,
-                max_new_tokens=ro.max_new_tokens, temperature=ro.temperature,
-                batch_size=max(t.micro_batch_size, 32), seed=cfg.seed + step, log_rows=rows,
-            )  # fmt: skip
+            if environment is not None:  # held-out episodes: success, turns, tool calls
+                results = evaluate_episodes(
+                    environment, whole, tokenizer, eval_prompts.items, log_rows=rows,
+                    max_new_tokens=ro.max_new_tokens, temperature=ro.temperature,
+                    batch_size=max(t.micro_batch_size, 32), seed=cfg.seed + step,
+                )  # fmt: skip
+            else:
+                results = evaluate_policy(
+                    whole, models.reference, tokenizer, eval_prompts, reward_fn,
+                    max_new_tokens=ro.max_new_tokens, temperature=ro.temperature,
+                    batch_size=max(t.micro_batch_size, 32), seed=cfg.seed + step, log_rows=rows,
+                )  # fmt: skip
         rollout_log.write_eval([(step, *row) for row in rows])
         return results
 
@@ -191,10 +201,11 @@ def train(cfg: PGConfig, run: RunArgs) -> int:
                     step=step, policy=whole, reference=models.reference, tokenizer=tokenizer,
                     prompts=train_prompts, sampler=book.sampler, rank=rank, world=world,
                     prompts_per_step=ro.prompts_per_step, cfg=cfg, reward_fn=reward_fn,
-                    estimator=estimator, value_model=whole_value,
+                    estimator=estimator, value_model=whole_value, environment=environment,
                 )  # fmt: skip
             # every rank's rollouts, written by rank 0 alone, and their metrics together
             rollout_log.write(gather_collected(collected, world))
+            rollout_log.write_turns(gather_rows(collected.turn_rows, world))  # episodes' turns
             for experience in collected.experiences:
                 buffer.add(experience)
             t_train, sums, mismatch = time.perf_counter(), {}, MismatchStats()
