@@ -205,7 +205,8 @@ def train(cfg: PGConfig, run: RunArgs) -> int:
                 )  # fmt: skip
             # every rank's rollouts, written by rank 0 alone, and their metrics together
             rollout_log.write(gather_collected(collected, world))
-            rollout_log.write_turns(gather_rows(collected.turn_rows, world))  # episodes' turns
+            if environment is not None:  # every episode's turns, every process's
+                rollout_log.write_turns(gather_rows(collected.turn_rows, world))
             for experience in collected.experiences:
                 buffer.add(experience)
             t_train, sums, mismatch = time.perf_counter(), {}, MismatchStats()
