@@ -49,6 +49,7 @@ from rlhf_core.config import StrictModel
 from rlhf_core.disk_space import CheckpointWriteError, guarded_write  # noqa: F401 (its home)
 from rlhf_core.distributed import is_sharded, local_tensor
 from rlhf_core.errors import UserError
+from rlhf_core.fault_points import fault_point
 from rlhf_core.runtime import capture_rng_state, restore_rng_state
 from rlhf_core.selection import SelectionConfig
 
@@ -133,11 +134,13 @@ def save_checkpoint(
             torch.save(payload, fh)
             fh.flush()
             os.fsync(fh.fileno())
+        fault_point("checkpoint.staged")
         write_manifest(tmp, step)
         replace_dir(tmp, final)
     for old in list_checkpoints(checkpoints_dir)[:-keep_last]:
         aside = old.with_name(f".deleting-{old.name}")  # never a half-deleted checkpoint-<n>
         os.replace(old, aside)
+        fault_point("checkpoint.prune")
         shutil.rmtree(aside, ignore_errors=True)
     return final
 
