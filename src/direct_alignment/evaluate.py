@@ -8,6 +8,7 @@ prompts to `<run_dir>/samples.jsonl`, so how the policy's outputs drift can be r
 from __future__ import annotations
 
 import json
+import os
 from collections.abc import Callable
 from pathlib import Path
 
@@ -79,3 +80,15 @@ def write_samples(
                 "chosen": tokenizer.decode(pair.chosen_ids, skip_special_tokens=True),
             }
             fh.write(json.dumps(row) + "\n")
+
+
+def keep_samples_through(path: Path, step: int) -> None:
+    """On resume from checkpoint-<step>: drop the sample lines of later steps (they are redone;
+    a kill after writing a step's samples, before its checkpoint, would log them twice)."""
+    if not path.is_file():
+        return
+    lines = [x for x in path.read_text().splitlines() if x.strip()]
+    kept = [x for x in lines if json.loads(x)["step"] <= step]
+    tmp = path.with_name(f".{path.name}.tmp")
+    tmp.write_text("".join(x + "\n" for x in kept))
+    os.replace(tmp, path)

@@ -22,7 +22,7 @@ import torch
 
 from direct_alignment.config import DAConfig
 from direct_alignment.data import build_preference_data, build_unpaired_data
-from direct_alignment.evaluate import evaluate_pairs, write_samples
+from direct_alignment.evaluate import evaluate_pairs, keep_samples_through, write_samples
 from direct_alignment.losses import LOSSES, loss_inputs
 from direct_alignment.reference import (
     load_reference_cache,
@@ -162,6 +162,8 @@ def train(cfg: DAConfig, run: RunArgs) -> int:
         model=policy, tokenizer=tokenizer, optimizer=optimizer, scheduler=scheduler,
     )  # fmt: skip
     step, skips = book.start_step, book.skips
+    if ckpt is not None and is_main:  # samples.jsonl as it was at the checkpoint
+        keep_samples_through(run_dir / "samples.jsonl", step)
 
     engine_facts = engine.announce(
         [policy, *([reference.own_model] if reference and reference.own_model else [])],
@@ -219,8 +221,7 @@ def train(cfg: DAConfig, run: RunArgs) -> int:
         "loss": cfg.loss, "reference": ref_mode, "train_pairs": len(train_data.pairs),
         "dropped_identical_pairs": train_data.dropped_identical,
         "truncated_pairs": train_data.truncated,
-        "dropped_overlong": train_data.dropped_overlong, "final_train_loss": step_loss.item(),
-        **{f"final_train/{k}": float(v) for k, v in metrics.items()},
+        "dropped_overlong": train_data.dropped_overlong, **book.final_train_facts(),
     }, engine_facts)  # fmt: skip
     return 0
 

@@ -147,7 +147,8 @@ def train(cfg: SFTConfig, run: RunArgs) -> int:
     book.finish(step, run_eval(), {
         "train_rows": len(train_data.examples),
         "truncated_completions": train_data.truncated_completions,
-        "dropped_overlong": train_data.dropped_overlong, "final_train_loss": step_loss.item(),
+        "dropped_overlong": train_data.dropped_overlong,
+        "final_train_loss": book.final_train_facts().get("final_train_loss"),
     }, engine_facts)  # fmt: skip
     return 0
 

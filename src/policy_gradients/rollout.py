@@ -37,6 +37,7 @@ from rlhf_core.chat import HH_TURN, Messages, as_messages, render_prompt, split_
 from rlhf_core.columns import Columns, apply_columns, detect_layout
 from rlhf_core.data import DataSource, load_rows, reasoning_gym_dataset
 from rlhf_core.errors import UserError
+from rlhf_core.fault_points import fault_point
 from rlhf_core.generation import Sampling, decode, row_generators
 from rlhf_core.policy_model import completion_values as policy_completion_values
 from rlhf_core.policy_model import is_encoder_decoder
@@ -344,7 +345,10 @@ class RolloutLog:
       turn index, role (assistant / environment), text, tools called or answering, reward.
 
     All are indexed on `step`. `write` / `write_eval` only queue rows; one thread owns the
-    connection and commits, so the training thread never waits on the disk.
+    connection and commits, so the training thread never waits on the disk. `flush(step)`,
+    before checkpoint-<step>, records in `log_marks` each table's last row; a resume from that
+    checkpoint keeps exactly the rows up to them (so a final evaluation logged after the last
+    checkpoint is redone, not kept twice; a log without marks keeps the rows up to the step).
     """
 
     COLUMNS = (
@@ -369,6 +373,8 @@ class RolloutLog:
         "CREATE INDEX IF NOT EXISTS turns_step ON turns (step)",
     )
 
+    TABLES = ("rollouts", "eval_rollouts", "turns")
+
     def __init__(self, path: Path, *, enabled: bool = True, resume_step: int | None = None) -> None:
         self.path, self.enabled = Path(path), enabled
         self._queue: queue.Queue = queue.Queue()
@@ -382,9 +388,19 @@ class RolloutLog:
                 conn.execute("ALTER TABLE rollouts RENAME TO rollouts_v1")
             for statement in self.SCHEMA:
                 conn.execute(statement)
+            conn.execute(
+                "CREATE TABLE IF NOT EXISTS log_marks (step INTEGER, tbl TEXT, last INTEGER)"
+            )
             # a fresh run starts empty; a resumed one drops the rows it is about to redo
-            for table in ("rollouts", "eval_rollouts", "turns"):
+            for table in self.TABLES:
+                mark = conn.execute(
+                    "SELECT last FROM log_marks WHERE step = ? AND tbl = ? ORDER BY rowid DESC",
+                    (resume_step or 0, table),
+                ).fetchone()
+                if mark is not None:
+                    conn.execute(f"DELETE FROM {table} WHERE rowid > ?", (mark[0] or 0,))
                 conn.execute(f"DELETE FROM {table} WHERE step > ?", (resume_step or 0,))
+            conn.execute("DELETE FROM log_marks WHERE step > ?", (resume_step or 0,))
         self._thread = threading.Thread(target=self._run, name="rollout-log", daemon=True)
         self._thread.start()
 
@@ -407,23 +423,29 @@ class RolloutLog:
         conn = sqlite3.connect(self.path)
         width = {"rollouts": self.COLUMNS.count(",") + 1,
                  "eval_rollouts": self.EVAL_COLUMNS.count(",") + 1,
-                 "turns": self.TURN_COLUMNS.count(",") + 1}  # fmt: skip
+                 "turns": self.TURN_COLUMNS.count(",") + 1, "log_marks": 3}  # fmt: skip
         while True:
             item = self._queue.get()
             if item is None:
                 self._queue.task_done()
                 break
             table, rows = item
+            if table == "log_marks":  # rows: the step of the checkpoint that follows
+                rows = [(rows, t, conn.execute(f"SELECT max(rowid) FROM {t}").fetchone()[0])
+                        for t in self.TABLES]  # fmt: skip
             marks = ", ".join("?" * width[table])
             conn.executemany(f"INSERT INTO {table} VALUES ({marks})", rows)
+            fault_point("rollout_log.insert")
             conn.commit()
             self._queue.task_done()
         conn.close()
 
-    def flush(self) -> None:
-        """Wait until every queued row is committed (before a checkpoint: a resume keeps the
-        rows up to the checkpoint's step, so they must be on disk when it is)."""
+    def flush(self, step: int | None = None) -> None:
+        """Wait until every queued row is committed; with `step` (before checkpoint-<step>:
+        a resume keeps the rows up to it, so they must be on disk when it is) mark them."""
         if self._thread is not None:
+            if step is not None:
+                self._queue.put(("log_marks", step))
             self._queue.join()
 
     def close(self) -> None:

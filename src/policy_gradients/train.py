@@ -235,7 +235,7 @@ def train(cfg: PGConfig, run: RunArgs) -> int:
             if book.evaluate(step, run_eval):  # every train.eval_every steps
                 break  # early stop: the final evaluation and final/ follow
             if book.save_due(step) or stop.requested:  # a resume keeps the rollout rows up to
-                rollout_log.flush()  # its checkpoint's step: on disk before the checkpoint is
+                rollout_log.flush(step)  # its checkpoint's step: on disk before the checkpoint is
             if (exit_code := book.checkpoint(step, stop)) is not None:
                 rollout_log.close()
                 return exit_code  # stopped by a signal, checkpoint saved

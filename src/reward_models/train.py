@@ -187,8 +187,7 @@ def train(cfg: RMConfig, run: RunArgs) -> int:
     book.summarize(step, {
         "kind": kind, "loss": cfg.loss, "train_examples": len(train_data.examples),
         **{f"train_data/{k}": v for k, v in train_data.counts.items()},
-        "final_train_loss": step_loss.item(),
-        **{f"final_train/{k}": float(v) for k, v in metrics.items()},
+        **book.final_train_facts(),
     }, final_eval, engine_facts)  # fmt: skip
     return 0
 

@@ -19,6 +19,8 @@ Not here: anything a trainer does differently (its models, batches, losses and m
 
 from __future__ import annotations
 
+import shutil
+import sys
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -37,6 +39,7 @@ from rlhf_core.checkpoint import (
 )
 from rlhf_core.config import RunArgs, RunConfig
 from rlhf_core.data import EpochSampler
+from rlhf_core.fault_points import fault_point
 from rlhf_core.loop import Batch, SkippedSteps, announce_stop, micro_batches
 from rlhf_core.optim import OptimConfig
 from rlhf_core.selection import ModelSelector
@@ -101,6 +104,9 @@ class Bookkeeping:
             "skipped_steps": self.skips.total,
             "best": self.selector.state_dict(),
             **{f"{k}_scheduler": s.state_dict() for k, s in self.extra_schedulers.items()},
+            # metrics.jsonl's lines now: a resume keeps exactly these (a final evaluation
+            # logged after the last checkpoint is redone, not kept twice)
+            "metrics_rows": len(self.tracker.history),
         }
 
     def save(self, step: int, extra_state: dict[str, Any] | None = None) -> None:
@@ -123,6 +129,20 @@ class Bookkeeping:
         rank, world = self.accelerator.process_index, self.accelerator.num_processes
         rows = self.sampler.next_batch(self.cfg.train.batch_size)[rank::world]
         return micro_batches(rows, size, collate)
+
+    def final_train_facts(self) -> Facts:
+        """The summary's final train figures, read from the newest logged step (so also after a
+        resume from the last step's checkpoint, which runs no step): `final_train_loss` and the
+        trainer's own metrics as `final_train/<key>`, summed over processes as logged. Empty on
+        the processes that do not log (they write no summary)."""
+        rows = [r for r in self.tracker.history if "train/loss" in r]
+        if not rows:
+            return {}
+        own = {k.removeprefix("train/"): v for k, v in rows[-1].items() if k.startswith("train/")}
+        for basic in ("loss", "grad_norm", "lr", "epoch", "skipped_steps"):  # log_step's own
+            own.pop(basic, None)
+        own = {f"final_train/{k}": v for k, v in own.items()}
+        return {"final_train_loss": rows[-1]["train/loss"], **own}
 
     def log_due(self, step: int) -> bool:
         """True every `tracking.log_every` steps and at the last step."""
@@ -191,6 +211,7 @@ class Bookkeeping:
         """Log the final evaluation, let the selector see it, write `final/` (when configured)."""
         if final_eval:
             self.tracker.log(step, final_eval)
+        fault_point("final.evaluated")
         self.observe(step, final_eval)
         if self.cfg.checkpoint.save_final:
             save_final(self.accelerator, self.model, self.tokenizer, self.run_dir / "final")
@@ -246,6 +267,8 @@ def start_bookkeeping(
     selector = ModelSelector(cfg.checkpoint.best, accelerator, periodic_eval=periodic_eval)
     step, restored = 0, {}
     if ckpt is not None:
+        if accelerator.is_main_process:
+            remove_partial_writes(run_dir)
         step, restored = restore_checkpoint(
             ckpt, optimizer=optimizer, scheduler=scheduler, sampler=sampler, model=model,
             extra=extra,
@@ -257,6 +280,7 @@ def start_bookkeeping(
     tracker = Tracker(
         run_dir, cfg, cfg.tracking, total_steps=total_steps,
         resume_step=step if ckpt is not None else None, enabled=accelerator.is_main_process,
+        keep_rows=restored.get("metrics_rows"),
     )  # fmt: skip
     return Bookkeeping(
         cfg=cfg, run=run, package=package, run_dir=run_dir, accelerator=accelerator,
@@ -265,3 +289,17 @@ def start_bookkeeping(
         threads=threads, start_step=step, restored=restored, extra=dict(extra or {}),
         extra_schedulers=dict(extra_schedulers or {}),
     )  # fmt: skip
+
+
+#: what a save killed part-way leaves in checkpoints/ (`rlhf_core.checkpoint`: a temporary or
+#: staged checkpoint, one renamed aside to be deleted or replaced): never resumed, only space
+PARTIAL_WRITES = (".tmp-checkpoint-*", ".deleting-checkpoint-*", ".old-checkpoint-*", ".sharded-*")
+
+
+def remove_partial_writes(run_dir: Path) -> None:
+    """On resume: delete what killed saves left (the run holds the directory's lock, so no
+    save of its own is under way), each up to a checkpoint's size on disk."""
+    for pattern in PARTIAL_WRITES:
+        for path in sorted((run_dir / "checkpoints").glob(pattern)):
+            print(f"note: removing {path}, left by a save that was killed", file=sys.stderr)
+            shutil.rmtree(path, ignore_errors=True)

@@ -78,6 +78,7 @@ class Tracker:
         *,
         total_steps: int,
         resume_step: int | None = None,
+        keep_rows: int | None = None,
         enabled: bool = True,
     ) -> None:
         self.run_dir = Path(run_dir)
@@ -93,13 +94,15 @@ class Tracker:
         self.run_dir.mkdir(parents=True, exist_ok=True)
         (self.run_dir / "config.yaml").write_text(dump_config(cfg))
         self.metrics_path = self.run_dir / "metrics.jsonl"
-        self._load_history(resume_step)
+        self._load_history(resume_step, keep_rows)
         config = cfg.model_dump(mode="json")
         for name in dict.fromkeys(tracking.backends):  # each once, in the order given
             self._backends.append(BACKENDS[name](self.run_dir, config, tracking, resume_step))
 
-    def _load_history(self, resume_step: int | None) -> None:
-        """On resume keep the lines up to the checkpoint's step; later ones are redone."""
+    def _load_history(self, resume_step: int | None, keep_rows: int | None) -> None:
+        """On resume keep the lines up to the checkpoint's step, and of those the first
+        `keep_rows` (how many it had when the checkpoint was written; None: a checkpoint from
+        before that count); later ones are redone. Rewritten atomically."""
         if resume_step is None or not self.metrics_path.is_file():
             self.metrics_path.write_text("")
             return
@@ -109,8 +112,10 @@ class Tracker:
                 row = json.loads(line)
                 if row.get("step", 0) <= resume_step:
                     kept.append(row)
-        self.history = kept
-        self.metrics_path.write_text("".join(json.dumps(r) + "\n" for r in kept))
+        self.history = kept[:keep_rows]
+        tmp = self.metrics_path.with_name(f".{self.metrics_path.name}.tmp")
+        tmp.write_text("".join(json.dumps(r) + "\n" for r in self.history))
+        os.replace(tmp, self.metrics_path)
 
     def log(self, step: int, metrics: dict[str, float], *, show: bool = True) -> None:
         """Append one metrics line for `step` and print a short progress line."""
