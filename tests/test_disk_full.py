@@ -119,3 +119,49 @@ def test_a_trainer_on_a_full_disk_stops_with_one_line_and_exit_1(
     assert not [p for p in (out / "checkpoints").iterdir() if p.name.startswith(".")]
     status = json.loads((out / "status.json").read_text())
     assert status["status"] == "failed" and status["exit_code"] == 1
+
+
+def test_final_on_a_full_disk_is_one_error_and_leaves_no_partial_copy(tmp_path, small_disk):
+    from accelerate import Accelerator
+
+    from rlhf_core.checkpoint import save_final
+
+    args = tiny_save_args()
+    size = pages(save_checkpoint(tmp_path / "measure", 1, **args))
+    disk = small_disk(int(size * 1.3))  # a checkpoint fits; final/ (weights, tokenizer) does not
+    run = disk / "run"
+    good = save_checkpoint(run / "checkpoints", 1, **args)
+    with pytest.raises(CheckpointWriteError) as info:
+        save_final(Accelerator(cpu=True), args["model"], args["tokenizer"], run / "final")
+    message = str(info.value)
+    assert "could not write final" in message and "The disk is full" in message
+    assert f"The last good checkpoint is {good}" in message and info.value.__suppress_context__
+    assert sorted(p.name for p in run.iterdir()) == ["checkpoints"]  # no .tmp-final, no final
+
+
+def test_any_write_the_machine_refuses_is_one_line_exit_1(small_disk, capsys, monkeypatch):
+    """Not only checkpoints: an OSError saying the disk is full or read-only, raised anywhere
+    (here a plain write, as metrics.jsonl or a report would be), is one line, exit 1."""
+    from rlhf_core.errors import run_main
+
+    monkeypatch.delenv("RLHF_LAB_DEBUG", raising=False)
+    disk = small_disk(64 * 1024)
+
+    def fill(argv: list[str] | None) -> int:
+        (disk / "metrics.jsonl").write_bytes(b"x" * 1024 * 1024)
+        return 0
+
+    assert run_main(fill, []) == 1
+    err = capsys.readouterr().err
+    assert "Traceback" not in err and err.count("error: ") == 1, err
+    assert "No space left on device" in err and "free up space" in err
+    subprocess.run(["mount", "-o", "remount,ro", str(disk)], check=True, timeout=30)
+
+    def write(argv: list[str] | None) -> int:
+        (disk / "report.md").write_text("x")
+        return 0
+
+    assert run_main(write, []) == 1
+    err = capsys.readouterr().err
+    assert "Traceback" not in err and "Read-only file system" in err and "report.md" in err
+    assert "choose a writable location" in err

@@ -8,7 +8,9 @@ library error and keeps its traceback.
 Every command-line entry (`python -m <package>.train`, `rlhf-lab ...`) runs through
 `run_main`, which prints a user error as `error: <message>` and returns 2; `--debug` or
 `RLHF_LAB_DEBUG=1` shows the traceback too. An `EnvironmentFailure` (the machine refused: a
-read-only location, no permission, a full disk) is printed the same way and returns 1.
+read-only location, no permission, a full disk) is printed the same way and returns 1, and so is
+any other `OSError` that says the machine refused (a full disk or quota, a read-only filesystem,
+no permission, an I/O error), wherever it was raised: one line with what to do.
 
 An exception raised inside the user's own code (a module of `imports:` / `--import`, or of a
 `module:attribute` name) is theirs to read: `run_main` prints a one-line header naming their
@@ -18,6 +20,7 @@ module, then the traceback from their first frame on (all of it with `--debug`),
 
 from __future__ import annotations
 
+import errno
 import importlib
 import os
 import sys
@@ -27,6 +30,16 @@ from pathlib import Path
 
 EXIT_USER_ERROR = 2
 EXIT_ENVIRONMENT = 1
+#: what an OSError says when the machine refuses a correct command, and what the user can do
+REFUSALS = {
+    errno.ENOSPC: "free up space (or move the run to a larger disk); a run resumes from its last "
+    "checkpoint with --resume RUN_DIR",
+    errno.EROFS: "choose a writable location",
+    errno.EACCES: "choose a location you may write to, or fix its permissions",
+    errno.EIO: "the disk reported an I/O error; check it",
+}
+REFUSALS[errno.EDQUOT] = REFUSALS[errno.ENOSPC]
+REFUSALS[errno.EPERM] = REFUSALS[errno.EACCES]
 
 _debug_depth = 0  # > 0 inside a run_main that was given --debug (a nested run_main inherits it)
 _user_files: dict[str, str] = {}  # a user module's file, or its package's directory -> its name
@@ -78,9 +91,27 @@ def user_module_of(filename: str) -> str | None:
     return None
 
 
+def machine_refusal(error: BaseException) -> OSError | None:
+    """The OSError in `error`'s chain that says the machine refused (`REFUSALS`), or None."""
+    seen: set[int] = set()
+    current: BaseException | None = error
+    while current is not None and id(current) not in seen:
+        seen.add(id(current))
+        if isinstance(current, OSError) and current.errno in REFUSALS:
+            return current
+        current = current.__cause__ or current.__context__
+    return None
+
+
 def exit_code_for(error: BaseException) -> int:
     """The exit code `run_main` gives `error` (also written to a run's status.json)."""
-    if isinstance(error, UserError | UserCodeError) or _raising_user_frame(error) is not None:
+    if isinstance(error, EnvironmentFailure):
+        return EXIT_ENVIRONMENT
+    if isinstance(error, UserError | UserCodeError):
+        return EXIT_USER_ERROR
+    if machine_refusal(error) is not None:
+        return EXIT_ENVIRONMENT
+    if _raising_user_frame(error) is not None:
         return EXIT_USER_ERROR
     return EXIT_ENVIRONMENT  # an EnvironmentFailure, or a library error (Python's own 1)
 
@@ -133,6 +164,11 @@ def run_main(main: Callable[[list[str] | None], int], argv: list[str] | None = N
         print_user_traceback(exc.original, full=debug)
         return EXIT_USER_ERROR
     except Exception as exc:
+        if (refused := machine_refusal(exc)) is not None:  # the machine's, wherever it came from
+            if debug:
+                traceback.print_exc()
+            print(f"error: {refused}; {REFUSALS[refused.errno]}", file=sys.stderr)
+            return EXIT_ENVIRONMENT
         if (raised := _raising_user_frame(exc)) is None:
             raise  # a library error: its traceback, exit 1
         module, frame = raised
