@@ -111,7 +111,9 @@ def held_out(cfg: Any, model_dir: Path, seed: int) -> dict[str, float]:
     )  # fmt: skip
 
 
-def run_seed(out: Path, env: str, seed: int, *, sft_steps: int, grpo_steps: int) -> dict:
+def run_seed(
+    out: Path, env: str, seed: int, *, sft_steps: int, grpo_steps: int, grpo_set: list[str]
+) -> dict:
     from instruction_tuning.train import train as train_sft
     from policy_gradients.config import PGConfig
     from policy_gradients.train import train as train_pg
@@ -126,6 +128,7 @@ def run_seed(out: Path, env: str, seed: int, *, sft_steps: int, grpo_steps: int)
     cfg = load_config(PGConfig, path, [
         f"model.name_or_path={sft_dir / 'final'}", f"data.train.path={out / 'train.jsonl'}",
         f"data.eval.path={out / 'eval.jsonl'}", f"seed={seed}", f"train.max_steps={grpo_steps}",
+        *grpo_set,
     ])  # fmt: skip
     before = held_out(cfg, sft_dir / "final", seed)
     if not (grpo_dir / "summary.json").is_file():
@@ -192,11 +195,20 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--sft-trajectories", type=int, default=64, help="worked episodes")
     parser.add_argument("--sft-steps", type=int, default=150)
     parser.add_argument("--grpo-steps", type=int, default=30)
+    parser.add_argument("--grpo-set", action="append", default=[], metavar="KEY=VALUE",
+                        help="an override of the GRPO config (repeatable)")  # fmt: skip
     args = parser.parse_args(argv)
     out = args.output_dir / args.env
     write_data(out, args.env, train=2000, held_out=100, worked=args.sft_trajectories)
     results = [
-        run_seed(out, args.env, seed, sft_steps=args.sft_steps, grpo_steps=args.grpo_steps)
+        run_seed(
+            out,
+            args.env,
+            seed,
+            sft_steps=args.sft_steps,
+            grpo_steps=args.grpo_steps,
+            grpo_set=args.grpo_set,
+        )  # fmt: skip
         for seed in args.seeds
     ]
     write_report(out, args.env, results, "python -m rlhf_lab.multi_turn " + " ".join(
