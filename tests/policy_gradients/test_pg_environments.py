@@ -557,3 +557,32 @@ def test_shipped_environment_configs_train(env: str, tmp_path: Path):
     assert "eval/greedy_success" in final and "eval/sampled_turns" in final
     if env == "calculator":
         assert "eval/sampled_tool_call_valid" in final
+
+
+@pytest.mark.parametrize("env_name", ["calculator", "guess"])
+def test_worked_trajectories_solve_their_environment(env_name: str):
+    """The SFT data of rlhf_lab.multi_turn: replayed through the environment, every worked
+    episode gets back exactly its own environment messages and ends solved within max_turns."""
+    from policy_gradients.config import PGConfig
+    from policy_gradients.environments import arithmetic_rows, guess_rows
+    from rlhf_core.config import load_config
+    from rlhf_lab.multi_turn import ENVS, worked_calculator, worked_guess
+
+    cfg = load_config(PGConfig, REPO / "configs" / "policy_gradients" / f"{ENVS[env_name]}.yaml")
+    rows = arithmetic_rows(20, seed=3) if env_name == "calculator" else guess_rows(20, seed=3)
+    worker = worked_calculator if env_name == "calculator" else worked_guess
+    runner = EpisodeRunner.from_config(cfg.environment)
+    for row in rows:
+        worked = worker(row)
+        env = runner.new_environment()
+        messages = env.reset({**row, "messages": worked[:1]})
+        total, replies = 0.0, [i for i, m in enumerate(worked) if m["role"] == "assistant"]
+        assert len(replies) <= cfg.environment.max_turns
+        for k, i in enumerate(replies):
+            new, reward, done = env.step(messages, worked[i]["content"])
+            total += reward
+            following = worked[i + 1 : replies[k + 1]] if k + 1 < len(replies) else []
+            if not done:
+                assert new == following
+            messages = [*messages, worked[i], *new]
+        assert done and total == 1.0
