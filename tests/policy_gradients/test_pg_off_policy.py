@@ -9,12 +9,18 @@ The references work on Python lists one token at a time with `math`, sharing no 
 
 from __future__ import annotations
 
+import json
 import math
+import os
+import socket
+import subprocess
+import sys
 from pathlib import Path
 
+import mismatch_gather_worker as worker
 import pytest
 import torch
-from conftest import metric_series, tiny_pg_dict, write_yaml
+from conftest import REPO, metric_series, tiny_pg_dict, write_yaml
 from safetensors.torch import load_file
 
 from policy_gradients.config import PGConfig
@@ -271,6 +277,30 @@ def test_mismatch_metrics_match_reference():
     assert m["mismatch/ratio_p99"] == pytest.approx(nearest_rank, rel=1e-12)
     assert m["mismatch/outside_truncation"] == pytest.approx(sum(outside) / len(outside))
     assert MismatchStats().metrics() == {}
+
+
+def test_mismatch_metrics_pool_every_process(tmp_path):
+    """Two processes (torch.distributed, gloo), each with its own tokens: both report the
+    metrics of all tokens together, those of one process holding them all."""
+    with socket.socket() as sock:  # a free port for the rendezvous
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    env = {**os.environ, "PYTHONPATH": str(REPO / "src"), "OMP_NUM_THREADS": "1"}
+    proc = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_addr",
+         "127.0.0.1", "--master_port", str(port), worker.__file__, str(tmp_path)],
+        env=env, capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1)]
+    pooled, alone = MismatchStats(), MismatchStats()
+    for rank in (0, 1):
+        for x in worker.experiences(rank):
+            pooled.add(x)
+            if rank == 0:
+                alone.add(x)
+    assert ranks[0] == ranks[1] == pooled.metrics()
+    assert all(alone.metrics()[k] != v for k, v in pooled.metrics().items())  # it can tell
 
 
 # ---------------------------------------------------------------- config errors
