@@ -6,7 +6,8 @@ tokenizer, vocab 50,257, fp32, CPU; 8 spell_backward prompts x 8 rows = 64 rows)
 per-token sampling step is the largest share of a decode step that any model gives (a big
 vocabulary on a tiny network), so the relative overhead is an upper bound. Two samplings:
 temperature 1, and temperature 1 with top-p 0.9. The arms alternate (off, on, off, ...) after one
-untimed warm-up each; medians. The tokens of the two arms are checked equal.
+untimed warm-up each; medians of wall and of CPU time (the steadier one on a busy machine; one
+torch thread). The tokens of the two arms are checked equal.
 
     uv run --group bench python -m benchmarks.behaviour_logprobs [--repeats 7] [--max-new-tokens 32]
 """
@@ -61,18 +62,21 @@ def main() -> None:
         tokens = call(False)
         recorded, _ = call(True)
         assert torch.equal(tokens, recorded), "recording the log-probs changed a token"
-        times: dict[bool, list[float]] = {False: [], True: []}
+        wall: dict[bool, list[float]] = {False: [], True: []}
+        cpu: dict[bool, list[float]] = {False: [], True: []}
         for _ in range(args.repeats):
             for arm in (False, True):
-                t0 = time.perf_counter()
+                t0, c0 = time.perf_counter(), time.process_time()
                 call(arm)
-                times[arm].append(time.perf_counter() - t0)
-        off, on = median(times[False]), median(times[True])
-        print(
-            f"{sampling}: {tokens.shape[0]} rows x {tokens.shape[1] - enc['input_ids'].shape[1]} "
-            f"tokens: off {off * 1e3:.1f} ms, on {on * 1e3:.1f} ms, "
-            f"overhead {100 * (on - off) / off:+.2f}% (medians of {args.repeats})"
-        )
+                wall[arm].append(time.perf_counter() - t0)
+                cpu[arm].append(time.process_time() - c0)
+        shape = f"{tokens.shape[0]} rows x {tokens.shape[1] - enc['input_ids'].shape[1]} tokens"
+        for name, times in (("wall", wall), ("CPU", cpu)):  # CPU time: steadier on a busy host
+            off, on = median(times[False]), median(times[True])
+            print(
+                f"{sampling}: {shape}, {name} time: off {off * 1e3:.1f} ms, on {on * 1e3:.1f} "
+                f"ms, overhead {100 * (on - off) / off:+.2f}% (medians of {args.repeats})"
+            )
 
 
 if __name__ == "__main__":
