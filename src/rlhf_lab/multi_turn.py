@@ -82,13 +82,13 @@ def write_data(out: Path, env: str, *, train: int, held_out: int, worked: int) -
     write_jsonl(out / "sft.jsonl", sft_rows([worker(r) for r in demos], "user"))
 
 
-def sft_config(out: Path, seed: int, steps: int) -> Any:
+def sft_config(out: Path, seed: int, steps: int, threads: int | None = None) -> Any:
     from instruction_tuning.config import SFTConfig
 
     return SFTConfig.model_validate({
         "name": f"multi_turn_sft_{seed}", "seed": seed, "model": {"name_or_path": "tiny-qwen3"},
         "data": {"train": {"path": str(out / "sft.jsonl")}, "max_length": 224},
-        "train": {"batch_size": 32, "max_steps": steps, "eval_every": 0},
+        "train": {"batch_size": 32, "max_steps": steps, "eval_every": 0, "threads": threads},
         "optim": {"lr": 1.0e-3, "warmup_steps": 10, "weight_decay": 0.0},
         "checkpoint": {"save_every": 0, "keep_last": 1}, "tracking": {"log_every": 10},
     })  # fmt: skip
@@ -112,7 +112,14 @@ def held_out(cfg: Any, model_dir: Path, seed: int) -> dict[str, float]:
 
 
 def run_seed(
-    out: Path, env: str, seed: int, *, sft_steps: int, grpo_steps: int, grpo_set: list[str]
+    out: Path,
+    env: str,
+    seed: int,
+    *,
+    sft_steps: int,
+    grpo_steps: int,
+    grpo_set: list[str],
+    threads: int | None = None,
 ) -> dict:
     from instruction_tuning.train import train as train_sft
     from policy_gradients.config import PGConfig
@@ -121,14 +128,15 @@ def run_seed(
 
     sft_dir, grpo_dir = out / f"sft-seed{seed}", out / f"grpo-seed{seed}"
     if not (sft_dir / "final").is_dir():
-        code = train_sft(sft_config(out, seed, sft_steps), RunArgs(None, output_dir=sft_dir))
+        cfg = sft_config(out, seed, sft_steps, threads)
+        code = train_sft(cfg, RunArgs(None, output_dir=sft_dir))
         if code != 0:
             raise RuntimeError(f"SFT seed {seed} exited with {code}")
     path = Path("configs") / "policy_gradients" / f"{ENVS[env]}.yaml"
     cfg = load_config(PGConfig, path, [
         f"model.name_or_path={sft_dir / 'final'}", f"data.train.path={out / 'train.jsonl'}",
         f"data.eval.path={out / 'eval.jsonl'}", f"seed={seed}", f"train.max_steps={grpo_steps}",
-        *grpo_set,
+        *([f"train.threads={threads}"] if threads else []), *grpo_set,
     ])  # fmt: skip
     before = held_out(cfg, sft_dir / "final", seed)
     if not (grpo_dir / "summary.json").is_file():
@@ -195,11 +203,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--sft-trajectories", type=int, default=64, help="worked episodes")
     parser.add_argument("--sft-steps", type=int, default=150)
     parser.add_argument("--grpo-steps", type=int, default=30)
+    parser.add_argument("--threads", type=int, default=None, help="CPU threads per trainer")
     parser.add_argument("--grpo-set", action="append", default=[], metavar="KEY=VALUE",
                         help="an override of the GRPO config (repeatable)")  # fmt: skip
     args = parser.parse_args(argv)
     out = args.output_dir / args.env
-    write_data(out, args.env, train=2000, held_out=100, worked=args.sft_trajectories)
+    if not (out / "sft.jsonl").is_file():  # the same rows every time (fixed seeds)
+        write_data(out, args.env, train=2000, held_out=100, worked=args.sft_trajectories)
     results = [
         run_seed(
             out,
@@ -208,6 +218,7 @@ def main(argv: list[str] | None = None) -> int:
             sft_steps=args.sft_steps,
             grpo_steps=args.grpo_steps,
             grpo_set=args.grpo_set,
+            threads=args.threads,
         )  # fmt: skip
         for seed in args.seeds
     ]
