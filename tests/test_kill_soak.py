@@ -15,11 +15,12 @@ promises.
     RLHF_SOAK_N=10 RLHF_SOAK_SEED=7 RLHF_SOAK_REPORT=soak.json \
         uv run pytest -s tests/test_kill_soak.py
 
-N (kills per trainer) defaults to 1, the CI size: SFT dies inside a checkpoint write, DPO after
-its final evaluation, GRPO inside a rollout-log transaction, FSDP2 (rank 0 alone) inside a
-checkpoint write. N=2 adds a random kill (SFT, FSDP2) or a kill after the final evaluation (GRPO)
-or inside a checkpoint write (DPO). The seed defaults to a fresh one; it is printed with the
-report and named in every failure, so a failing soak reruns with RLHF_SOAK_SEED.
+N (kills per trainer) defaults to 1, the CI size, one named point each: SFT dies inside a
+checkpoint write, DPO after its final evaluation, GRPO inside a rollout-log transaction, FSDP2
+(rank 0 alone; torchrun stops rank 1) while pruning. N=2 adds a random kill (SFT, FSDP2), a kill
+after the final evaluation (GRPO) or inside a checkpoint write (DPO). The seed defaults to a
+fresh one; it is printed with the report and named in every failure, so a failing soak reruns
+with RLHF_SOAK_SEED.
 """
 
 from __future__ import annotations
@@ -182,7 +183,7 @@ def soak_run(soak: Soak, out: Path, cfg_path: Path, step_time: float, rng: rando
     for kill in soak.schedule():
         before = newest(out) if resume else 0
         proc = start(soak, out, cfg_path, resume=resume, kill_at="" if kill == RANDOM else kill)
-        record, earlier = {"kill": kill, "from_checkpoint": before}, left_behind(out)
+        record = {"kill": kill, "from_checkpoint": before}
         if kill == RANDOM:
             # past its start-up and one more step (so every attempt makes progress whatever the
             # load), then a random moment of the next step: sampling, training or saving
@@ -201,8 +202,9 @@ def soak_run(soak: Soak, out: Path, cfg_path: Path, step_time: float, rng: rando
                 assert proc.returncode == -signal.SIGKILL, failure(soak, proc)
             else:
                 assert proc.returncode != 0, failure(soak, proc)
-        # where it landed: what this kill left half-done (an earlier kill's leftovers aside)
-        record["landed"] = sorted(left_behind(out) - earlier) or ["between writes"]
+        # where it landed: what it left half-done (the attempt, resumed, first removed what an
+        # earlier kill left: `remove_partial_writes`, and SQLite rolls a hot journal back)
+        record["landed"] = sorted(left_behind(out)) or ["between writes"]
         record["checkpoint_after"] = newest(out)
         if kill != RANDOM:
             expected = EVIDENCE[kill.split(":")[0]]
@@ -343,5 +345,5 @@ def test_fsdp2_sft_survives_sigkills(tiny_sft_dict, tmp_path):
     cfg["data"]["eval"] = None
     cfg["train"].update(micro_batch_size=4, engine="fsdp2")
     soak = Soak("fsdp2_sft", "instruction_tuning.train", cfg,
-                ("checkpoint.staged:2", RANDOM, "checkpoint.prune:1"), nproc=2)  # fmt: skip
+                ("checkpoint.prune:1", RANDOM, "checkpoint.staged:2"), nproc=2)  # fmt: skip
     soak_and_compare(soak, tmp_path)

@@ -7,8 +7,9 @@ mapping and text encoding (`data`, `columns`, `preference`, `wrong_answers`, `en
 layouts and log-probs (`layout`, `prefix`, `sequences`, `logprobs`, `kl`), generation and scoring
 (`generation`, `scoring`), the speed plan and the CPU attention it picks (`fastpath`,
 `attention`, `lean`), and the loop's shared steps (`loop`, `optim`, `checkpoint`,
-`disk_space`, `stop_signal`, `tracking`, `runtime`, `rundir`, `output_dir`). The four packages
-import it and never each other; docs/where_things_live.md maps each concern to its module.
+`disk_space`, `stop_signal`, `tracking`, `runtime`, `rundir`, `output_dir`, and `fault_points`,
+the kill-soak's named SIGKILL points). The four packages import it and never each other;
+docs/where_things_live.md maps each concern to its module.
 
 It has no entry point of its own; `uv run rlhf-lab tiny --build` builds the offline tiny world.
 """
