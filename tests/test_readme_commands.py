@@ -84,8 +84,8 @@ PLAN: dict[str, str] = {
     "uv run rlhf-lab runs snapshot RUN best-sft --checkpoint checkpoint-300": "placeholders; "
     "tests/rlhf_lab/test_runs.py",
     "uv run rlhf-lab chat outputs/quickstart-<time>/sft/final outputs/quickstart-<time>/grpo/final "
-    "\\": "a server and a browser: tests/rlhf_lab/test_chat.py",
-    "--reward-model outputs/quickstart-<time>/rm/final": "the continuation of the chat command",
+    "--reward-model outputs/quickstart-<time>/rm/final": "a server and a browser: "
+    "tests/rlhf_lab/test_chat.py",
     "uv run rlhf-lab quantize --model outputs/reward_models/<run>/final --bits 8": "a <run> "
     "placeholder; tests/rlhf_lab/test_quantize.py",
     "uv run rlhf-lab quantize --model outputs/policy_gradients/<run>/final --bits 4": "a <run> "
