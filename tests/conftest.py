@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 import yaml
+from filelock import FileLock
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -161,10 +162,17 @@ def sft_checkpoint(tmp_path_factory) -> Path:
     from instruction_tuning.train import train
     from rlhf_core.config import RunArgs, load_config
 
-    out = tmp_path_factory.mktemp("sft")
-    path = REPO / "configs" / "instruction_tuning" / "tiny_sft.yaml"
-    cfg = load_config(SFTConfig, path, ["data.eval=null", "checkpoint.save_every=0"])
-    assert train(cfg, RunArgs(config_path=path, output_dir=out)) == 0
+    # Under pytest-xdist every worker is its own session: the first to get here trains, into
+    # the directory all workers share, and the others wait on the lock and reuse its final/.
+    shared = tmp_path_factory.getbasetemp()
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        shared = shared.parent
+    out = shared / "sft_checkpoint"
+    with FileLock(str(shared / "sft_checkpoint.lock")):
+        if not (out / "final" / "config.json").exists():
+            path = REPO / "configs" / "instruction_tuning" / "tiny_sft.yaml"
+            cfg = load_config(SFTConfig, path, ["data.eval=null", "checkpoint.save_every=0"])
+            assert train(cfg, RunArgs(config_path=path, output_dir=out)) == 0
     return out / "final"
 
 
