@@ -170,8 +170,11 @@ def run_logged(cmd: list[str], log: Path, timeout: float) -> dict[str, Any]:
 
 def cuda_tests(out: Path, mode: str) -> dict[str, Any]:
     junit = out / "gpu_proof_junit.xml"
+    # One process on the one GPU, and pyproject's `-n 2` dropped: the device installs only
+    # scripts/gpu_wheels.txt, which has no pytest-xdist.
     cmd = [sys.executable, "-m", "pytest", "tests/cuda", "-m", "cuda", "-q", "-rs",
-           "-p", "no:cacheprovider", f"--junitxml={junit}"]  # fmt: skip
+           "-o", "addopts=--strict-markers", "-p", "no:cacheprovider",
+           f"--junitxml={junit}"]  # fmt: skip
     part = run_logged(cmd, out / "gpu_proof_pytest.log", PYTEST_TIMEOUT_S[mode])
     tests = {}
     if junit.is_file():

@@ -41,6 +41,11 @@ def main(out: Path) -> None:
     for experience in experiences(rank):
         stats.add(experience)
     (out / f"rank{rank}.json").write_text(json.dumps(stats.metrics(gather_object)))
+    import torch.distributed as dist
+
+    if dist.is_initialized():  # leave together: a rank exiting with gloo's threads alive aborts
+        dist.barrier()
+        dist.destroy_process_group()
 
 
 if __name__ == "__main__":
