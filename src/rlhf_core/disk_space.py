@@ -23,7 +23,7 @@ import sys
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
-from rlhf_core.errors import EnvironmentFailure
+from rlhf_core.errors import EnvironmentFailure, exception_chain
 
 DISK_FULL_ERRNOS = (errno.ENOSPC, errno.EDQUOT)
 # how a full disk reads once torch's writer or safetensors (Rust) has wrapped the OSError
@@ -83,15 +83,11 @@ def disk_full_cause(exc: BaseException) -> BaseException | None:
     """The exception in `exc`'s chain (itself, what it was raised from or while handling) that
     says the disk is full, or None. (torch's writer raises "unexpected pos ..." while handling
     the OSError; safetensors puts "os error 28" in its own error's text.)"""
-    seen: set[int] = set()
-    current: BaseException | None = exc
-    while current is not None and id(current) not in seen:
-        seen.add(id(current))
+    for current in exception_chain(exc):
         if isinstance(current, OSError) and current.errno in DISK_FULL_ERRNOS:
             return current
         if any(text in str(current) for text in DISK_FULL_TEXT):
             return current
-        current = current.__cause__ or current.__context__
     return None
 
 

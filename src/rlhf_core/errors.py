@@ -25,7 +25,7 @@ import importlib
 import os
 import sys
 import traceback
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 EXIT_USER_ERROR = 2
@@ -91,16 +91,20 @@ def user_module_of(filename: str) -> str | None:
     return None
 
 
-def machine_refusal(error: BaseException) -> OSError | None:
-    """The OSError in `error`'s chain that says the machine refused (`REFUSALS`), or None."""
+def exception_chain(error: BaseException) -> Iterator[BaseException]:
+    """`error`, then what it was raised from or while handling, and so on (each once)."""
     seen: set[int] = set()
     current: BaseException | None = error
     while current is not None and id(current) not in seen:
         seen.add(id(current))
-        if isinstance(current, OSError) and current.errno in REFUSALS:
-            return current
+        yield current
         current = current.__cause__ or current.__context__
-    return None
+
+
+def machine_refusal(error: BaseException) -> OSError | None:
+    """The OSError in `error`'s chain that says the machine refused (`REFUSALS`), or None."""
+    return next((e for e in exception_chain(error)
+                 if isinstance(e, OSError) and e.errno in REFUSALS), None)  # fmt: skip
 
 
 def exit_code_for(error: BaseException) -> int:
