@@ -32,7 +32,10 @@ length and temperature (the same sampling seed for every model), scored by
                   model's sample against the SFT model's, both scored by it (a tie counts half)
     KL            per-token KL (k3 and k1) of the sampled completions to the SFT model
 
-`--resume` reuses the finished runs of an --output-dir. Not here: several seeds per run.
+With `seeds: [0, 1]` (or `--seeds 0 1`) every run trains once per seed, into `<name>-seed<k>/`
+(the DPO family's pairs are sampled once); the table adds a row per algorithm (its figure per
+seed, mean, spread and gain over the SFT model) and the plot each algorithm's spread
+(`rlhf_lab.compare_report`). `--resume` reuses the finished runs of an --output-dir.
 """
 
 from __future__ import annotations
@@ -51,9 +54,9 @@ from pydantic import Field, field_validator
 from rlhf_core.config import StrictModel
 from rlhf_core.data import DataSource
 from rlhf_core.errors import UserError, UserFileNotFound
+from rlhf_lab.compare_report import RM_LABEL, plot_curves, seed_summary, write_table
 
 DEFAULT_CONFIG = Path("configs") / "quickstart" / "compare.yaml"
-RM_LABEL = "rm"  # the reward model's label in the evaluation's reward components
 
 
 class RunSpec(StrictModel):
@@ -104,12 +107,24 @@ class CompareConfig(StrictModel):
         200, gt=0, description="held-out prompts (reasoning-gym: the size; a file: at most this "
         "many rows)",
     )  # fmt: skip
+    seeds: list[int] | None = Field(
+        None, description="training seeds: every run once per seed (`seed=<k>`, run dirs "
+        "<name>-seed<k>), and the table and plot per algorithm over them (mean, min-max, gain "
+        "over the SFT model); null = each run once, at its config's seed",
+    )  # fmt: skip
     pairs: int = Field(512, gt=0, description="training prompts for the on-policy pairs")
     pair_samples: int = Field(4, ge=2, description="SFT samples per prompt for the pairs")
     pairs_judge: Literal["auto", "verifier", "reward_model"] = Field(
         "auto", description="who picks chosen and rejected (rlhf_lab.onpolicy); auto = the "
         "task's verifier on reasoning-gym prompts with a verifier configured, else reward_model",
     )  # fmt: skip
+
+    @field_validator("seeds")
+    @classmethod
+    def _seeds(cls, seeds: list[int] | None) -> list[int] | None:
+        if seeds is not None and (not seeds or len(set(seeds)) != len(seeds)):
+            raise ValueError(f"expected distinct integers (or null), got {seeds}")
+        return seeds
 
     @field_validator("verifier")
     @classmethod
@@ -133,9 +148,17 @@ class CompareConfig(StrictModel):
         return out
 
 
-def _pg_config(cfg: CompareConfig, name: str, spec: RunSpec | None, sft: Path, fast: bool):
+def _seeded(cfg: CompareConfig, name: str) -> list[tuple[str, int | None]]:
+    """(run name, seed) of each run of `name`: one per seed in `seeds`, else one."""
+    return [(f"{name}-seed{k}", k) for k in cfg.seeds] if cfg.seeds else [(name, None)]
+
+
+def _pg_config(
+    cfg: CompareConfig, name: str, spec: RunSpec | None, sft: Path, fast: bool,
+    seed: int | None = None,
+):  # fmt: skip
     """The policy-gradient config of run `name` (spec None: the base with the shared overrides,
-    whose data and rollout settings the pairs and the evaluation use)."""
+    whose data and rollout settings the pairs and the evaluation use); `seed` set last."""
     from policy_gradients.config import PGConfig
     from rlhf_core.config import apply_overrides, read_yaml, validate_config
 
@@ -145,13 +168,17 @@ def _pg_config(cfg: CompareConfig, name: str, spec: RunSpec | None, sft: Path, f
     data["name"] = f"{cfg.name}_{name}"
     data["model"]["name_or_path"] = str(sft)
     overrides = [*cfg.set, *(spec.set if spec else [])] + (["train.max_steps=2"] if fast else [])
+    overrides += [] if seed is None else [f"seed={seed}"]
     data = apply_overrides(data, overrides)
     preset = f" + algorithm of {spec.preset}" if spec else ""
     source = f"{cfg.base}{preset} (with --set {', '.join(overrides)})"
     return validate_config(PGConfig, data, source)
 
 
-def _da_config(cfg: CompareConfig, name: str, spec: RunSpec, sft: Path, pairs: Path, fast: bool):
+def _da_config(
+    cfg: CompareConfig, name: str, spec: RunSpec, sft: Path, pairs: Path, fast: bool,
+    seed: int | None = None,
+):  # fmt: skip
     from direct_alignment.config import DAConfig
     from rlhf_core.config import apply_overrides, read_yaml, validate_config
 
@@ -162,6 +189,7 @@ def _da_config(cfg: CompareConfig, name: str, spec: RunSpec, sft: Path, pairs: P
     data["data"]["train"] = {"path": str(pairs / "train.jsonl")}
     data["data"]["eval"] = {"path": str(pairs / "eval.jsonl")}
     overrides = list(spec.set) + (["train.max_steps=2"] if fast else [])
+    overrides += [] if seed is None else [f"seed={seed}"]
     data = apply_overrides(data, overrides)
     return validate_config(DAConfig, data, f"{cfg.dpo_base} + loss of {spec.preset}")
 
@@ -315,11 +343,14 @@ def run_compare(
         summary = json.loads((out / name / "summary.json").read_text())
         return {**summary, "wall_s": summary.get("wall_time_s", time.perf_counter() - t0)}
 
-    for name, spec in cfg.algorithms.items():
-        pg_cfg = _pg_config(cfg, name, spec, sft, fast)
+    for (algorithm, spec), (name, seed) in (
+        (a, s) for a in cfg.algorithms.items() for s in _seeded(cfg, a[0])
+    ):
+        pg_cfg = _pg_config(cfg, name, spec, sft, fast, seed)
         summary = train_one(train_pg, pg_cfg, cfg.base, name, spec)
         results[name] = {
-            "family": "policy_gradients", "wall_s": summary["wall_s"],
+            "family": "policy_gradients", "algorithm": algorithm, "seed": pg_cfg.seed,
+            "wall_s": summary["wall_s"],
             "first_train_reward": summary.get("first_train_reward"),
             "last_train_reward": summary.get("last_train_reward"),
             "tokens_generated": _tokens_generated(out / name),
@@ -333,11 +364,14 @@ def run_compare(
         else:
             pair_stats = build_compare_pairs(cfg, base, sft, out / "pairs", n)
         pair_s = time.perf_counter() - t0
-        for name, spec in cfg.direct_alignment.items():
-            da_cfg = _da_config(cfg, name, spec, sft, out / "pairs", fast)
+        for (algorithm, spec), (name, seed) in (
+            (a, s) for a in cfg.direct_alignment.items() for s in _seeded(cfg, a[0])
+        ):
+            da_cfg = _da_config(cfg, name, spec, sft, out / "pairs", fast, seed)
             summary = train_one(train_da, da_cfg, cfg.dpo_base, name, spec)
             results[name] = {
-                "family": "direct_alignment", "wall_s": summary["wall_s"],
+                "family": "direct_alignment", "algorithm": algorithm, "seed": da_cfg.seed,
+                "wall_s": summary["wall_s"],
                 "pairs_s": pair_s, "pairs": pair_stats["train"]["pairs"],
                 "tokens_generated": None,
                 "heldout_reward_accuracy": summary.get("eval/rewards/accuracy"),
@@ -358,109 +392,13 @@ def run_compare(
     report = {
         "config": cfg.model_dump(), "fast": fast, "sft_model": str(sft), "eval_prompts":
         len(samples["sft"]), "verifiers": [s["label"] for s in cfg.verifier],
-        "reward_model": cfg.reward_model, "runs": results,
+        "reward_model": cfg.reward_model, "seeds": cfg.seeds, "runs": results,
     }  # fmt: skip
+    report["summary"] = seed_summary(report)
     (out / "compare.json").write_text(json.dumps(report, indent=2, default=str) + "\n")
     write_table(out, report)
     plot_curves(out, report)
     return report
-
-
-def _f(value: Any, spec: str = ".3f") -> str:
-    if isinstance(value, int | float) and math.isfinite(value):
-        return format(value, spec)
-    return "n/a"
-
-
-def table_columns(report: dict[str, Any]) -> list[tuple[str, Any]]:
-    """(header, cell of a run) for the held-out figures this report has."""
-    columns: list[tuple[str, Any]] = []
-    if report.get("reward_model"):
-        columns += [
-            ("RM score (sampled)", lambda r, ev: _f(ev.get(f"eval/sampled_{RM_LABEL}"))),
-            ("win rate vs SFT", lambda r, ev: f"{_f(ev.get('eval/win_rate'), '.2f')} "
-             f"± {_f(ev.get('eval/win_rate_se'), '.2f')}"),
-        ]  # fmt: skip
-    for label in report.get("verifiers", []):
-        columns += [
-            (f"greedy {label} exact", lambda r, ev, k=label: _f(ev.get(f"eval/greedy_{k}_exact"))),
-            (f"sampled {label} exact",
-             lambda r, ev, k=label: _f(ev.get(f"eval/sampled_{k}_exact"))),
-            (f"sampled {label} mean", lambda r, ev, k=label: _f(ev.get(f"eval/sampled_{k}"))),
-        ]  # fmt: skip
-    columns += [
-        ("KL to SFT (k3/token)", lambda r, ev: _f(ev.get("eval/sampled_kl_k3"))),
-        ("length (sampled)", lambda r, ev: _f(ev.get("eval/sampled_length"), ".1f")),
-        ("train reward first -> last", lambda r, ev: "n/a" if r.get("first_train_reward") is None
-         else f"{_f(r['first_train_reward'])} -> {_f(r['last_train_reward'])}"),
-        ("tokens generated", lambda r, ev: _f(r.get("tokens_generated"), "d")),
-        ("wall s", lambda r, ev: _f(r.get("wall_s"), ".0f")),
-    ]  # fmt: skip
-    return columns
-
-
-def write_table(out: Path, report: dict[str, Any]) -> None:
-    runs = report["runs"]
-    smoke = " (fast smoke run: the figures are not meaningful)" if report["fast"] else ""
-    columns = table_columns(report)
-    n = report.get("eval_prompts")
-    lines = [
-        "# rlhf-lab compare", "",
-        f"From `{report['sft_model']}`, run dir `{out}`{smoke}; {n} held-out prompts.", "",
-        "| run | family | " + " | ".join(h for h, _ in columns) + " |",
-        "|---|---|" + "---|" * len(columns),
-    ]  # fmt: skip
-    for name, r in runs.items():
-        ev = r.get("eval", {})
-        cells = " | ".join(cell(r, ev) for _, cell in columns)
-        lines.append(f"| {name} | {r['family']} | {cells} |")
-    lines += ["", "![reward curves](compare.png)", ""]
-    text = "\n".join(lines)
-    (out / "compare.md").write_text(text)
-    print(text, flush=True)
-
-
-def _penalties(run_dir: Path) -> list[str]:
-    """The labels of a run's weighted reward components that are penalties (their class declares
-    `penalty`, e.g. DAPO's overlong shaping): its total reward includes them, so its curve is
-    not comparable as is with runs that have none."""
-    import yaml
-
-    from policy_gradients.rewards import REWARDS
-
-    path = run_dir / "config.yaml"
-    specs = (yaml.safe_load(path.read_text()) or {}).get("rewards") if path.is_file() else None
-    return [
-        s.get("label") or s["name"] for s in specs or []
-        if s.get("name") in REWARDS and getattr(REWARDS.get(s["name"]), "penalty", False)
-        and s.get("weight", 1.0) != 0
-    ]  # fmt: skip
-
-
-def plot_curves(out: Path, report: dict[str, Any]) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, ax = plt.subplots(figsize=(8, 5))
-    key = "train/reward/total"
-    for name, r in report["runs"].items():
-        metrics = out / name / "metrics.jsonl"
-        if r["family"] != "policy_gradients" or not metrics.is_file():
-            continue
-        rows = [json.loads(x) for x in metrics.read_text().splitlines()]
-        pts = [(x["step"], x[key]) for x in rows if isinstance(x.get(key), int | float)]
-        penalties = _penalties(out / name)
-        label = name + (f" (incl. {', '.join(penalties)} penalty)" if penalties else "")
-        ax.plot([p[0] for p in pts], [p[1] for p in pts], label=label)
-    ax.set_xlabel("step")
-    ax.set_ylabel("mean training reward (total)")
-    ax.set_title("policy-gradient algorithms from the same SFT model")
-    ax.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(out / "compare.png", dpi=90)
-    plt.close(fig)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -480,13 +418,18 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--fast", action="store_true", help="2 steps per run, <= 64 pairs and held-out prompts"
     )
+    parser.add_argument(
+        "--seeds", type=int, nargs="+", default=None, metavar="K",
+        help="train every run once per seed (sets the YAML's seeds)",
+    )  # fmt: skip
     parser.add_argument("--debug", action="store_true", help="show tracebacks of user errors")
     parser.add_argument("--overwrite", action="store_true", help="move an old --output-dir aside")
     parser.add_argument(
         "--resume", action="store_true", help="continue --output-dir: reuse its finished runs"
     )
     args = parser.parse_args(argv)
-    cfg = load_config(CompareConfig, args.config, args.overrides)
+    seeds = [] if args.seeds is None else [f"seeds={json.dumps(args.seeds)}"]
+    cfg = load_config(CompareConfig, args.config, [*args.overrides, *seeds])
     out = args.output_dir or Path("outputs") / f"{cfg.name}-{timestamp()}"
     with locked_run(out, package="compare", resume=args.resume, overwrite=args.overwrite):
         run_compare(cfg, out, fast=args.fast, resume=args.resume)

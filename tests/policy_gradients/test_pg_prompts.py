@@ -220,7 +220,7 @@ def test_compare_labels_a_reward_total_that_includes_a_penalty(tmp_path, monkeyp
     from conftest import tiny_pg_dict
 
     from rlhf_core.config import dump_config
-    from rlhf_lab.compare import _penalties, plot_curves
+    from rlhf_lab.compare_report import _penalties, plot_curves
 
     runs = {}
     for name, extra in (

@@ -12,12 +12,15 @@ from rlhf_core.config import ConfigError, load_config
 from rlhf_lab.compare import CompareConfig, _pg_config, run_compare
 
 
-def test_fast_compare_runs_each_configured_algorithm(sft_checkpoint, tmp_path, monkeypatch):
+def test_fast_compare_runs_each_configured_algorithm_once_per_seed(
+    sft_checkpoint, tmp_path, monkeypatch
+):
+    import yaml
     from conftest import REPO
 
     monkeypatch.chdir(REPO)
     cfg = load_config(CompareConfig, REPO / "configs/quickstart/compare.yaml", [
-        f"sft_model={sft_checkpoint}", "eval_size=16",
+        f"sft_model={sft_checkpoint}", "eval_size=16", "seeds=[3, 4]",
     ])  # fmt: skip
     cfg = cfg.model_copy(update={
         "algorithms": {k: cfg.algorithms[k] for k in ("rloo", "dr_grpo")},
@@ -25,19 +28,130 @@ def test_fast_compare_runs_each_configured_algorithm(sft_checkpoint, tmp_path, m
     })  # fmt: skip
     out = tmp_path / "cmp"
     report = run_compare(cfg, out, fast=True)
-    assert set(report["runs"]) == {"sft", "rloo", "dr_grpo", "ipo"}
-    for name in ("rloo", "dr_grpo", "ipo"):
+    names = [f"{a}-seed{k}" for a in ("rloo", "dr_grpo", "ipo") for k in (3, 4)]
+    assert list(report["runs"]) == ["sft", *names] and report["seeds"] == [3, 4]
+    for name in names:
         run = report["runs"][name]
         assert (out / name / "final" / "config.json").is_file()
+        # each run trained at its own seed, read back from the config its trainer saved
+        assert yaml.safe_load((out / name / "config.yaml").read_text())["seed"] == run["seed"]
+        assert run["seed"] == int(name[-1]) and run["algorithm"] == name.split("-")[0]
         assert math.isfinite(run["eval"]["eval/sampled_task"]), name
         assert run["eval"]["eval/sampled_kl_k3"] >= 0
-    assert report["runs"]["rloo"]["tokens_generated"] > 0
-    assert report["runs"]["ipo"]["tokens_generated"] is None
+    assert report["runs"]["rloo-seed3"]["tokens_generated"] > 0
+    assert report["runs"]["ipo-seed3"]["tokens_generated"] is None
+    # the per-algorithm summary is the runs' own figures
+    summary = report["summary"]
+    assert list(summary) == ["rloo", "dr_grpo", "ipo"]
+    sft = report["runs"]["sft"]["eval"]["eval/sampled_task_exact"]
+    for algorithm, s in summary.items():
+        values = [report["runs"][f"{algorithm}-seed{k}"]["eval"]["eval/sampled_task_exact"]
+                  for k in (3, 4)]  # fmt: skip
+        assert s["values"] == values and s["seeds"] == [3, 4]
+        assert s["gain"] == pytest.approx(sum(values) / 2 - sft)
+        assert s["spread"] == pytest.approx(max(values) - min(values))
     # the run used the preset's algorithm block plus the YAML's overrides, nothing else
     saved = json.loads(json.dumps(report["config"]))
     assert saved["algorithms"]["dr_grpo"]["set"] == ["algorithm.loss.normalizer=16"]
     text = (out / "compare.md").read_text()
-    assert "| dr_grpo | policy_gradients |" in text and (out / "compare.png").stat().st_size > 0
+    assert (
+        "| dr_grpo-seed4 | policy_gradients |" in text and "| dr_grpo | policy_gradients |" in text
+    )
+    assert "## Per algorithm over seeds [3, 4]" in text
+    assert (out / "compare.png").stat().st_size > 0
+    # a second pass with --resume reuses every finished run (its figures come back unchanged)
+    again = run_compare(cfg, out, fast=True, resume=True)
+    assert again["runs"]["rloo-seed4"]["eval"] == report["runs"]["rloo-seed4"]["eval"]
+
+
+def test_compare_seeds_are_distinct_and_come_from_the_command_line(tmp_path, monkeypatch):
+    from conftest import REPO
+
+    from rlhf_lab.compare import _seeded, main
+
+    monkeypatch.chdir(REPO)
+    cfg = load_config(CompareConfig, REPO / "configs/quickstart/compare.yaml", ["seeds=[0, 1]"])
+    assert _seeded(cfg, "grpo") == [("grpo-seed0", 0), ("grpo-seed1", 1)]
+    pg = _pg_config(cfg, "grpo-seed1", cfg.algorithms["grpo"], tmp_path, fast=False, seed=1)
+    assert pg.seed == 1 and pg.name == "compare_grpo-seed1"
+    one = load_config(CompareConfig, REPO / "configs/quickstart/compare.yaml", ["seeds=null"])
+    assert _seeded(one, "grpo") == [("grpo", None)]
+    for bad in ("[1, 1]", "[]"):
+        with pytest.raises(ConfigError, match=r"field 'seeds': expected distinct integers"):
+            load_config(CompareConfig, REPO / "configs/quickstart/compare.yaml", [f"seeds={bad}"])
+    # --seeds reaches the config: a repeated seed is refused before anything runs
+    with pytest.raises(
+        ConfigError, match=r"'seeds': expected distinct integers \(or null\), got \[2, 2\]"
+    ):
+        main(["--seeds", "2", "2", "--output-dir", str(tmp_path / "never")])
+    assert not (tmp_path / "never").exists()
+
+
+def _report(values: dict[str, list[float]], sft: float) -> dict:
+    runs = {"sft": {"family": "sft", "eval": {"eval/sampled_task_exact": sft}}}
+    for algorithm, per_seed in values.items():
+        for k, v in enumerate(per_seed):
+            runs[f"{algorithm}-seed{k}"] = {
+                "family": "policy_gradients", "algorithm": algorithm, "seed": k, "wall_s": 10.0,
+                "eval": {"eval/sampled_task_exact": v, "eval/greedy_task_exact": 0.5 + v,
+                         "eval/sampled_kl_k3": 0.1 * k},
+            }  # fmt: skip
+    return {"verifiers": ["task"], "seeds": [0, 1], "runs": runs, "fast": False,
+            "sft_model": "sft", "eval_prompts": 4}  # fmt: skip
+
+
+def test_seed_summary_gain_against_spread():
+    """improves = the mean gain over SFT is larger than max - min over the seeds."""
+    from rlhf_lab.compare_report import seed_summary
+
+    s = seed_summary(_report({"a": [0.30, 0.26], "b": [0.30, 0.10], "c": [0.19, 0.17]}, 0.20))
+    assert s["a"]["mean"] == pytest.approx(0.28) and s["a"]["spread"] == pytest.approx(0.04)
+    assert s["a"]["gain"] == pytest.approx(0.08) and s["a"]["improves"] is True
+    # a gain (0.0) no larger than its spread (0.2), and a loss, do not count
+    assert s["b"]["gain"] == pytest.approx(0.0) and s["b"]["improves"] is False
+    assert s["c"]["gain"] == pytest.approx(-0.02) and s["c"]["improves"] is False
+    assert s["a"]["means"]["eval/greedy_task_exact"] == pytest.approx(0.78)
+    assert s["a"]["means"]["eval/sampled_kl_k3"] == pytest.approx(0.05)
+    assert s["a"]["wall_s"] == 20.0 and s["a"]["runs"] == ["a-seed0", "a-seed1"]
+
+
+def test_compare_table_and_plot_show_every_seed(tmp_path, monkeypatch):
+    """compare.md: a row per algorithm with each seed's figure; compare.png: each seed a dot on
+    the held-out panel with a bar from min to max, and the training curves' min-max band."""
+    import matplotlib.axes
+
+    from rlhf_lab.compare_report import plot_curves, seed_summary, write_table
+
+    report = _report({"grpo": [0.30, 0.26], "rloo": [0.18, 0.22]}, 0.20)
+    report["summary"] = seed_summary(report)
+    for name in ("grpo-seed0", "grpo-seed1", "rloo-seed0", "rloo-seed1"):
+        (tmp_path / name).mkdir()
+        rows = [{"step": s, "train/reward/total": 0.1 * s + (0.05 if name.endswith("1") else 0)}
+                for s in (1, 2, 3)]  # fmt: skip
+        (tmp_path / name / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    write_table(tmp_path, report)
+    text = (tmp_path / "compare.md").read_text()
+    assert "| grpo | policy_gradients | 0.300, 0.260 | 0.280 | 0.040 | +0.080 | yes |" in text
+    assert "| rloo | policy_gradients | 0.180, 0.220 | 0.200 | 0.040 | +0.000 | **no** |" in text
+    assert "| grpo-seed1 | policy_gradients |" in text
+    drawn = {"scatter": [], "vlines": [], "fill_between": [], "axhline": []}
+    for method in drawn:
+        real = getattr(matplotlib.axes.Axes, method)
+
+        def spy(self, *args, _real=real, _name=method, **kwargs):  # the real call, recorded
+            drawn[_name].append(args)
+            return _real(self, *args, **kwargs)
+
+        monkeypatch.setattr(matplotlib.axes.Axes, method, spy)
+    plot_curves(tmp_path, report)
+    assert [list(a[1]) for a in drawn["scatter"]] == [[0.30, 0.26], [0.18, 0.22]]
+    assert [a[1:] for a in drawn["vlines"]] == [(0.26, 0.30), (0.18, 0.22)]
+    assert drawn["axhline"] == [(0.20,)]
+    assert len(drawn["fill_between"]) == 2  # one band per algorithm: steps, min, max
+    for steps, lo, hi in drawn["fill_between"]:
+        assert list(steps) == [1, 2, 3] and lo == pytest.approx([0.1, 0.2, 0.3])
+        assert hi == pytest.approx([0.15, 0.25, 0.35])
+    assert (tmp_path / "compare.png").stat().st_size > 1000
 
 
 def test_compare_run_config_is_the_preset_algorithm_on_the_base(tmp_path, monkeypatch):
