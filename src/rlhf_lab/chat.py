@@ -2,6 +2,7 @@
 
     rlhf-lab chat outputs/quickstart-*/sft/final outputs/quickstart-*/grpo/final \\
         [--reward-model outputs/quickstart-*/rm/final] [--port 7860]
+    rlhf-lab chat --replay RUN_DIR [--trajectory ID]   # a multi-turn episode, in the terminal
 
 Each DIR is a model directory (`save_pretrained`), a LoRA adapter directory (its base is read
 from `adapter_config.json`), a hub id, or a tiny-world preset name (`tiny-qwen3`). One message
@@ -21,6 +22,9 @@ most `--max-new-tokens` (1,024) and half the model's positions; a reply stops af
 
 The page is served on the loopback interface by default and never calls out: Gradio analytics
 are off and the theme uses system fonts (no font CDN).
+
+`--replay RUN_DIR --trajectory ID` prints one episode of a multi-turn run from its rollout log,
+turn by turn, with each turn's role, tools and reward (`rlhf_lab.replay`); no page is served.
 
 Not here: batching several users, images, tool calls.
 """
@@ -308,7 +312,20 @@ def build_app(
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="rlhf-lab chat", description="chat with checkpoints")
-    parser.add_argument("models", nargs="+", help="model dirs, adapter dirs, hub ids or presets")
+    parser.add_argument("models", nargs="*", help="model dirs, adapter dirs, hub ids or presets")
+    parser.add_argument(
+        "--replay",
+        type=Path,
+        metavar="RUN_DIR",
+        help="print an episode of a multi-turn run's rollout log instead",
+    )
+    parser.add_argument(
+        "--trajectory",
+        type=int,
+        metavar="ID",
+        help="with --replay: the trajectory id (without: list a step's)",
+    )
+    parser.add_argument("--step", type=int, help="with --replay and no --trajectory: the step")
     parser.add_argument("--reward-model", help="score each reply with this reward model")
     parser.add_argument("--host", default="127.0.0.1", help="interface to serve on")
     parser.add_argument("--port", type=int, default=7860, help="port")
@@ -323,6 +340,16 @@ def main(argv: list[str] | None = None) -> int:
         parser.add_argument(f"--{name.replace('_', '-')}", type=kind, default=value,
                             help=f"{what} (default {value})")  # fmt: skip
     args = parser.parse_args(argv)
+    if args.replay is not None:
+        if args.models:
+            raise UserError("chat: --replay RUN_DIR takes no model directories")
+        from rlhf_lab.replay import main as replay_main
+
+        return replay_main(args.replay, args.trajectory, args.step)
+    if args.trajectory is not None or args.step is not None:
+        raise UserError("chat: --trajectory and --step go with --replay RUN_DIR")
+    if not args.models:
+        raise UserError("chat: name at least one model directory, or --replay RUN_DIR")
     limits = ChatLimits(args.max_message_chars, args.max_prompt_tokens, args.max_new_tokens,
                         args.max_seconds)  # fmt: skip
     sizes = (limits.max_message_chars, limits.max_prompt_tokens, limits.max_new_tokens)

@@ -15,6 +15,7 @@
     rlhf-lab runs [list|show|compare|prune|snapshot|delete]   manage run directories
     rlhf-lab quantize --model DIR --bits 8|4   quantise an RM or policy, report what it cost
     rlhf-lab chat DIR [DIR ...] [--reward-model DIR]   a browser chat with checkpoints
+    rlhf-lab chat --replay RUN_DIR [--trajectory ID]   a multi-turn episode from the rollout log
 """
 
 from __future__ import annotations
