@@ -5,6 +5,11 @@ file reads as the loop. With DAPO's dynamic sampling (`dynamic_sampling.GroupFil
 generates in rounds, keeps only groups whose rewards are not all equal, and stops once it has
 `prompts_per_step` groups or `max_sampling_rounds` rounds. Each round becomes its own
 `Experience` (rows of different rounds differ in width; the replay buffer never mixes them).
+
+It is two halves: `sample_step` (draw prompts, generate, score: needs only the sampling policy)
+and `digest_step` (the trainer's forwards, advantages, log rows). The synchronous loop runs both
+with the current weights; with asynchronous rollouts a generator process runs `sample_step` with
+older weights (`policy_gradients.async_rollouts`) and the trainer `digest_step`.
 """
 
 from __future__ import annotations
@@ -168,12 +173,41 @@ def experience_of(
     return experience, seconds
 
 
+@dataclass
+class SampledRound:
+    """One round of a step's sampling, before any forward of the trainer: the prompts drawn
+    (`indices` into the prompt set, `positions` in the global batch, the sampler's `epoch`), the
+    rollouts, their rewards (`total`, `parts`) and which groups dynamic sampling keeps."""
+
+    indices: list[int]
+    positions: list[int]
+    epoch: int
+    rollouts: Any  # rollout.Rollouts, or episodes' rollouts with an environment
+    total: torch.Tensor
+    parts: dict[str, torch.Tensor]
+    keep: torch.Tensor  # (groups,) bool
+
+
+@dataclass
+class SampledStep:
+    """What sampling one step leaves for the trainer (`sample_step`): its rounds, the weights'
+    version that sampled them (training steps those weights had taken) and the seconds spent
+    generating and scoring; with a generator process also the sampler's state after the step
+    (`policy_gradients.async_rollouts`)."""
+
+    step: int
+    version: int
+    rounds: list[SampledRound]
+    times: dict[str, float]
+    sampler: dict[str, int] | None = None
+
+
 @torch.no_grad()
-def collect_experience(
+def sample_step(
     *,
     step: int,
+    version: int,
     policy: torch.nn.Module,
-    reference: ReferencePolicy | None,
     tokenizer,
     prompts: PromptSet,
     sampler: EpochSampler,
@@ -182,18 +216,17 @@ def collect_experience(
     world: int,
     cfg: PGConfig,
     reward_fn: CombinedReward,
-    estimator: Any,
-    value_model: torch.nn.Module | None = None,
     environment: EpisodeRunner | None = None,
-) -> Collected:
+) -> SampledStep:
+    """The first half of `collect_experience`: draw the step's prompts, sample and score their
+    completions with `policy` (round after round under dynamic sampling, until it keeps
+    `prompts_per_step` groups or `max_sampling_rounds` rounds). Needs no model of the trainer's
+    but the sampling policy, so a generator process runs it with older weights."""
     r, alg = cfg.rollout, cfg.algorithm
-    experiences, log_rows, turn_rows = [], [], []
-    sums: dict[str, float] = {}
-    counts = {"groups": 0, "completions": 0, "dropped_groups": 0}
-    t_gen = t_score = t_logprobs = 0.0
+    rounds_out: list[SampledRound] = []
+    t_gen = t_score = 0.0
     rounds = alg.max_sampling_rounds if alg.dynamic_sampling else 1
     sampling = GroupFilter(prompts_per_step, r.group_size, world) if alg.dynamic_sampling else None
-    filler = None
     for round_ in range(rounds):
         # every rank draws the same global batch and keeps its own slice of whole groups; each
         # prompt's samples are seeded by (seed, step, round, its place in the global batch), so
@@ -217,23 +250,94 @@ def collect_experience(
                 behaviour_logprobs=r.behaviour_logprobs,
             )  # fmt: skip
         t1 = time.perf_counter()
-        rep_items = [it for it in items for _ in range(r.group_size)]
-        lengths = ro.action_mask.sum(-1)
-        rin = RewardInput(
-            prompts=[it["prompt"] for it in rep_items], completions=ro.completions,
-            items=rep_items, lengths=lengths.cpu(), action_mask=ro.action_mask.cpu(),
-            scorer=prompts.scorer, completion_ids=ro.completion_token_ids(),
-            tokenizer=tokenizer, environment_rewards=ro.rewards if environment else None,
-        )  # fmt: skip
-        total, parts = reward_fn(rin)
+        total, parts = reward_fn(reward_input(ro, items, prompts, tokenizer, r.group_size,
+                                              environment is not None))  # fmt: skip
         t_score += time.perf_counter() - t1
         t_gen += t1 - t0
-        group_ids = torch.arange(len(items)).repeat_interleave(r.group_size)
-        group_ids = group_ids + step * GROUP_ID_STRIDE
-
         keep = torch.ones(len(items), dtype=torch.bool)
         if sampling is not None:  # DAPO: only groups whose rewards differ
             keep = sampling.keep(total, positions)
+        rounds_out.append(SampledRound(indices, positions, epoch, ro, total, parts, keep))
+        if sampling is not None and sampling.full:
+            break
+    times = {"time/generate_s": t_gen, "time/score_s": t_score}
+    return SampledStep(step=step, version=version, rounds=rounds_out, times=times)
+
+
+def reward_input(
+    ro: Any, items: list[dict], prompts: PromptSet, tokenizer, group_size: int, episodes: bool
+) -> RewardInput:
+    """What the reward components read of one round: each completion beside its prompt item."""
+    rep_items = [it for it in items for _ in range(group_size)]
+    return RewardInput(
+        prompts=[it["prompt"] for it in rep_items], completions=ro.completions,
+        items=rep_items, lengths=ro.action_mask.sum(-1).cpu(), action_mask=ro.action_mask.cpu(),
+        scorer=prompts.scorer, completion_ids=ro.completion_token_ids(),
+        tokenizer=tokenizer, environment_rewards=ro.rewards if episodes else None,
+    )  # fmt: skip
+
+
+@torch.no_grad()
+def collect_experience(
+    *,
+    step: int,
+    policy: torch.nn.Module,
+    reference: ReferencePolicy | None,
+    tokenizer,
+    prompts: PromptSet,
+    sampler: EpochSampler,
+    prompts_per_step: int,
+    rank: int,
+    world: int,
+    cfg: PGConfig,
+    reward_fn: CombinedReward,
+    estimator: Any,
+    value_model: torch.nn.Module | None = None,
+    environment: EpisodeRunner | None = None,
+) -> Collected:
+    """One synchronous step's experience: `sample_step` with the current `policy` (version
+    `step`), then `digest_step`."""
+    sampled = sample_step(
+        step=step, version=step, policy=policy, tokenizer=tokenizer, prompts=prompts,
+        sampler=sampler, prompts_per_step=prompts_per_step, rank=rank, world=world, cfg=cfg,
+        reward_fn=reward_fn, environment=environment,
+    )  # fmt: skip
+    return digest_step(
+        sampled, policy=policy, reference=reference, prompts=prompts, world=world, cfg=cfg,
+        estimator=estimator, value_model=value_model, environment=environment,
+    )  # fmt: skip
+
+
+@torch.no_grad()
+def digest_step(
+    sampled: SampledStep,
+    *,
+    policy: torch.nn.Module,
+    reference: ReferencePolicy | None,
+    prompts: PromptSet,
+    world: int,
+    cfg: PGConfig,
+    estimator: Any,
+    value_model: torch.nn.Module | None = None,
+    environment: EpisodeRunner | None = None,
+) -> Collected:
+    """The second half: the trainer's `policy` (pi_old), the reference and value model score
+    the kept rows of each round (`experience_of`), advantages, log rows (tagged with the
+    sampling weights' version) and the rollout metrics."""
+    r, step = cfg.rollout, sampled.step
+    experiences, log_rows, turn_rows = [], [], []
+    sums: dict[str, float] = {}
+    counts = {"groups": 0, "completions": 0, "dropped_groups": 0}
+    t_logprobs = 0.0
+    filler = None
+    for part in sampled.rounds:
+        ro, total, parts, keep, indices = part.rollouts, part.total, part.parts, part.keep, \
+            part.indices  # fmt: skip
+        rep_prompts = [prompts.items[i]["prompt"] for i in indices for _ in range(r.group_size)]
+        lengths = ro.action_mask.sum(-1)
+        group_ids = torch.arange(len(indices)).repeat_interleave(r.group_size)
+        group_ids = group_ids + step * GROUP_ID_STRIDE
+        if cfg.algorithm.dynamic_sampling:
             counts["dropped_groups"] += int((~keep).sum())
 
         round_state = {
@@ -245,8 +349,6 @@ def collect_experience(
         if len(rows) == 0:
             if world > 1 and not experiences and filler is None:  # see Collected.filler
                 filler, _ = experience_of(torch.arange(r.group_size), **round_state)
-            if sampling is not None and sampling.full:
-                break
             continue
         experience, seconds = experience_of(rows, **round_state)
         t_logprobs += seconds
@@ -260,9 +362,9 @@ def collect_experience(
             # logged under the optimizer step they train (1-based, as in metrics.jsonl): a
             # resume from checkpoint-N keeps rows of steps <= N and redoes the rest
             log_rows.append((
-                step + 1, epoch, indices[row // r.group_size], row % r.group_size,
-                rin.prompts[row], ro.completions[row], float(total[row].sum()), components,
-                float(seq_adv[j]), int(lengths[row]), int(ro.truncated[row]),
+                step + 1, part.epoch, indices[row // r.group_size], row % r.group_size,
+                rep_prompts[row], ro.completions[row], float(total[row].sum()), components,
+                float(seq_adv[j]), int(lengths[row]), int(ro.truncated[row]), sampled.version,
             ))  # fmt: skip
         if environment is not None:  # per-episode figures, and every turn for the log
             env_sums, turns = episode_records(
@@ -287,10 +389,7 @@ def collect_experience(
             sums["kl/k3_sequence"] = sums.get("kl/k3_sequence", 0.0) + float(
                 masked_sum(kl_tok, mask)
             )
-        enough = counts["groups"] * world >= prompts_per_step
-        if sampling.full if sampling is not None else enough:
-            break
-    times = {"time/generate_s": t_gen, "time/score_s": t_score, "time/old_ref_values_s": t_logprobs}
+    times = {**sampled.times, "time/old_ref_values_s": t_logprobs}
     return Collected(
         experiences=experiences, metrics=rollout_metrics(sums, counts, times), log_rows=log_rows,
         sums=sums, counts=counts, filler=None if experiences else filler, turn_rows=turn_rows,

@@ -113,6 +113,33 @@ class RolloutConfig(StrictModel):
         "min_p set, one extra no-grad forward of up to train.micro_batch_size rows per round "
         "finds the tokens outside the trainer's truncated set); algorithm.correction needs it",
     )  # fmt: skip
+    max_staleness: int = Field(
+        0, description="asynchronous rollouts (policy_gradients.async_rollouts): the batch of "
+        "step s is sampled with the weights of step max(0, s - k), at most k updates old, by a "
+        "generator process while the trainer trains the steps before it; 0 = the synchronous "
+        "loop (sample, then train)",
+    )  # fmt: skip
+    generator: Literal["auto", "inline", "process"] = Field(
+        "auto", description="where rollouts are sampled: inline = in the trainer between steps "
+        "(max_staleness 0 only); process = a generator process fed the weights through shared "
+        "memory (at max_staleness 0 the trainer waits for each batch: the inline loop's numbers "
+        "bit for bit, no overlap); auto = inline at max_staleness 0, else process",
+    )  # fmt: skip
+
+    @field_validator("max_staleness")
+    @classmethod
+    def _staleness(cls, k: int) -> int:
+        if k < 0:
+            raise UserError(
+                f"rollout.max_staleness {k}: expected an integer >= 0 (0 = synchronous; k = the "
+                "weights that sample a batch are at most k updates old)"
+            )
+        return k
+
+    @property
+    def uses_generator_process(self) -> bool:
+        """Whether a generator process samples the rollouts (`generator`, `max_staleness`)."""
+        return self.generator == "process" or (self.generator == "auto" and self.max_staleness > 0)
 
     def sampling(self) -> Sampling:
         """These settings as `rlhf_core.generation.Sampling`, what `decode` takes."""
@@ -216,6 +243,17 @@ class PGConfig(TrainerConfig):
             raise UserError(
                 f"algorithm.correction {correction['name']!r} weighs tokens by pi_old / mu and "
                 "needs the sampler's log-probs mu, but rollout.behaviour_logprobs is false"
+            )
+        ro = self.rollout
+        if ro.generator == "inline" and ro.max_staleness > 0:
+            raise UserError(
+                f"rollout.generator inline with rollout.max_staleness {ro.max_staleness}: stale "
+                "batches are sampled by a generator process; use generator auto or process"
+            )
+        if ro.uses_generator_process and self.environment is not None:
+            raise UserError(
+                "rollout.max_staleness > 0 (or rollout.generator process) with an environment: "
+                "multi-turn episodes are sampled inline only; set max_staleness 0"
             )
         uses_gae = self.algorithm.advantage["name"] == "gae"
         if uses_gae != (self.algorithm.value_loss is not None):

@@ -25,8 +25,9 @@ sampled tokens outside the set the trainer's own distribution, truncated the sam
 sample from (`outside_sampling_set`: one extra no-grad forward of up to `train.micro_batch_size`
 rows per round, spread over the batch).
 
-Not here: asynchronous rollouts and policy versions (the behaviour policy is today's sampler, a
-numerically different copy of pi_old).
+With asynchronous rollouts (`rollout.max_staleness` k, `policy_gradients.async_rollouts`) mu is
+the sampler's copy of a policy up to k updates older than pi_old, and the mismatch metrics
+measure the staleness too.
 """
 
 from __future__ import annotations

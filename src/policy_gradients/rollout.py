@@ -338,7 +338,9 @@ class RolloutLog:
 
     - `rollouts`: every training sample, one row per completion: the step, the sampler's epoch,
       the prompt's index in the training set, the sample's index within its group, the texts,
-      total reward, reward components (JSON), sequence advantage, length and truncation.
+      total reward, reward components (JSON), sequence advantage, length, truncation, and the
+      version of the weights that sampled it (the training steps they had taken: step - 1
+      synchronously, up to `rollout.max_staleness` fewer with asynchronous rollouts).
     - `eval_rollouts`: every held-out completion of every evaluation (`kind` greedy / sampled),
       with the same columns but no advantage.
     - `turns`: with an environment, every turn of every training episode: its trajectory id,
@@ -354,7 +356,7 @@ class RolloutLog:
     COLUMNS = (
         "step INTEGER, epoch INTEGER, prompt_index INTEGER, rollout_index INTEGER, prompt TEXT, "
         "completion TEXT, reward REAL, components TEXT, advantage REAL, length INTEGER, "
-        "truncated INTEGER"
+        "truncated INTEGER, policy_version INTEGER"
     )
     EVAL_COLUMNS = (
         "step INTEGER, kind TEXT, prompt_index INTEGER, rollout_index INTEGER, prompt TEXT, "
@@ -386,6 +388,8 @@ class RolloutLog:
             columns = [c[1] for c in conn.execute("PRAGMA table_info(rollouts)")]
             if columns and "rollout_index" not in columns:  # a log from before these columns
                 conn.execute("ALTER TABLE rollouts RENAME TO rollouts_v1")
+            elif columns and "policy_version" not in columns:  # before asynchronous rollouts
+                conn.execute("ALTER TABLE rollouts ADD COLUMN policy_version INTEGER")
             for statement in self.SCHEMA:
                 conn.execute(statement)
             conn.execute(

@@ -11,7 +11,9 @@ sampling distribution -> advantages (`collect.py`; DAPO's dynamic sampling in
 `mini_batches` clipped optimizer steps (`update.py`: each step's loss is normalised over that
 step's tokens/sequences, so accumulation equals one big batch; an off-policy correction weighs
 the policy term, `off_policy.py`) -> log (rewards, KL, entropy, clip fraction, lengths, the
-sampler-trainer mismatch, time split) -> held-out eval every k steps -> checkpoint. The
+sampler-trainer mismatch, time split) -> held-out eval every k steps -> checkpoint. With
+`rollout.max_staleness` k > 0 the first half runs ahead in a generator process with weights at
+most k steps old (`async_rollouts.py`); the trainer publishes its weights after every step. The
 bookkeeping (data position, logging, best/, checkpoints, the stop after a signal, final/) is
 `rlhf_core.bookkeeping`'s, as in every trainer.
 """
@@ -20,15 +22,19 @@ from __future__ import annotations
 
 import sys
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
+from typing import Any
 
 import torch
 from accelerate.utils import gather_object
 
 from policy_gradients.advantages import ADVANTAGES
-from policy_gradients.collect import collect_experience, gather_collected
+from policy_gradients.async_rollouts import RolloutGenerator, split_threads
+from policy_gradients.collect import collect_experience, digest_step, gather_collected
 from policy_gradients.config import PGConfig
 from policy_gradients.episodes import EpisodeRunner, evaluate_episodes, gather_rows
 from policy_gradients.evaluate import evaluate_policy
@@ -48,7 +54,7 @@ from rlhf_core.models import ReferencePolicy, load_policy, load_reference, load_
 from rlhf_core.policy_model import share_policy_encoder
 from rlhf_core.registry import build_from_spec
 from rlhf_core.rundir import managed_run, open_run_dir
-from rlhf_core.runtime import seed_everything
+from rlhf_core.runtime import configure_threads, seed_everything
 from rlhf_core.scalar_head import ScalarHeadInfo, ScalarHeadModel
 from rlhf_core.stop_signal import StopSignal
 
@@ -108,6 +114,16 @@ def load_models(
     return Models(policy, reference, [c.model for c, _ in reward_fn.models()], value)
 
 
+@contextmanager
+def closing_generator(generator: RolloutGenerator | None) -> Iterator[None]:
+    """Stop the generator process when the loop ends, however it ends."""
+    try:
+        yield
+    finally:
+        if generator is not None:
+            generator.close()
+
+
 @managed_run
 def train(cfg: PGConfig, run: RunArgs) -> int:
     """Run RL as configured; returns the exit code (0, or 130/143 after a signal)."""
@@ -115,6 +131,13 @@ def train(cfg: PGConfig, run: RunArgs) -> int:
     rank, world = accelerator.process_index, accelerator.num_processes
     alg, ro, t, d = cfg.algorithm, cfg.rollout, cfg.train, cfg.data
     check_step_shape(cfg, accelerator)
+    if ro.uses_generator_process:  # asynchronous rollouts (policy_gradients.async_rollouts)
+        if world > 1:
+            raise UserError(
+                f"rollout.max_staleness {ro.max_staleness} / rollout.generator {ro.generator}: "
+                f"the generator process feeds one trainer process, this run has {world}"
+            )
+        threads = configure_threads(split_threads(t.threads))  # the generator gets as many
 
     # --- tokenizer, prompts, rewards, algorithm parts
     tokenizer = load_tokenizer(cfg.model, padding_side="left")
@@ -170,6 +193,19 @@ def train(cfg: PGConfig, run: RunArgs) -> int:
                              resume_step=step if ckpt else None)  # fmt: skip
     buffer = ReplayBuffer()
     engine_facts = engine.announce(models.every, [policy[1]] + ([value[1]] if value else []))
+    queued = book.restored.get("rollout_queue", [])
+    generator = None
+    if ro.uses_generator_process:  # samples ahead, from weights at most max_staleness steps old
+        generator = RolloutGenerator(
+            cfg, engine.unwrap(policy[0]), start_step=step, queued=queued, threads=threads,
+            sampler_state=book.sampler.state_dict(), device=accelerator.device,
+            resumed=ckpt is not None,
+        )  # fmt: skip
+    elif queued:
+        raise UserError(
+            f"resume: {ckpt} holds {len(queued)} batches sampled ahead with older weights "
+            "(asynchronous rollouts); resume with the rollout.max_staleness it was saved with"
+        )
 
     def run_eval() -> dict[str, float]:
         if eval_prompts is None:
@@ -192,17 +228,34 @@ def train(cfg: PGConfig, run: RunArgs) -> int:
         rollout_log.write_eval([(step, *row) for row in rows])
         return results
 
-    # --- the loop
-    with StopSignal() as stop:
-        while step < t.max_steps:
-            # each process generates its own prompts' rollouts, its models gathered
+    def collect() -> tuple[Any, dict[str, float]]:
+        """The step's experience: sampled here now, or taken from the generator process."""
+        if generator is None:  # each process its own prompts' rollouts, its models gathered
             with engine.gathered_all(*models.held, *models.rewards) as (whole, _, whole_value, *_):
-                collected = collect_experience(
+                return collect_experience(
                     step=step, policy=whole, reference=models.reference, tokenizer=tokenizer,
                     prompts=train_prompts, sampler=book.sampler, rank=rank, world=world,
                     prompts_per_step=ro.prompts_per_step, cfg=cfg, reward_fn=reward_fn,
                     estimator=estimator, value_model=whole_value, environment=environment,
-                )  # fmt: skip
+                ), {}  # fmt: skip
+        t_wait = time.perf_counter()
+        sampled = generator.take(step)
+        waited = time.perf_counter() - t_wait
+        book.sampler.load_state_dict(sampled.sampler)  # the data position after this batch
+        collected = digest_step(
+            sampled, policy=models.policy, reference=models.reference, prompts=train_prompts,
+            world=1, cfg=cfg, estimator=estimator, value_model=models.value,
+        )  # fmt: skip
+        return collected, {"time/wait_rollouts_s": waited,
+                           "sampling/policy_lag": step - sampled.version}  # fmt: skip
+
+    def loop_state() -> dict[str, Any]:  # the generator's queue, in every checkpoint
+        return {"rollout_queue": generator.state(step)} if generator is not None else {}
+
+    # --- the loop
+    with StopSignal() as stop, closing_generator(generator):
+        while step < t.max_steps:
+            collected, async_metrics = collect()
             # every rank's rollouts, written by rank 0 alone, and their metrics together
             rollout_log.write(gather_collected(collected, world))
             if environment is not None:  # every episode's turns, every process's
@@ -225,18 +278,20 @@ def train(cfg: PGConfig, run: RunArgs) -> int:
                         sums[key] = sums.get(key, 0.0) + v
             buffer.clear()
             step += 1
+            if generator is not None:  # the weights of version `step`, for the batches needing them
+                generator.publish(step, engine.unwrap(policy[0]))
 
             # the loss components are each process's share of the step's average: log_step sums
             book.log_step(step, step_loss, grad_norm, {
                 **collected.metrics, **{f"loss/{k}": v.float() for k, v in sorted(sums.items())},
                 **mismatch.metrics(gather_object if world > 1 else None),  # sampler vs trainer
-                "time/train_s": time.perf_counter() - t_train,
+                "time/train_s": time.perf_counter() - t_train, **async_metrics,
             })  # fmt: skip
             if book.evaluate(step, run_eval):  # every train.eval_every steps
                 break  # early stop: the final evaluation and final/ follow
             if book.save_due(step) or stop.requested:  # a resume keeps the rollout rows up to
                 rollout_log.flush(step)  # its checkpoint's step: on disk before the checkpoint is
-            if (exit_code := book.checkpoint(step, stop)) is not None:
+            if (exit_code := book.checkpoint(step, stop, loop_state)) is not None:
                 rollout_log.close()
                 return exit_code  # stopped by a signal, checkpoint saved
 

@@ -192,11 +192,14 @@ class Bookkeeping:
             save_best(self.accelerator, model, self.tokenizer, self.run_dir, self.selector.record())
         return stop
 
-    def checkpoint(self, step: int, stop: StopSignal) -> int | None:
-        """Save checkpoint-<step> when due (`checkpoint.save_every`) or after a stop signal;
-        after a signal also `stopped`, and return its exit code (None: the loop goes on)."""
+    def checkpoint(
+        self, step: int, stop: StopSignal, extra_state: Callable[[], dict[str, Any]] | None = None
+    ) -> int | None:
+        """Save checkpoint-<step> when due (`checkpoint.save_every`) or after a stop signal,
+        with `extra_state()` (the loop's own state, asked for only when saving); after a signal
+        also `stopped`, and return its exit code (None: the loop goes on)."""
         if self.save_due(step) or stop.requested:
-            self.save(step)
+            self.save(step, extra_state() if extra_state is not None else None)
         return self.stopped(step, stop) if stop.requested else None
 
     def stopped(self, step: int, stop: StopSignal) -> int:

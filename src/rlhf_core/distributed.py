@@ -32,6 +32,9 @@ The operations that differ under sharding each have one owner here:
   - checkpoints of a sharded model (torch.distributed.checkpoint, every rank writing its shard;
     a gathered Hugging Face `final/`) live with every other checkpoint in `rlhf_core.checkpoint`.
 
+A copy of the policy for a sampler beside the trainer (asynchronous rollouts) goes through
+`rlhf_core.weight_sync.WeightChannel`, the seam for that direction.
+
 Left out: DeepSpeed ZeRO-3 (refused in `rlhf_core.loop`), tensor/pipeline parallelism, HSDP,
 the fused LM head under DDP (DDP's gradient hooks need its own forward). Learned reward models
 used as rewards are sharded at rest and gathered while they score. docs/distributed.md has the

@@ -195,18 +195,35 @@ def test_unshuffled_micro_batches_keep_each_group_together():
 def test_rollout_log_is_queryable_and_resume_drops_redone_steps(tmp_path):
     path = tmp_path / "rollouts.sqlite"
     log = RolloutLog(path)
-    log.write([(1, 0, 7, 0, "p", "c", 1.0, "{}", 0.5, 3, 0),
-               (2, 0, 7, 1, "p", "d", 0.0, "{}", -0.5, 4, 1)])  # fmt: skip
+    log.write([(1, 0, 7, 0, "p", "c", 1.0, "{}", 0.5, 3, 0, 0),
+               (2, 0, 7, 1, "p", "d", 0.0, "{}", -0.5, 4, 1, 1)])  # fmt: skip
     log.write_eval([(2, "greedy", 0, 0, "q", "e", 1.0, "{}", 2, 0)])
     log.close()
     with sqlite3.connect(path) as conn:
         assert conn.execute("SELECT COUNT(*), SUM(truncated) FROM rollouts").fetchone() == (2, 1)
         assert conn.execute("SELECT prompt_index, rollout_index FROM rollouts").fetchall() == [
             (7, 0), (7, 1)]  # fmt: skip
+        assert conn.execute("SELECT step - 1 - policy_version FROM rollouts").fetchall() == [
+            (0,), (0,)]  # fmt: skip
     RolloutLog(path, resume_step=1).close()
     with sqlite3.connect(path) as conn:
         assert conn.execute("SELECT step FROM rollouts").fetchall() == [(1,)]
         assert conn.execute("SELECT COUNT(*) FROM eval_rollouts").fetchone() == (0,)
+
+
+def test_a_rollout_log_without_policy_versions_gets_the_column_on_resume(tmp_path):
+    path = tmp_path / "rollouts.sqlite"
+    old_columns = RolloutLog.COLUMNS.replace(", policy_version INTEGER", "")
+    assert old_columns != RolloutLog.COLUMNS
+    with sqlite3.connect(path) as conn:
+        conn.execute(f"CREATE TABLE rollouts ({old_columns})")
+        conn.execute("INSERT INTO rollouts VALUES (1, 0, 7, 0, 'p', 'c', 1.0, '{}', 0.5, 3, 0)")
+    log = RolloutLog(path, resume_step=1)
+    log.write([(2, 0, 7, 1, "p", "d", 0.0, "{}", -0.5, 4, 1, 0)])
+    log.close()
+    with sqlite3.connect(path) as conn:
+        rows = conn.execute("SELECT step, policy_version FROM rollouts ORDER BY rowid").fetchall()
+    assert rows == [(1, None), (2, 0)]
 
 
 def test_reward_model_component_loads_a_saved_scalar_head_directory(tmp_path):
