@@ -68,13 +68,16 @@ def _run(trainer: Any, cfg: Any, out: Path, config_name: str) -> dict[str, Any]:
 
 
 def run_quickstart(
-    out: Path, *, fast: bool = False, sft_from: Path | None = None, stop: StopSignal | None = None
-) -> dict[str, Any]:
+    out: Path, *, fast: bool = False, sft_from: Path | None = None, seed: int = 0,
+    stop: StopSignal | None = None,
+) -> dict[str, Any]:  # fmt: skip
     """Run every stage into `out`; returns the report's figures. `fast` shortens every stage
     (a CI smoke run of a minute or two: the figures are then not meaningful). `sft_from` reuses
-    an SFT model directory instead of training stage 1. `stop`: the caller's
-    `rlhf_core.checkpoint.StopSignal`; a signal it caught ends the run at the next stage (a
-    trainer running then stops at its next step, after a checkpoint)."""
+    an SFT model directory instead of training stage 1. `seed` is every trainer's seed and the
+    offset of the pairs' sampling seed (0: the shipped configs as they are); the prompts, the
+    held-out set and its sampling seed stay the same, so seeds differ only in training. `stop`:
+    the caller's `rlhf_core.checkpoint.StopSignal`; a signal it caught ends the run at the next
+    stage (a trainer running then stops at its next step, after a checkpoint)."""
     from direct_alignment.config import DAConfig
     from direct_alignment.train import train as train_dpo
     from instruction_tuning.config import SFTConfig
@@ -87,7 +90,8 @@ def run_quickstart(
 
     out.mkdir(parents=True, exist_ok=True)
     times: dict[str, float] = {}
-    figures: dict[str, Any] = {"run_dir": str(out), "fast": fast}
+    figures: dict[str, Any] = {"run_dir": str(out), "fast": fast, "seed": seed}
+    seeded = [f"seed={seed}"] if seed else []
 
     def stage(name: str):
         if stop is not None and stop.requested:
@@ -110,7 +114,8 @@ def run_quickstart(
     t0 = stage("sft")
     sft_dir = out / "sft"
     if sft_from is None:
-        _run(train_sft, _config("sft", SFTConfig, short["sft"] if fast else []), sft_dir, "sft")
+        sft_cfg = _config("sft", SFTConfig, seeded + (short["sft"] if fast else []))
+        _run(train_sft, sft_cfg, sft_dir, "sft")
     elif not (sft_dir / "final").is_dir():
         import shutil
 
@@ -127,6 +132,9 @@ def run_quickstart(
         pair_stats = json.loads(stats_path.read_text())
     else:
         pairs_over = [f"model.name_or_path={sft_final}"] + (short["pairs"] if fast else [])
+        if seed:
+            train_seed = _config("pairs", PairsConfig, []).splits["train"].seed
+            pairs_over.append(f"splits.train.seed={train_seed + seed}")
         pair_stats = build_pairs(_config("pairs", PairsConfig, pairs_over), out / "pairs")
         stats_path.write_text(json.dumps(pair_stats, indent=2) + "\n")  # written last: done
     figures["pairs"] = pair_stats
@@ -135,24 +143,25 @@ def run_quickstart(
     t0 = stage("reward model (Bradley-Terry on the on-policy pairs)")
     on_pairs = [f"model.name_or_path={sft_final}", f"data.train.path={out / 'pairs/train.jsonl'}",
                 f"data.eval.path={out / 'pairs/eval.jsonl'}"]  # fmt: skip
-    rm_over = on_pairs + (short["rm"] if fast else [])
+    rm_over = on_pairs + seeded + (short["rm"] if fast else [])
     figures["rm"] = _run(train_rm, _config("rm", RMConfig, rm_over), out / "rm", "rm")
     times["rm"] = time.perf_counter() - t0
 
     t0 = stage("GRPO with the verifiable reward")
-    grpo_over = [f"model.name_or_path={sft_final}"] + (short["grpo"] if fast else [])
+    grpo_over = [f"model.name_or_path={sft_final}"] + seeded + (short["grpo"] if fast else [])
     figures["grpo"] = _run(train_pg, _config("grpo", PGConfig, grpo_over), out / "grpo", "grpo")
     times["grpo"] = time.perf_counter() - t0
 
     t0 = stage("RLOO with the learned reward model")
     rloo_over = [f"model.name_or_path={sft_final}", f"rewards.0.path={out / 'rm' / 'final'}"]
+    rloo_over += seeded
     rloo_cfg = _config("rloo_rm", PGConfig, rloo_over + (short["rloo_rm"] if fast else []))
     figures["rloo_rm"] = _run(train_pg, rloo_cfg, out / "rloo_rm", "rloo_rm")
     figures["overoptimization"] = _overoptimization(out / "rloo_rm")
     times["rloo_rm"] = time.perf_counter() - t0
 
     t0 = stage("DPO on the on-policy pairs")
-    dpo_over = on_pairs + (short["dpo"] if fast else [])
+    dpo_over = on_pairs + seeded + (short["dpo"] if fast else [])
     figures["dpo"] = _run(train_dpo, _config("dpo", DAConfig, dpo_over), out / "dpo", "dpo")
     times["dpo"] = time.perf_counter() - t0
 
@@ -233,7 +242,8 @@ def write_report(out: Path, figures: dict[str, Any]) -> None:
     ev, times, rm = figures["eval"], figures["times_s"], figures["rm"]
     pairs, grpo, rloo, dpo = figures["pairs"], figures["grpo"], figures["rloo_rm"], figures["dpo"]
     smoke = " (fast smoke run: the figures are not meaningful)" if figures["fast"] else ""
-    lines = ["# rlhf-lab quickstart report", "", f"Run dir: `{out}`{smoke}", ""]
+    seed = f"; seed {figures['seed']}" if figures.get("seed") else ""
+    lines = ["# rlhf-lab quickstart report", "", f"Run dir: `{out}`{seed}{smoke}", ""]
     lines += ["## Held-out evaluation (the same prompts for every checkpoint)", ""]
     lines += ["| metric | " + " | ".join(EVAL_STAGES) + " |", "|---" * (len(EVAL_STAGES) + 1) + "|"]
     for label, key in ROWS:
@@ -366,6 +376,10 @@ def main(argv: list[str] | None = None) -> int:
         help="continue an interrupted quickstart (default: the newest outputs/quickstart-*): "
         "finished stages are reused, a stage stopped part-way continues from its checkpoint",
     )  # fmt: skip
+    parser.add_argument(
+        "--seed", type=int, default=0,
+        help="every trainer's seed (0: the shipped configs); the data and held-out set stay fixed",
+    )  # fmt: skip
     parser.add_argument("--debug", action="store_true", help="show tracebacks of user errors")
     args = parser.parse_args(argv)
     if args.resume is not None:
@@ -374,11 +388,12 @@ def main(argv: list[str] | None = None) -> int:
         if not saved.is_file():
             raise UserError(f"--resume {out}: not a quickstart run dir (no quickstart.json)")
         options = json.loads(saved.read_text())
-        if args.fast or args.sft_from:
-            raise UserError("--resume uses the run's own options; drop --fast / --sft-from")
+        if args.fast or args.sft_from or args.seed:
+            raise UserError("--resume uses the run's own options; drop --fast/--sft-from/--seed")
     else:
         out = args.output_dir or Path("outputs") / f"quickstart-{timestamp()}"
-        options = {"fast": args.fast, "sft_from": str(args.sft_from) if args.sft_from else None}
+        options = {"fast": args.fast, "sft_from": str(args.sft_from) if args.sft_from else None,
+                   "seed": args.seed}  # fmt: skip
     with locked_run(out, package="quickstart", resume=args.resume is not None) as outcome:
         (out / "quickstart.json").write_text(json.dumps(options) + "\n")
         try:
@@ -387,6 +402,7 @@ def main(argv: list[str] | None = None) -> int:
                     out,
                     fast=options["fast"],
                     sft_from=Path(options["sft_from"]) if options["sft_from"] else None,
+                    seed=options.get("seed", 0),
                     stop=stop,
                 )  # a signal during the evaluation or the report: they finish, exit 0
         except (StageInterrupted, KeyboardInterrupt) as exc:

@@ -24,13 +24,14 @@ def test_fast_quickstart_runs_every_stage_through_a_ctrl_c_and_resume(
     sft_checkpoint, tmp_path, monkeypatch
 ):
     """The quickstart as a user runs it, interrupted by Ctrl-C in the GRPO stage: exit 130 and
-    a resume command; `--resume` reuses the finished stages and completes the run."""
+    a resume command; `--resume` reuses the finished stages and completes the run, keeping the
+    run's `--seed` (every trainer's seed; the pairs' sampling seed is offset by it)."""
     from conftest import REPO, start_module
 
     monkeypatch.chdir(REPO)  # the stage configs are read from configs/quickstart/
     out = tmp_path / "qs"
     proc = start_module("rlhf_lab.cli", "quickstart", "--fast", "--sft-from", str(sft_checkpoint),
-                        "--output-dir", str(out), cwd=REPO)  # fmt: skip
+                        "--output-dir", str(out), "--seed", "3", cwd=REPO)  # fmt: skip
     seen = []
     for line in proc.stdout:
         seen.append(line)
@@ -45,6 +46,9 @@ def test_fast_quickstart_runs_every_stage_through_a_ctrl_c_and_resume(
 
     assert quickstart_main(["--resume", str(out)]) == 0
     assert run_status(out)["status"] == "finished"
+    for stage in ("rm", "grpo", "rloo_rm", "dpo"):  # sft/ is the given model
+        assert "\nseed: 3\n" in (out / stage / "config.yaml").read_text(), stage
+    assert "; seed 3" in (out / "report.md").read_text()
     figures = json.loads((out / "figures.json").read_text())
     for stage in ("sft", "rm", "grpo", "rloo_rm", "dpo"):
         assert (out / stage / "final").is_dir(), stage
