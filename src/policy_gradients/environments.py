@@ -38,6 +38,7 @@ from typing import Any
 from policy_gradients.rewards import extract_answer, last_number
 from policy_gradients.tools import ToolBox, parse_tool_calls
 from rlhf_core.chat import Messages
+from rlhf_core.errors import UserError
 from rlhf_core.registry import Registry
 
 
@@ -124,16 +125,43 @@ class ToolEnvironment(Environment):
 @ENVIRONMENTS.register("calculator_arithmetic")
 class CalculatorArithmetic(ToolEnvironment):
     """Arithmetic with a calculator (rows: `arithmetic_rows`): reward 1 when the final reply's
-    <answer> equals the row's answer, else 0."""
+    <answer> equals the row's answer, else 0; plus `right_call_reward` (default 0, below
+    `success_reward`), once per episode, for the first tool call that ran and returned the row's
+    answer (the question's operands copied right), counted as `right_calls`. Only a right answer
+    reaches `success_reward`."""
 
     def __init__(
         self, *, tools: list[str] | None = None, timeout_s: float = 2.0, call_reward: float = 0.0,
-        describe_tools: bool = False,
+        right_call_reward: float = 0.0, describe_tools: bool = False,
     ) -> None:  # fmt: skip
         super().__init__(
             tools=tools or ["calculator"], timeout_s=timeout_s, call_reward=call_reward,
             describe_tools=describe_tools,
         )  # fmt: skip
+        if not 0.0 <= right_call_reward < self.success_reward:
+            raise UserError(
+                f"environment.env.right_call_reward: expected a number in [0, "
+                f"{self.success_reward:g}) (only a right answer may count as solved), got "
+                f"{right_call_reward}"
+            )
+        self.right_call_reward, self.paid = float(right_call_reward), False
+
+    def reset(self, row: dict[str, Any]) -> Messages:
+        self.paid = False
+        messages = super().reset(row)
+        self.stats.update(right_calls=0.0)
+        return messages
+
+    def step(self, messages: Messages, completion: str) -> tuple[Messages, float, bool]:
+        new, reward, done = super().step(messages, completion)
+        answer = str(self.row["answer"])
+        right = [m for m in new if m["role"] == "tool" and not m["content"].startswith("error:")
+                 and same_number(m["content"], answer)]  # fmt: skip
+        if right and not self.paid:
+            self.paid = True
+            self.count("right_calls")
+            reward += self.right_call_reward
+        return new, reward, done
 
     def score(self, completion: str) -> float:
         return float(same_number(extract_answer(completion), str(self.row["answer"])))

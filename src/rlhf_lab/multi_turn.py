@@ -7,7 +7,8 @@ Environments (`policy_gradients.environments`): `calculator` (two-digit products
 calculator tool: a `<tool_call>`, the tool's result, then `<answer>`) and `guess` (a number from
 1 to 8 over up to 4 guesses, "higher" / "lower" after each). Per seed: SFT of `tiny-qwen3` on
 `--sft-trajectories` worked episodes (one prompt/completion row per assistant turn, the earlier
-turns rendered exactly as the episode rollout renders them), held-out episodes of the SFT model,
+turns rendered exactly as the episode rollout renders them; `--sft-seed N`: one SFT model, of
+seed N, for every GRPO seed), held-out episodes of the SFT model,
 then `configs/policy_gradients/tiny_<env>_grpo.yaml` from it, its own held-out evaluation at the
 end. Writes `<out>/<env>/report.md` (a table) and `report.png` (held-out success during GRPO).
 """
@@ -120,18 +121,20 @@ def run_seed(
     grpo_steps: int,
     grpo_set: list[str],
     threads: int | None = None,
+    sft_seed: int | None = None,
 ) -> dict:
     from instruction_tuning.train import train as train_sft
     from policy_gradients.config import PGConfig
     from policy_gradients.train import train as train_pg
     from rlhf_core.config import RunArgs, load_config
 
-    sft_dir, grpo_dir = out / f"sft-seed{seed}", out / f"grpo-seed{seed}"
+    sft_seed = seed if sft_seed is None else sft_seed
+    sft_dir, grpo_dir = out / f"sft-seed{sft_seed}", out / f"grpo-seed{seed}"
     if not (sft_dir / "final").is_dir():
-        cfg = sft_config(out, seed, sft_steps, threads)
+        cfg = sft_config(out, sft_seed, sft_steps, threads)
         code = train_sft(cfg, RunArgs(None, output_dir=sft_dir))
         if code != 0:
-            raise RuntimeError(f"SFT seed {seed} exited with {code}")
+            raise RuntimeError(f"SFT seed {sft_seed} exited with {code}")
     path = Path("configs") / "policy_gradients" / f"{ENVS[env]}.yaml"
     cfg = load_config(PGConfig, path, [
         f"model.name_or_path={sft_dir / 'final'}", f"data.train.path={out / 'train.jsonl'}",
@@ -139,12 +142,14 @@ def run_seed(
         *([f"train.threads={threads}"] if threads else []), *grpo_set,
     ])  # fmt: skip
     before = held_out(cfg, sft_dir / "final", seed)
+    print(f"seed {seed} SFT held-out: {json.dumps(before)}", flush=True)
     if not (grpo_dir / "summary.json").is_file():
         code = train_pg(cfg, RunArgs(config_path=path, output_dir=grpo_dir))
         if code != 0:
             raise RuntimeError(f"GRPO seed {seed} exited with {code}")
     after = held_out(cfg, grpo_dir / "final", seed)
-    return {"seed": seed, "sft": before, "grpo": after}
+    print(f"seed {seed} GRPO held-out: {json.dumps(after)}", flush=True)
+    return {"seed": seed, "sft_seed": sft_seed, "sft": before, "grpo": after}
 
 
 COLUMNS = ("greedy_success", "sampled_success", "sampled_tool_call_valid", "sampled_turns")
@@ -204,6 +209,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--sft-steps", type=int, default=150)
     parser.add_argument("--grpo-steps", type=int, default=30)
     parser.add_argument("--threads", type=int, default=None, help="CPU threads per trainer")
+    parser.add_argument(
+        "--sft-seed",
+        type=int,
+        default=None,
+        help="one SFT model (this seed) for every GRPO seed; default: one per seed",
+    )
     parser.add_argument("--grpo-set", action="append", default=[], metavar="KEY=VALUE",
                         help="an override of the GRPO config (repeatable)")  # fmt: skip
     args = parser.parse_args(argv)
@@ -219,6 +230,7 @@ def main(argv: list[str] | None = None) -> int:
             grpo_steps=args.grpo_steps,
             grpo_set=args.grpo_set,
             threads=args.threads,
+            sft_seed=args.sft_seed,
         )  # fmt: skip
         for seed in args.seeds
     ]

@@ -412,9 +412,35 @@ def test_tool_environment_answers_calls_and_scores_the_answer():
     assert (reward, done) == (0.0, False)
     new, reward, done = env.step(messages, "<tool_call>{bad</tool_call>")
     assert new[0]["content"].startswith("error") and not done
-    assert env.stats == {"tool_calls": 2.0, "invalid_tool_calls": 1.0}
+    assert env.stats == {"tool_calls": 2.0, "invalid_tool_calls": 1.0, "right_calls": 1.0}
     assert env.step(messages, "<answer>1776</answer>") == ([], 1.0, True)
     assert env.step(messages, "<answer>1777</answer>")[1] == 0.0
+
+
+def call(expression: str) -> str:
+    return ('<tool_call>{"name": "calculator", "arguments": {"expression": "'
+            + expression + '"}}</tool_call>')  # fmt: skip
+
+
+def test_right_call_reward_is_paid_once_for_the_questions_operands():
+    """right_call_reward: a call that ran and returned the row's answer earns it, once per
+    episode; a call with other operands, a broken call and a second right call earn nothing; an
+    episode is a success (reward >= 1) only with the right answer."""
+    env = CalculatorArithmetic(right_call_reward=0.5)
+    messages = env.reset(prompt_item("37*48=?", answer="1776"))
+    assert env.stats == {"tool_calls": 0.0, "invalid_tool_calls": 0.0, "right_calls": 0.0}
+    assert env.step(messages, call("37*84"))[1] == 0.0  # valid, wrong operands
+    assert env.step(messages, call("37*48)"))[1] == 0.0  # a syntax error comes back as error:
+    assert env.step(messages, call("48*37")) == (
+        [{"role": "tool", "name": "calculator", "content": "1776"}], 0.5, False)  # fmt: skip
+    assert env.step(messages, call("37*48"))[1] == 0.0  # paid once
+    assert env.stats == {"tool_calls": 4.0, "invalid_tool_calls": 1.0, "right_calls": 1.0}
+    assert env.step(messages, "<answer>1776</answer>") == ([], 1.0, True)
+    env.reset(prompt_item("37*48=?", answer="1776"))  # a new episode pays again
+    assert env.step(messages, call("37*48"))[1] == 0.5 and env.stats["right_calls"] == 1.0
+    assert env.step(messages, "<answer>1775</answer>")[1] == 0.0  # 0.5 in all: not solved
+    with pytest.raises(UserError, match=r"environment.env.right_call_reward: .*\[0, 1\)"):
+        CalculatorArithmetic(right_call_reward=1.0)
 
 
 def test_guess_number_gives_feedback_until_right():
@@ -585,4 +611,4 @@ def test_worked_trajectories_solve_their_environment(env_name: str):
             if not done:
                 assert new == following
             messages = [*messages, worked[i], *new]
-        assert done and total == 1.0
+        assert done and total == 1.0 + getattr(env, "right_call_reward", 0.0)
