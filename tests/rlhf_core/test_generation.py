@@ -88,6 +88,30 @@ def test_warp_logits_follows_transformers_warpers():
         torch.testing.assert_close(got[keep], want[keep])
 
 
+@pytest.mark.parametrize("top_p", [0.5, 0.9, 0.99])
+def test_nucleus_from_candidates_equals_transformers_top_p_on_a_large_vocabulary(top_p):
+    """`keep_nucleus` settles peaked rows from their top-64 or top-1024 candidates and sorts
+    the flat ones; every row keeps exactly the set transformers' TopPLogitsWarper keeps."""
+    from transformers.generation.logits_process import TopPLogitsWarper
+
+    from rlhf_core.generation import NUCLEUS_CANDIDATES, keep_nucleus
+
+    g = torch.Generator().manual_seed(2)
+    vocab = 8192
+    scale = torch.tensor([12.0, 8.0, 6.0, 4.0, 2.0, 0.5, 0.0, 3.0])[:, None]  # peaked .. flat
+    logits = torch.randn(8, vocab, generator=g) * scale
+    logits[7, 100:] = float("-inf")  # a row already cut by top-k
+    want = TopPLogitsWarper(top_p)(torch.zeros(8, 1, dtype=torch.long), logits.clone())
+    got = keep_nucleus(logits.clone(), top_p)
+    kept = (~torch.isinf(got)).sum(-1)
+    assert torch.equal(torch.isinf(got), torch.isinf(want)), kept
+    torch.testing.assert_close(got[~torch.isinf(got)], logits[~torch.isinf(want)])
+    # every path ran: rows settled by each candidate count and rows sorted whole
+    small, large = NUCLEUS_CANDIDATES
+    assert (kept <= small).any() and ((kept > small) & (kept <= large)).any(), kept
+    assert (kept > large).any(), kept
+
+
 @pytest.mark.parametrize("temperature", [0.0, 1.0])
 @pytest.mark.parametrize("seeded", [True, False])
 def test_group_sampling_encodes_each_prompt_once_and_draws_what_repeated_prompts_draw(
