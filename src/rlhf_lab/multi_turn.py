@@ -171,29 +171,51 @@ def write_report(out: Path, env: str, results: list[dict], command: str) -> None
             spread = statistics.stdev(xs) if len(xs) > 1 else 0.0
             cells.append(f"{statistics.mean(xs):.3f} ± {spread:.3f}")
         lines.append(f"| mean ± sd | {stage} | " + " | ".join(cells) + " |")
+    seeds = [r["seed"] for r in results]
+    shares = [f"seed {n} {advantage_share(out / f'grpo-seed{n}'):.2f}" for n in seeds]
+    lines += ["", "GRPO groups with a nonzero advantage (training): " + ", ".join(shares)]
     (out / "report.md").write_text("\n".join(lines) + "\n")
     (out / "results.json").write_text(json.dumps(results, indent=2) + "\n")
     _plot(out, results)
 
 
+def advantage_share(run_dir: Path) -> float:
+    """The share of a GRPO run's training groups (step, prompt) whose episodes did not all get
+    the same reward, i.e. that had a nonzero advantage (its rollout log)."""
+    import sqlite3
+    from contextlib import closing
+
+    with closing(sqlite3.connect(run_dir / "rollouts.sqlite")) as db:
+        (share,) = db.execute(
+            "SELECT avg(nonzero) FROM (SELECT max(abs(advantage)) > 0 AS nonzero FROM rollouts "
+            "GROUP BY step, prompt_index)"
+        ).fetchone()  # fmt: skip
+    return float(share or 0.0)
+
+
 def _plot(out: Path, results: list[dict]) -> None:
+    """Held-out sampled success (and, with tools, the share of valid calls) during GRPO."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, ax = plt.subplots(figsize=(6, 4))
-    for r in results:
-        metrics = out / f"grpo-seed{r['seed']}" / "metrics.jsonl"
-        rows = [json.loads(x) for x in metrics.read_text().splitlines()]
-        points = [(0, r["sft"]["eval/sampled_success"])] + [
-            (x["step"], x["eval/sampled_success"]) for x in rows if "eval/sampled_success" in x
-        ]
-        ax.plot([p[0] for p in points], [p[1] for p in points], marker="o",
-                label=f"seed {r['seed']}")  # fmt: skip
-    ax.set_xlabel("GRPO step (0 = the SFT model)")
-    ax.set_ylabel("held-out success (sampled, T=1)")
-    ax.legend()
+    keys = [k for k in ("sampled_success", "sampled_tool_call_valid")
+            if f"eval/{k}" in results[0]["sft"]]  # fmt: skip
+    fig, axes = plt.subplots(1, len(keys), figsize=(6 * len(keys), 4), squeeze=False)
+    for ax, key in zip(axes[0], keys, strict=True):
+        for r in results:
+            metrics = out / f"grpo-seed{r['seed']}" / "metrics.jsonl"
+            rows = [json.loads(x) for x in metrics.read_text().splitlines()]
+            points = [(0, r["sft"][f"eval/{key}"])] + [
+                (x["step"], x[f"eval/{key}"]) for x in rows if f"eval/{key}" in x
+            ]
+            ax.plot([p[0] for p in points], [p[1] for p in points], marker="o",
+                    label=f"seed {r['seed']}")  # fmt: skip
+        ax.set_xlabel("GRPO step (0 = the SFT model)")
+        ax.set_ylabel("held-out " + ("success" if key.endswith("success") else "valid tool calls")
+                      + " (sampled)")  # fmt: skip
+        ax.legend()
     fig.tight_layout()
     fig.savefig(out / "report.png", dpi=90)
     plt.close(fig)

@@ -612,3 +612,19 @@ def test_worked_trajectories_solve_their_environment(env_name: str):
                 assert new == following
             messages = [*messages, worked[i], *new]
         assert done and total == 1.0 + getattr(env, "right_call_reward", 0.0)
+
+
+def test_advantage_share_counts_groups_that_had_a_signal(tmp_path: Path):
+    """rlhf_lab.multi_turn.advantage_share: the share of (step, prompt) groups with a nonzero
+    advantage, read from a rollout log written by RolloutLog."""
+    from policy_gradients.rollout import RolloutLog
+    from rlhf_lab.multi_turn import advantage_share
+
+    log = RolloutLog(tmp_path / "rollouts.sqlite")
+    rows = [(step, 0, prompt, k, "p", "c", 0.0, "{}", adv, 3, 0, step - 1)
+            for step, prompt, advs in ((1, 0, [0.0, 0.0]), (1, 1, [0.5, -0.5]),
+                                       (2, 0, [0.0, -0.0]), (2, 3, [0.0, 1.0]))
+            for k, adv in enumerate(advs)]  # fmt: skip
+    log.write(rows)
+    log.close()
+    assert advantage_share(tmp_path) == 0.5
