@@ -6,6 +6,9 @@
 Stages (each the trainer a user runs by hand with the named YAML; a stage whose `final/` exists
 under `--out` is reused):
   sft              configs/instruction_tuning/tiny_t5_sft_longform.yaml   imperfect answers
+  feedback         the SFT model's own answers to the training prompts, labelled per segment by
+                   the exact grader (the paper collects its feedback on SFT samples):
+                   <out>/feedback/{relevance,factuality}.jsonl, the segment RMs' data
   rm_relevance     configs/reward_models/tiny_segment_relevance.yaml      per sub-sentence
   rm_factuality    configs/reward_models/tiny_segment_factuality.yaml     per sentence
   rm_completeness  configs/reward_models/tiny_completeness.yaml           preference, last token
@@ -71,6 +74,65 @@ def run_stage(package: str, name: str, out: Path, overrides: list[str]) -> float
     )
     if code != 0:
         raise RuntimeError(f"{package}/{name} exited with {code}")
+    return time.perf_counter() - start
+
+
+FEEDBACK_SAMPLES = 3  # answers per training prompt: one greedy, the rest sampled at T=1
+
+
+def collect_feedback(
+    sft: Path, prompts: Path, out: Path, *, samples: int = FEEDBACK_SAMPLES,
+    max_new_tokens: int = 40, chunk: int = 250,
+) -> float:  # fmt: skip
+    """Fine-grained feedback on the SFT model's own answers, as the paper collects it: `samples`
+    answers to every prompt of `prompts` (the first greedy, the others sampled at T=1, seeded),
+    each labelled per sub-sentence (irrelevant) and per sentence (unverifiable/wrong) by the exact
+    grader `rlhf_core.longform.grade`, written shuffled to `out/relevance.jsonl` and
+    `out/factuality.jsonl` (the segment reward models' data); reused when both exist. Seconds."""
+    import random
+
+    import torch
+
+    from policy_gradients.rollout import generate_rollouts, load_prompts
+    from rlhf_core.data import DataSource
+    from rlhf_core.generation import Sampling
+    from rlhf_core.longform import grade, question_from_prompt
+    from rlhf_core.models import ModelConfig, load_policy, load_tokenizer
+
+    files = {"relevance": out / "relevance.jsonl", "factuality": out / "factuality.jsonl"}
+    if all(path.is_file() for path in files.values()):
+        return 0.0
+    start = time.perf_counter()
+    tokenizer = load_tokenizer(ModelConfig(name_or_path=str(sft)), padding_side="left")
+    items = load_prompts(
+        DataSource(path=str(prompts)), tokenizer, prompt_column="prompt", answer_column="answer",
+        prompt_template="{question}", system_prompt=None, where="feedback prompts",
+    ).items  # fmt: skip
+    policy = load_policy(ModelConfig(name_or_path=str(sft))).eval()
+    rows: dict[str, list[dict]] = {"relevance": [], "factuality": []}
+    for k in range(samples):
+        for first in range(0, len(items), chunk):
+            part = items[first : first + chunk]
+            with torch.no_grad():
+                ro = generate_rollouts(
+                    policy, tokenizer, [it["prompt"] for it in part], group_size=1,
+                    max_new_tokens=max_new_tokens, sampling=Sampling(temperature=1.0 if k else 0.0),
+                    seeds=[10_000 * (k + 1) + first + i for i in range(len(part))],
+                )  # fmt: skip
+            for item, answer in zip(part, ro.completions, strict=True):
+                question = item["messages"][-1]["content"]
+                g = grade(question_from_prompt(question), answer)
+                for name, labels in (("relevance", g.subsentence_irrelevant),
+                                     ("factuality", g.sentence_factual)):  # fmt: skip
+                    if labels:
+                        rows[name].append(
+                            {"prompt": question, "completion": answer, "labels": labels}
+                        )
+    out.mkdir(parents=True, exist_ok=True)
+    rng = random.Random(0)
+    for name, path in files.items():
+        rng.shuffle(rows[name])
+        path.write_text("".join(json.dumps(r) + "\n" for r in rows[name]))
     return time.perf_counter() - start
 
 
@@ -188,8 +250,18 @@ def main(argv: list[str] | None = None) -> int:
     encoder = args.segment_encoder
     for stage, (package, name) in STAGES.items():
         overrides = []
+        if name.startswith("tiny_segment_"):
+            if "feedback" not in times:
+                times["feedback"] = collect_feedback(
+                    out / "sft" / "final", Path("data/longform/prompts.jsonl"), out / "feedback",
+                    max_new_tokens=args.max_new_tokens,
+                )  # fmt: skip
+            rows = out / "feedback" / f"{stage[3:]}.jsonl"
+            n_train = int(0.9 * sum(1 for _ in rows.open()))
+            overrides = [f"data.train.path={rows}", f"data.train.limit={n_train}",
+                         f"data.eval.path={rows}", f"data.eval.offset={n_train}"]  # fmt: skip
         if encoder is not None and name.startswith("tiny_segment_"):
-            overrides = [f"model.name_or_path={encoder}", "encoder_only=true"]
+            overrides += [f"model.name_or_path={encoder}", "encoder_only=true"]
         times[stage] = run_stage(package, name, out / stage, overrides)
     rms = {
         stage: json.loads((out / stage / "summary.json").read_text())

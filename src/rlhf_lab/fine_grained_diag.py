@@ -1,0 +1,108 @@
+"""What a long-form policy's answers get wrong, clause by clause, and whether segment reward
+models see it (docs/algorithms/fine_grained_rlhf.md, "Why the first comparison failed"):
+
+    uv run python -m rlhf_lab.fine_grained_diag POLICY_DIR [--rm relevance=DIR]
+        [--rm factuality=DIR] [--heldout 100]
+
+Greedy and sampled (T=1, seeded) answers to the first `--heldout` held-out prompts, as
+`rlhf_lab.fine_grained` evaluates them; every sub-sentence classed against the notes (a correct
+fact, an attribute the notes do not give, the distractor's value, another attested or an
+unattested value, another person, not a template clause); then each segment reward model's
+recall and precision of the exact error labels (`rlhf_core.longform.grade`) on those answers.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import sys
+from pathlib import Path
+
+LEVELS = {"relevance": "subsentence_irrelevant", "factuality": "sentence_factual"}
+
+
+def clause_kind(question, text: str) -> str:
+    from rlhf_core.longform import ATTESTED, ATTRIBUTES, parse_clause
+
+    parsed = parse_clause(text)
+    if parsed is None:
+        return "not a template clause"
+    name, attribute, value = parsed
+    if name != question.target:
+        return "about another person"
+    if attribute not in question.facts:
+        return "attribute the notes do not give"
+    if question.facts[attribute] == value:
+        return "correct"
+    if ATTRIBUTES[attribute][1].index(value) >= ATTESTED:
+        return "unattested value"
+    if question.distractor_facts.get(attribute) == value:
+        return "the distractor's value"
+    return "another attested value"
+
+
+def main(argv: list[str] | None = None) -> int:
+    import torch
+
+    from policy_gradients.rollout import generate_rollouts, load_prompts
+    from rlhf_core.data import DataSource
+    from rlhf_core.generation import Sampling
+    from rlhf_core.longform import grade, question_from_prompt
+    from rlhf_core.models import ModelConfig, load_policy, load_tokenizer
+    from rlhf_core.scalar_head import ScalarHeadModel
+    from rlhf_core.segmentation import segment
+
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("policy", type=Path)
+    parser.add_argument("--rm", action="append", default=[], help="relevance=DIR or factuality=DIR")
+    parser.add_argument("--heldout", type=int, default=100)
+    parser.add_argument("--data", type=Path, default=Path("data/longform/heldout.jsonl"))
+    args = parser.parse_args(argv)
+    rms = []
+    for spec in args.rm:
+        label, _, path = spec.partition("=")
+        if label not in LEVELS or not path:
+            parser.error(f"--rm {spec!r}: expected relevance=DIR or factuality=DIR")
+        rms.append((label, path))
+    tokenizer = load_tokenizer(ModelConfig(name_or_path=str(args.policy)), padding_side="left")
+    items = load_prompts(
+        DataSource(path=str(args.data), limit=args.heldout), tokenizer, prompt_column="prompt",
+        answer_column="answer", prompt_template="{question}", system_prompt=None, where="heldout",
+    ).items  # fmt: skip
+    questions = [question_from_prompt(it["messages"][-1]["content"]) for it in items]
+    policy = load_policy(ModelConfig(name_or_path=str(args.policy))).eval()
+    for mode, temperature in (("greedy", 0.0), ("sampled", 1.0)):
+        with torch.no_grad():
+            answers = generate_rollouts(
+                policy, tokenizer, [it["prompt"] for it in items], group_size=1,
+                max_new_tokens=40, sampling=Sampling(temperature=temperature),
+                seeds=list(range(len(items))),
+            ).completions  # fmt: skip
+        kinds = collections.Counter(
+            clause_kind(q, sub.text)
+            for q, a in zip(questions, answers, strict=True)
+            for sentence in segment(a, "sentence")
+            for sub in segment(sentence.text, "subsentence")
+        )
+        print(f"{mode} clauses: " + ", ".join(f"{k} {v}" for k, v in kinds.most_common()))
+        for label, path in rms:
+            model = ScalarHeadModel.from_pretrained(path, device="cpu")
+            logits = model.segment_scores([it["messages"] for it in items], answers)
+            counts = collections.Counter()
+            for q, a, x in zip(questions, answers, logits, strict=True):
+                truth = getattr(grade(q, a), LEVELS[label])
+                said = (x.float().softmax(-1)[:, 1] > 0.5).tolist()
+                counts.update((bool(t), bool(p)) for t, p in zip(truth, said, strict=False))
+            tp, fn, fp = counts[True, True], counts[True, False], counts[False, True]
+            print(
+                f"  {label} RM {path}: errors {tp + fn}, found {tp} (recall "
+                f"{tp / max(1, tp + fn):.2f}), flagged {tp + fp} (precision "
+                f"{tp / max(1, tp + fp):.2f})"
+            )
+    return 0
+
+
+if __name__ == "__main__":
+    from rlhf_core.errors import run_main
+
+    sys.exit(run_main(main))
