@@ -1,0 +1,228 @@
+"""Asynchronous rollouts measured (issue 38 item 4): step rate, reward curve and the
+sampler-trainer mismatch of `rollout.max_staleness` k = 0, 1, 2, with and without the decoupled
+correction, each arm a fresh `policy_gradients.train` process (k > 0: trainer + generator).
+
+Workloads (`--model`):
+  tiny   the tiny world: configs/policy_gradients/tiny_grpo.yaml (GRPO, 2 PPO epochs, clip 0.2)
+         from the tiny SFT model (`--sft DIR`, configs/instruction_tuning/tiny_sft.yaml's final/),
+         spell_backward, `--prompts` x `--group` rows of `--tokens` new tokens per step
+  real   the benchmarks' `real` model (`benchmarks.workload.model_dir("real")`: Qwen3-0.6B's
+         proportions, hidden 512, 22 layers, 95M parameters, GPT-2 vocabulary), randomly
+         initialised, the same GRPO config: the step rate is the measure (its reward stays ~0)
+
+Arms (`--arms`, comma-separated): `k<N>` (max_staleness N), `+dec` (algorithm.correction
+decoupled, no cap), `+p09` (rollout.top_p 0.9), `+bf16` (model.dtype bf16). The arms of a round
+run one after the other, rounds in alternating order (arm order reversed every other round), so
+slow drift of the machine's load hits every arm alike. Per arm: the median seconds per step from
+the third step on (the first includes the generator's start-up, the second its first wait),
+the reward per step, the held-out sampled reward at the end, the mismatch metrics (means over
+steps; ratio_max the max), the process tree's CPU seconds, and the load average before and
+after. `--threads` (default 1) is every process's `train.threads`: k = 0 is one process on one
+core's worth of threads, k > 0 a trainer and a generator with as many each (the spare core is
+what overlap buys). `--threads 0` leaves it null (every free core; halved with a generator): on
+a machine whose cores other jobs also use, two spinning OpenMP threads per process collapse
+(measured below), so the default pins one.
+
+    uv run python -m benchmarks.async_rollouts --model tiny --sft outputs/tiny_sft/final \
+        --arms k0,k1,k2,k1+dec,k2+dec --steps 20 --rounds 1
+    uv run python -m benchmarks.async_rollouts --model real --arms k0,k1,k2 --steps 8
+
+writes benchmarks/results/<time>-async-rollouts-<model>.{json,md} (and, with --plot, the reward
+curves as a PNG).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import resource
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from benchmarks.measure import machine, timestamp, write_results
+
+REPO = Path(__file__).resolve().parents[1]
+MISMATCH = ("mismatch/k3", "mismatch/ratio_max", "mismatch/ratio_p99",
+            "mismatch/outside_truncation")  # fmt: skip
+
+
+def arm_config(arm: str, args: argparse.Namespace, model: str) -> dict[str, Any]:
+    cfg = yaml.safe_load((REPO / "configs/policy_gradients/tiny_grpo.yaml").read_text())
+    parts = arm.split("+")
+    cfg["name"] = f"async_{arm.replace('+', '_')}"
+    cfg["model"] = {"name_or_path": model}
+    if "bf16" in parts:
+        cfg["model"]["dtype"] = "bf16"
+    cfg["data"]["train"]["reasoning_gym"]["size"] = 2000
+    if args.eval_size:
+        cfg["data"]["eval"]["reasoning_gym"]["size"] = args.eval_size
+    else:
+        cfg["data"]["eval"] = None
+    cfg["rollout"].update(prompts_per_step=args.prompts, group_size=args.group,
+                          max_new_tokens=args.tokens, max_staleness=int(parts[0][1:]))  # fmt: skip
+    if "p09" in parts:
+        cfg["rollout"]["top_p"] = 0.9
+    if "dec" in parts:
+        cfg["algorithm"]["correction"] = {"name": "decoupled"}
+    cfg["train"].update(max_steps=args.steps, eval_every=0, micro_batch_size=256,
+                        threads=args.threads)  # fmt: skip
+    cfg["reference"] = {"mode": "model"}
+    cfg["optim"]["warmup_steps"] = 0
+    cfg["checkpoint"] = {"save_every": 0, "save_final": False}
+    cfg["tracking"] = {"log_every": 1, "plot_every": 1000}
+    return cfg
+
+
+def run_arm(arm: str, args: argparse.Namespace, model: str, workdir: Path) -> dict[str, Any]:
+    cfg = arm_config(arm, args, model)
+    path = workdir / f"{cfg['name']}.yaml"
+    path.write_text(yaml.safe_dump(cfg, sort_keys=False))
+    out = workdir / f"{cfg['name']}-{time.time_ns()}"
+    before = resource.getrusage(resource.RUSAGE_CHILDREN)
+    load_before = os.getloadavg()[0]
+    t0 = time.perf_counter()
+    env = {**os.environ, "PYTHONPATH": str(REPO / "src")}
+    cmd = [sys.executable, "-m", "policy_gradients.train", "--config", str(path),
+           "--output-dir", str(out)]  # fmt: skip
+    proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True)
+    wall = time.perf_counter() - t0
+    after = resource.getrusage(resource.RUSAGE_CHILDREN)
+    if proc.returncode != 0:
+        raise RuntimeError(f"arm {arm} failed:\n{proc.stderr[-3000:]}")
+    rows = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines() if x.strip()]
+    train = [r for r in rows if "train/loss" in r]
+    clock = [r["elapsed_s"] for r in train]
+    steps = [b - a for a, b in zip(clock[1:], clock[2:], strict=False)]  # from the 3rd step on
+    summary = json.loads((out / "summary.json").read_text())
+    result: dict[str, Any] = {
+        "arm": arm, "wall_s": round(wall, 1),
+        "cpu_s": round((after.ru_utime + after.ru_stime) - (before.ru_utime + before.ru_stime), 1),
+        "step_s_median": round(statistics.median(steps), 3) if steps else None,
+        "step_s_each": [round(s, 3) for s in steps],
+        "reward": [round(r["train/reward/total"], 4) for r in train],
+        "eval_sampled_reward": summary.get("eval/sampled_reward"),
+        "wait_s_mean": _mean([r.get("train/time/wait_rollouts_s") for r in train[2:]]),
+        "generate_s_mean": _mean([r.get("train/time/generate_s") for r in train[2:]]),
+        "train_s_mean": _mean([r.get("train/time/train_s") for r in train[2:]]),
+        "load_before": round(load_before, 2), "load_after": round(os.getloadavg()[0], 2),
+    }  # fmt: skip
+    for key in MISMATCH:
+        values = [r[f"train/{key}"] for r in train if f"train/{key}" in r]
+        if values:
+            result[key] = max(values) if key.endswith("max") else statistics.fmean(values)
+    return result
+
+
+def _mean(values: list[float | None]) -> float | None:
+    values = [v for v in values if v is not None]
+    return round(statistics.fmean(values), 3) if values else None
+
+
+def markdown(payload: dict[str, Any]) -> str:
+    m = payload["machine"]
+    lines = [
+        f"# Asynchronous rollouts, `--model {payload['model']}` ({payload['when']})", "",
+        f"`{payload['command']}`", "",
+        f"CPU {m['cpu']} ({m['cpu_capability']}), {m['cores_available']} cores shared with other "
+        f"jobs, load average at start {m['load_average_at_start']}. {payload['shape']}", "",
+        "| arm | round | s/step (median, step 3+) | wait s | generate s | train s | CPU s | "
+        "reward first -> last 3 | eval sampled | k3 | ratio max | ratio p99 | outside top-p | "
+        "load before/after |",
+        "|---" * 14 + "|",
+    ]  # fmt: skip
+    for r in payload["runs"]:
+        rew = r["reward"]
+        tail = statistics.fmean(rew[-3:]) if rew else float("nan")
+        lines.append(
+            f"| {r['arm']} | {r['round']} | {r['step_s_median']} | {r['wait_s_mean']} | "
+            f"{r['generate_s_mean']} | {r['train_s_mean']} | {r['cpu_s']} | "
+            f"{rew[0] if rew else ''} -> {tail:.4f} | {_fmt(r.get('eval_sampled_reward'))} | "
+            f"{_fmt(r.get('mismatch/k3'))} | {_fmt(r.get('mismatch/ratio_max'))} | "
+            f"{_fmt(r.get('mismatch/ratio_p99'))} | {_fmt(r.get('mismatch/outside_truncation'))} "
+            f"| {r['load_before']} / {r['load_after']} |"
+        )
+    return "\n".join(lines) + "\n"
+
+
+def _fmt(value: Any) -> str:
+    return "" if value is None else f"{value:.4g}"
+
+
+def plot(payload: dict[str, Any], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4))
+    for r in payload["runs"]:
+        ax.plot(range(1, len(r["reward"]) + 1), r["reward"], label=f"{r['arm']} (round "
+                f"{r['round']})", alpha=0.8)  # fmt: skip
+    ax.set_xlabel("step")
+    ax.set_ylabel("train reward (mean over the step's rollouts)")
+    ax.set_title(f"max_staleness k, --model {payload['model']}")
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", choices=("tiny", "real"), default="tiny")
+    parser.add_argument("--sft", help="tiny: the tiny SFT model directory")
+    parser.add_argument("--arms", default="k0,k1,k2,k1+dec,k2+dec")
+    parser.add_argument("--steps", type=int, default=20)
+    parser.add_argument("--rounds", type=int, default=1)
+    parser.add_argument("--prompts", type=int, default=16)
+    parser.add_argument("--group", type=int, default=8)
+    parser.add_argument("--tokens", type=int, default=16)
+    parser.add_argument("--eval-size", type=int, default=100)
+    parser.add_argument("--plot", help="write the reward curves to this PNG")
+    parser.add_argument(
+        "--threads", type=int, default=1, help="train.threads of every process (trainer and "
+        "generator alike; 0 = null: all free cores, halved between trainer and generator)",
+    )  # fmt: skip
+    args = parser.parse_args()
+    if args.model == "tiny":
+        if not args.sft:
+            parser.error("--model tiny needs --sft (the tiny SFT model's final/ directory)")
+        model = str(Path(args.sft).resolve())
+    else:
+        from benchmarks.workload import model_dir
+
+        model = str(model_dir("real"))
+    arms = args.arms.split(",")
+    args.threads = args.threads or None
+    payload: dict[str, Any] = {
+        "model": args.model, "model_path": model, "when": timestamp(), "machine": machine(),
+        "command": "uv run python -m benchmarks.async_rollouts " + " ".join(sys.argv[1:]),
+        "shape": f"GRPO (tiny_grpo.yaml: 2 PPO epochs, clip 0.2), {args.prompts} prompts x "
+        f"{args.group} completions x {args.tokens} new tokens per step, {args.steps} steps, "
+        f"train.threads {args.threads}.",
+        "runs": [],
+    }  # fmt: skip
+    with tempfile.TemporaryDirectory(prefix="async-bench-") as tmp:
+        for round_ in range(args.rounds):
+            for arm in arms if round_ % 2 == 0 else arms[::-1]:
+                result = {**run_arm(arm, args, model, Path(tmp)), "round": round_}
+                payload["runs"].append(result)
+                print(json.dumps({k: v for k, v in result.items() if k != "step_s_each"}),
+                      flush=True)  # fmt: skip
+    payload["machine"]["load_average_at_end"] = [round(x, 2) for x in os.getloadavg()]
+    stem = f"{payload['when']}-async-rollouts-{args.model}"
+    json_path, md_path = write_results(stem, payload, markdown(payload), latest=False)
+    if args.plot:
+        plot(payload, Path(args.plot))
+    print(f"wrote {json_path} and {md_path}")
+
+
+if __name__ == "__main__":
+    main()
