@@ -202,7 +202,7 @@ def plot_curves(out: Path, report: dict[str, Any]) -> None:
             lo, hi = ([f(c[s] for c in curves) for s in steps] for f in (min, max))
             ax.fill_between(steps, lo, hi, color=line.get_color(), alpha=0.2, linewidth=0)
     ax.set_xlabel("step")
-    band = " (line: mean over seeds, band: min-max)" if report.get("seeds") else ""
+    band = "\n(mean over seeds, band: min-max)" if report.get("seeds") else ""
     ax.set_ylabel("mean training reward (total)" + band)
     ax.set_title("policy-gradient algorithms from the same SFT model")
     ax.legend(fontsize=8)

@@ -161,7 +161,8 @@ def test_compare_run_config_is_the_preset_algorithm_on_the_base(tmp_path, monkey
     cfg = load_config(CompareConfig, REPO / "configs/quickstart/compare.yaml")
     pg = _pg_config(cfg, "gspo", cfg.algorithms["gspo"], tmp_path / "sft", fast=False)
     assert pg.algorithm.loss["name"] == "gspo" and pg.rollout.max_new_tokens == 16
-    assert pg.train.max_steps == 20 and pg.optim.lr == 1e-4 and pg.name == "compare_gspo"
+    assert pg.train.max_steps == 26 and pg.optim.lr == 1e-4 and pg.name == "compare_gspo"
+    assert pg.optim.warmup_steps == 3 and cfg.seeds == [0, 1] and cfg.eval_size == 500
     bad = cfg.model_copy(update={"set": ["algorithm.loss.no_such_key=1"]})
     with pytest.raises(ConfigError):
         _pg_config(bad, "gspo", cfg.algorithms["gspo"], tmp_path / "sft", fast=False)
