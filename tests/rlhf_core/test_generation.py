@@ -97,7 +97,7 @@ def test_nucleus_from_candidates_equals_transformers_top_p_on_a_large_vocabulary
     from rlhf_core.generation import NUCLEUS_CANDIDATES, keep_nucleus
 
     g = torch.Generator().manual_seed(2)
-    vocab = 8192
+    vocab = 16 * NUCLEUS_CANDIDATES[-1]  # the smallest vocabulary that tries both counts
     scale = torch.tensor([12.0, 8.0, 6.0, 4.0, 2.0, 0.5, 0.0, 3.0])[:, None]  # peaked .. flat
     logits = torch.randn(8, vocab, generator=g) * scale
     logits[7, 100:] = float("-inf")  # a row already cut by top-k
