@@ -61,11 +61,13 @@ def _trainer(package: str) -> tuple[Any, Any]:
 
 
 def run_stage(package: str, name: str, out: Path, overrides: list[str]) -> float:
-    """Train `configs/<package>/<name>.yaml` into `out` unless `out/final` exists; seconds."""
+    """Train `configs/<package>/<name>.yaml` into `out` unless `out/final` exists; seconds (of
+    the earlier run, from its summary, when it is reused)."""
     from rlhf_core.config import RunArgs, load_config
 
     if (out / "final").is_dir():
-        return 0.0
+        summary = out / "summary.json"
+        return json.loads(summary.read_text()).get("wall_time_s", 0.0) if summary.is_file() else 0.0
     config_cls, train = _trainer(package)
     path = CONFIGS / package / f"{name}.yaml"
     start = time.perf_counter()
