@@ -246,3 +246,30 @@ def flash_attention_stand_in(monkeypatch, train_module) -> list[int]:
 
     monkeypatch.setattr(train_module, "load_policy", load_with_stand_in)
     return calls
+
+
+def eos_prone_model(tokenizer, p_eos: float = 0.3, seed: int = 0) -> torch.nn.Module:  # noqa: F821 (imported inside)
+    """A real (randomly initialised, one-layer) Qwen3 causal LM whose next-token distribution
+    puts about `p_eos` on eos at every position, so turns end after a few tokens: every token's
+    embedding carries a constant feature (dimension 0) and only eos's output row reads it."""
+    import math
+
+    import torch
+    from transformers import AutoModelForCausalLM, Qwen3Config
+
+    hidden, vocab, eos = 32, len(tokenizer), tokenizer.eos_token_id
+    config = Qwen3Config(
+        vocab_size=vocab, hidden_size=hidden, intermediate_size=64, num_hidden_layers=1,
+        num_attention_heads=2, num_key_value_heads=2, head_dim=16, tie_word_embeddings=False,
+        max_position_embeddings=2048, eos_token_id=eos, pad_token_id=tokenizer.pad_token_id,
+    )  # fmt: skip
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    with torch.no_grad():
+        model.model.embed_tokens.weight[:, 0] = 4.0
+        # the final norm maps the feature to about sqrt(hidden); eos's logit = log-odds target
+        target = math.log(p_eos / (1 - p_eos) * (vocab - 1))
+        model.lm_head.weight[eos].zero_()
+        model.lm_head.weight[eos, 0] = target / math.sqrt(hidden)
+    return model.eval()

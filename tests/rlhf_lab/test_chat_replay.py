@@ -5,12 +5,10 @@ listing; one-line errors for a bad run directory, a log without turns and an unk
 
 from __future__ import annotations
 
-import math
 import sqlite3
 from pathlib import Path
 
 import pytest
-import torch
 import yaml
 from conftest import run_module
 
@@ -42,23 +40,12 @@ def eos_prone_model(directory: Path) -> Path:
     """A real one-layer Qwen3 LM (random init) with about 0.3 of each next-token distribution on
     eos, so its turns end after a few tokens and episodes reach their environment turns; saved
     with the tiny tokenizer."""
-    from transformers import AutoModelForCausalLM, Qwen3Config
+    from conftest import eos_prone_model as build
 
     from rlhf_core.models import ModelConfig, load_tokenizer
 
     tokenizer = load_tokenizer(ModelConfig(name_or_path="tiny-qwen3"), padding_side="left")
-    hidden, vocab, eos = 32, len(tokenizer), tokenizer.eos_token_id
-    config = Qwen3Config(
-        vocab_size=vocab, hidden_size=hidden, intermediate_size=64, num_hidden_layers=1,
-        num_attention_heads=2, num_key_value_heads=2, head_dim=16, tie_word_embeddings=False,
-        max_position_embeddings=2048, eos_token_id=eos, pad_token_id=tokenizer.pad_token_id,
-    )  # fmt: skip
-    torch.manual_seed(0)
-    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-    with torch.no_grad():
-        model.model.embed_tokens.weight[:, 0] = 4.0
-        model.lm_head.weight[eos].zero_()
-        model.lm_head.weight[eos, 0] = math.log(0.3 / 0.7 * (vocab - 1)) / math.sqrt(hidden)
+    model = build(tokenizer, p_eos=0.3, seed=0)
     model.save_pretrained(directory)
     tokenizer.save_pretrained(directory)
     return directory
