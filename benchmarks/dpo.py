@@ -53,8 +53,10 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import shutil
 import tempfile
+from contextlib import contextmanager
 from dataclasses import asdict
 from pathlib import Path
 from typing import Any
@@ -108,7 +110,7 @@ def our_config(w: Workload, workdir: Path) -> Any:
         reference={"mode": "model"},
         train=DATrainConfig(
             batch_size=w.batch_size, micro_batch_size=w.micro_batch_size, max_steps=w.steps,
-            threads=w.threads, device="cpu", eval_every=0, samples_every=0,
+            threads=w.threads, device="cpu", eval_every=0, samples_every=0, speed=w.speed,
         ),
         optim=OptimConfig(lr=w.lr, schedule="cosine", warmup_steps=0, max_grad_norm=1.0),
         checkpoint=CheckpointConfig(save_every=0, save_final=False),
@@ -353,11 +355,36 @@ def main(argv: list[str] | None = None) -> None:
     w = Workload.from_json(args.workload)
     if args.what == "prepare":
         out = prepare(w, args.workdir)
-    elif args.what == "trl":
-        out = run_trl(w, args.workdir)
     else:
-        out = run_ours(w, args.workdir)
+        run = run_trl if args.what == "trl" else run_ours
+        with operator_profile(os.environ.get(PROFILE_ENV)):
+            out = run(w, args.workdir)
     write_result_file(args.result, out)
+
+
+#: `RLHF_BENCH_PROFILE=FILE` in a worker's environment: the whole arm (loading included) runs
+#: under torch.profiler and FILE gets its operator table as JSON (per operator: calls, self CPU
+#: time, FLOPs where torch counts them), to compare where each trainer's time goes. Profiling
+#: costs time per operator call, so a profiled run's tokens/s is not a measurement.
+PROFILE_ENV = "RLHF_BENCH_PROFILE"
+
+
+@contextmanager
+def operator_profile(path: str | None):
+    if not path:
+        yield
+        return
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU], with_flops=True) as prof:
+        yield
+    table = [
+        {"op": e.key, "calls": e.count, "self_cpu_ms": e.self_cpu_time_total / 1e3,
+         "cpu_ms": e.cpu_time_total / 1e3, "flops": e.flops}
+        for e in prof.key_averages()
+    ]  # fmt: skip
+    table.sort(key=lambda r: -r["self_cpu_ms"])
+    Path(path).write_text(json.dumps(table, indent=1))
 
 
 if __name__ == "__main__":

@@ -28,7 +28,7 @@ import os
 import shutil
 import tempfile
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -118,6 +118,9 @@ class Workload(JsonDataclass):
     # the weights (and so gradients and AdamW state) of every arm: "fp32", or "bf16" trained
     # as bf16 with no autocast (how a bf16 checkpoint trains on a GPU)
     dtype: str = "fp32"
+    # our arm's `train.speed` switches (rlhf_core.fastpath.SpeedConfig), e.g. {"segmented_rows":
+    # false}: to time the speed plan's decisions one at a time on a shape (empty = the plan)
+    speed: dict[str, bool] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         if not 1 <= self.warmup_steps < self.steps:
