@@ -11,7 +11,9 @@ Workloads (`--model`):
          initialised, the same GRPO config: the step rate is the measure (its reward stays ~0)
 
 Arms (`--arms`, comma-separated): `k<N>` (max_staleness N), `+dec` (algorithm.correction
-decoupled, no cap), `+p09` (rollout.top_p 0.9), `+bf16` (model.dtype bf16). The arms of a round
+decoupled, no cap), `+p09` (rollout.top_p 0.9), `+bf16` (model.dtype bf16), `+t<N>` (this
+arm's train.threads, e.g. `k0+t2`: the synchronous loop on both cores, the fair baseline for
+k = 1's two one-thread processes). The arms of a round
 run one after the other, rounds in alternating order (arm order reversed every other round), so
 slow drift of the machine's load hits every arm alike. Per arm: the median seconds per step from
 the third step on (the first includes the generator's start-up, the second its first wait),
@@ -54,10 +56,11 @@ MISMATCH = ("mismatch/k3", "mismatch/ratio_max", "mismatch/ratio_p99",
             "mismatch/outside_truncation")  # fmt: skip
 
 
-def arm_config(arm: str, args: argparse.Namespace, model: str) -> dict[str, Any]:
+def arm_config(arm: str, args: argparse.Namespace, model: str, seed: int) -> dict[str, Any]:
     cfg = yaml.safe_load((REPO / "configs/policy_gradients/tiny_grpo.yaml").read_text())
     parts = arm.split("+")
-    cfg["name"] = f"async_{arm.replace('+', '_')}"
+    cfg["name"] = f"async_{arm.replace('+', '_')}_seed{seed}"
+    cfg["seed"] = seed
     cfg["model"] = {"name_or_path": model}
     if "bf16" in parts:
         cfg["model"]["dtype"] = "bf16"
@@ -72,8 +75,9 @@ def arm_config(arm: str, args: argparse.Namespace, model: str) -> dict[str, Any]
         cfg["rollout"]["top_p"] = 0.9
     if "dec" in parts:
         cfg["algorithm"]["correction"] = {"name": "decoupled"}
+    threads = next((int(p[1:]) for p in parts[1:] if p.startswith("t")), args.threads)
     cfg["train"].update(max_steps=args.steps, eval_every=0, micro_batch_size=256,
-                        threads=args.threads)  # fmt: skip
+                        threads=threads)  # fmt: skip
     cfg["reference"] = {"mode": "model"}
     cfg["optim"]["warmup_steps"] = 0
     cfg["checkpoint"] = {"save_every": 0, "save_final": False}
@@ -81,8 +85,10 @@ def arm_config(arm: str, args: argparse.Namespace, model: str) -> dict[str, Any]
     return cfg
 
 
-def run_arm(arm: str, args: argparse.Namespace, model: str, workdir: Path) -> dict[str, Any]:
-    cfg = arm_config(arm, args, model)
+def run_arm(
+    arm: str, args: argparse.Namespace, model: str, workdir: Path, seed: int
+) -> dict[str, Any]:
+    cfg = arm_config(arm, args, model, seed)
     path = workdir / f"{cfg['name']}.yaml"
     path.write_text(yaml.safe_dump(cfg, sort_keys=False))
     out = workdir / f"{cfg['name']}-{time.time_ns()}"
@@ -103,7 +109,7 @@ def run_arm(arm: str, args: argparse.Namespace, model: str, workdir: Path) -> di
     steps = [b - a for a, b in zip(clock[1:], clock[2:], strict=False)]  # from the 3rd step on
     summary = json.loads((out / "summary.json").read_text())
     result: dict[str, Any] = {
-        "arm": arm, "wall_s": round(wall, 1),
+        "arm": arm, "seed": seed, "wall_s": round(wall, 1),
         "cpu_s": round((after.ru_utime + after.ru_stime) - (before.ru_utime + before.ru_stime), 1),
         "step_s_median": round(statistics.median(steps), 3) if steps else None,
         "step_s_each": [round(s, 3) for s in steps],
@@ -133,16 +139,17 @@ def markdown(payload: dict[str, Any]) -> str:
         f"`{payload['command']}`", "",
         f"CPU {m['cpu']} ({m['cpu_capability']}), {m['cores_available']} cores shared with other "
         f"jobs, load average at start {m['load_average_at_start']}. {payload['shape']}", "",
-        "| arm | round | s/step (median, step 3+) | wait s | generate s | train s | CPU s | "
+        "| arm | seed | round | s/step (median, step 3+) | wait s | generate s | train s | CPU s | "
         "reward first -> last 3 | eval sampled | k3 | ratio max | ratio p99 | outside top-p | "
         "load before/after |",
-        "|---" * 14 + "|",
+        "|---" * 15 + "|",
     ]  # fmt: skip
     for r in payload["runs"]:
         rew = r["reward"]
         tail = statistics.fmean(rew[-3:]) if rew else float("nan")
         lines.append(
-            f"| {r['arm']} | {r['round']} | {r['step_s_median']} | {r['wait_s_mean']} | "
+            f"| {r['arm']} | {r.get('seed', 0)} | {r['round']} | {r['step_s_median']} | "
+            f"{r['wait_s_mean']} | "
             f"{r['generate_s_mean']} | {r['train_s_mean']} | {r['cpu_s']} | "
             f"{rew[0] if rew else ''} -> {tail:.4f} | {_fmt(r.get('eval_sampled_reward'))} | "
             f"{_fmt(r.get('mismatch/k3'))} | {_fmt(r.get('mismatch/ratio_max'))} | "
@@ -164,8 +171,8 @@ def plot(payload: dict[str, Any], path: Path) -> None:
 
     fig, ax = plt.subplots(figsize=(7, 4))
     for r in payload["runs"]:
-        ax.plot(range(1, len(r["reward"]) + 1), r["reward"], label=f"{r['arm']} (round "
-                f"{r['round']})", alpha=0.8)  # fmt: skip
+        ax.plot(range(1, len(r["reward"]) + 1), r["reward"], label=f"{r['arm']} (seed "
+                f"{r.get('seed', 0)}, round {r['round']})", alpha=0.8)  # fmt: skip
     ax.set_xlabel("step")
     ax.set_ylabel("train reward (mean over the step's rollouts)")
     ax.set_title(f"max_staleness k, --model {payload['model']}")
@@ -181,6 +188,8 @@ def main() -> None:
     parser.add_argument("--arms", default="k0,k1,k2,k1+dec,k2+dec")
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--rounds", type=int, default=1)
+    parser.add_argument("--seeds", type=int, nargs="+", default=[0],
+                        help="run seeds: every arm once per seed")  # fmt: skip
     parser.add_argument("--prompts", type=int, default=16)
     parser.add_argument("--group", type=int, default=8)
     parser.add_argument("--tokens", type=int, default=16)
@@ -211,8 +220,9 @@ def main() -> None:
     }  # fmt: skip
     with tempfile.TemporaryDirectory(prefix="async-bench-") as tmp:
         for round_ in range(args.rounds):
-            for arm in arms if round_ % 2 == 0 else arms[::-1]:
-                result = {**run_arm(arm, args, model, Path(tmp)), "round": round_}
+            order = [(seed, arm) for seed in args.seeds for arm in arms]
+            for seed, arm in order if round_ % 2 == 0 else order[::-1]:
+                result = {**run_arm(arm, args, model, Path(tmp), seed), "round": round_}
                 payload["runs"].append(result)
                 print(json.dumps({k: v for k, v in result.items() if k != "step_s_each"}),
                       flush=True)  # fmt: skip
