@@ -10,7 +10,7 @@ How a run is put together, with nothing rewritten behind the YAML's back:
                        budget), its `algorithm` block replaced by the named preset's
                        (configs/policy_gradients/<name>.yaml), then the shared `set` overrides,
                        then the algorithm's own `set` (e.g. Dr. GRPO's normalizer = the base's
-                       max_new_tokens); model = the SFT checkpoint
+                       max_new_tokens, or an arm's own lr); model = the SFT checkpoint
     direct alignment   the `dpo_base` config trained on on-policy pairs sampled once from the SFT
                        model (`rlhf_lab.onpolicy`, `pair_samples` per prompt, at the base's
                        rollout length and temperature) on the base's training prompts (the first

@@ -52,7 +52,10 @@ def test_fast_compare_runs_each_configured_algorithm_once_per_seed(
         assert s["spread"] == pytest.approx(max(values) - min(values))
     # the run used the preset's algorithm block plus the YAML's overrides, nothing else
     saved = json.loads(json.dumps(report["config"]))
-    assert saved["algorithms"]["dr_grpo"]["set"] == ["algorithm.loss.normalizer=16"]
+    assert saved["algorithms"]["dr_grpo"]["set"] == [
+        "algorithm.loss.normalizer=16",
+        "optim.lr=5.0e-5",
+    ]
     text = (out / "compare.md").read_text()
     assert (
         "| dr_grpo-seed4 | policy_gradients |" in text and "| dr_grpo | policy_gradients |" in text
@@ -163,6 +166,11 @@ def test_compare_run_config_is_the_preset_algorithm_on_the_base(tmp_path, monkey
     assert pg.algorithm.loss["name"] == "gspo" and pg.rollout.max_new_tokens == 16
     assert pg.train.max_steps == 26 and pg.optim.lr == 1e-4 and pg.name == "compare_gspo"
     assert pg.optim.warmup_steps == 3 and cfg.seeds == [0, 1] and cfg.eval_size == 500
+    # an arm's own `set` comes after the shared one: half the lr for cispo, dr_grpo and rloo
+    lrs = {n: _pg_config(cfg, n, s, tmp_path / "sft", fast=False).optim.lr
+           for n, s in cfg.algorithms.items()}  # fmt: skip
+    assert {n for n, lr in lrs.items() if lr == 5e-5} == {"cispo", "dr_grpo", "rloo"}
+    assert all(lr == 1e-4 for n, lr in lrs.items() if n not in ("cispo", "dr_grpo", "rloo"))
     bad = cfg.model_copy(update={"set": ["algorithm.loss.no_such_key=1"]})
     with pytest.raises(ConfigError):
         _pg_config(bad, "gspo", cfg.algorithms["gspo"], tmp_path / "sft", fast=False)
