@@ -604,3 +604,53 @@ def test_advantage_share_counts_groups_that_had_a_signal(tmp_path: Path):
     log.write(rows)
     log.close()
     assert advantage_share(tmp_path) == 0.5
+
+
+def test_held_out_episodes_are_paired_and_match_the_trainers_evaluation(tmp_path: Path):
+    """rlhf_lab.multi_turn.held_out: the same seed draws the same episodes (a paired comparison
+    of two models), pass 0 is `evaluate_episodes(seed=...)`'s sampled pass, and every sampled
+    pass has one record per prompt."""
+    from policy_gradients.config import PGConfig
+    from policy_gradients.episodes import evaluate_episodes
+    from policy_gradients.rollout import load_prompts
+    from rlhf_core.config import load_config
+    from rlhf_core.models import load_policy
+    from rlhf_lab.multi_turn import ENVS, episode_figures, held_out, write_data
+
+    write_data(tmp_path, "calculator", train=4, held_out=6, worked=2)
+    model = save_eos_prone_model(tmp_path / "model")
+    config = REPO / "configs" / "policy_gradients" / f"{ENVS['calculator']}.yaml"
+    cfg = load_config(PGConfig, config, [f"model.name_or_path={model}",
+                      f"data.train.path={tmp_path}/train.jsonl",
+                      f"data.eval.path={tmp_path}/eval.jsonl"])  # fmt: skip
+    first, again = held_out(cfg, model, seed=3, samples=2), held_out(cfg, model, seed=3, samples=2)
+    assert first == again
+    sampled = first["episodes"]["sampled"]
+    assert [r[0] for r in sampled] == [0, 1, 2, 3, 4, 5] * 2
+    assert len(first["episodes"]["greedy"]) == 6
+    assert first["eval/sampled_success"] == episode_figures(sampled)["success"]
+    model_cfg = ModelConfig(name_or_path=str(model))
+    tokenizer = load_tokenizer(model_cfg, padding_side="left")
+    items = load_prompts(cfg.data.eval, tokenizer, where="data.eval", **cfg.prompt_args()).items
+    trainer = evaluate_episodes(
+        EpisodeRunner.from_config(cfg.environment), load_policy(model_cfg), tokenizer, items,
+        max_new_tokens=cfg.rollout.max_new_tokens, temperature=cfg.rollout.temperature,
+        batch_size=100, seed=3,
+    )  # fmt: skip
+    pass0 = episode_figures(sampled[:6])
+    assert trainer["eval/sampled_success"] == pass0["success"]
+    assert trainer["eval/sampled_turns"] == pytest.approx(pass0["turns"])
+
+
+def test_paired_difference_bootstraps_over_prompts():
+    """rlhf_lab.multi_turn.paired_difference: after minus before of a figure, with a bootstrap
+    interval over prompts; no change gives 0 and a zero-width interval."""
+    from rlhf_lab.multi_turn import paired_difference
+
+    before = [[p, float(p % 2), 1.0, float(p % 3 == 0), 2.0] for p in range(10)] * 2
+    assert paired_difference(before, before, "success") == (0.0, 0.0, 0.0)
+    after = [[p, 1.0, 1.0, 0.0, 2.0] for p, *_ in before]
+    diff, low, high = paired_difference(before, after, "success")
+    assert diff == 0.5 and 0.0 <= low <= diff <= high <= 1.0
+    diff, low, high = paired_difference(before, after, "tool_call_valid")
+    assert diff == pytest.approx(0.4) and low <= diff <= high
