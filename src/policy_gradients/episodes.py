@@ -336,15 +336,19 @@ def turn_log_rows(episodes: Episodes, rows: list[int], *, step: int, prompt_indi
 def evaluate_episodes(
     runner: EpisodeRunner, policy: torch.nn.Module, tokenizer: Any, items: list[dict[str, Any]],
     *, max_new_tokens: int, temperature: float, batch_size: int, seed: int,
-    log_rows: list[tuple] | None = None,
+    log_rows: list[tuple] | None = None, kinds: tuple[str, ...] = ("greedy", "sampled"),
+    records: list[dict[str, float]] | None = None,
 ) -> dict[str, float]:  # fmt: skip
-    """Held-out episodes, greedy and sampled at `temperature`: `eval/<kind>_reward` (mean
-    episode reward), `_success` (share reaching the environment's `success_reward`), `_turns`,
-    `_tool_calls`, `_tool_call_valid` (share of calls that ran), `_truncated`. With `log_rows`,
-    one `eval_rollouts` row per episode (after its `step` column), the transcript as completion."""
+    """Held-out episodes, greedy and sampled at `temperature` (`kinds`): `eval/<kind>_reward`
+    (mean episode reward), `_success` (share reaching the environment's `success_reward`),
+    `_turns`, `_tool_calls`, `_tool_call_valid` (share of calls that ran), `_truncated`. Episode i
+    is seeded by (seed, i) alone. With `log_rows`, one `eval_rollouts` row per episode (after its
+    `step` column), the transcript as completion; with `records`, one dict per episode (`kind`,
+    `index`, and the values summed above)."""
     threshold = runner.cls.success_reward
     results: dict[str, float] = {}
-    for kind, temp in (("greedy", 0.0), ("sampled", temperature)):
+    temperatures = {"greedy": 0.0, "sampled": temperature}
+    for kind, temp in ((k, temperatures[k]) for k in kinds):
         sums: dict[str, float] = {}
         for start in range(0, len(items), batch_size):
             chunk = items[start : start + batch_size]
@@ -359,6 +363,8 @@ def evaluate_episodes(
                           **episode_sums(ep.episodes, [b])}  # fmt: skip
                 for key, value in values.items():
                     sums[key] = sums.get(key, 0.0) + value
+                if records is not None:
+                    records.append({"kind": kind, "index": start + b, **values})
                 if log_rows is not None:
                     log_rows.append((kind, start + b, 0, chunk[b]["prompt"], ep.completions[b],
                                      e.reward, json.dumps({"environment": e.reward}),

@@ -100,15 +100,14 @@ def sft_config(out: Path, seed: int, steps: int, threads: int | None = None) -> 
 
 
 def held_out(cfg: Any, model_dir: Path, seed: int, samples: int = 1) -> dict[str, Any]:
-    """Held-out episodes of the model in `model_dir`, as the GRPO run evaluates them: each
-    prompt once greedily and `samples` times at the config's temperature. Pass k of prompt i is
-    seeded by (seed + 1000 k, i) alone (pass 0 as `evaluate_episodes(seed=seed)` seeds it), so two
-    models evaluated with one seed draw from the same random streams: a paired comparison. Returns
-    the `eval/<kind>_*` figures and `episodes`: per kind, one record per episode, [prompt index,
-    success, tool calls, invalid tool calls, model turns]."""
-    from policy_gradients.episodes import EpisodeRunner
+    """Held-out episodes of the model in `model_dir`, as the GRPO run evaluates them
+    (`evaluate_episodes`): each prompt once greedily and `samples` times at the config's
+    temperature, pass k with seed `seed + 1000 k` (pass 0 is the trainer's own sampled pass), so
+    two models evaluated with one seed draw from the same random streams: a paired comparison.
+    Returns the `eval/<kind>_*` figures and `episodes`: per kind, one record per episode, [prompt
+    index, success, tool calls, invalid tool calls, model turns]."""
+    from policy_gradients.episodes import EpisodeRunner, evaluate_episodes
     from policy_gradients.rollout import load_prompts
-    from rlhf_core.generation import Sampling
     from rlhf_core.models import ModelConfig, load_policy, load_tokenizer
 
     model_cfg = ModelConfig(name_or_path=str(model_dir))
@@ -116,25 +115,19 @@ def held_out(cfg: Any, model_dir: Path, seed: int, samples: int = 1) -> dict[str
     prompts = load_prompts(cfg.data.eval, tokenizer, where="data.eval", limit=cfg.train.eval_size,
                            **cfg.prompt_args())  # fmt: skip
     runner, policy = EpisodeRunner.from_config(cfg.environment), load_policy(model_cfg)
-    items = prompts.items
+    passes = [("greedy", seed)] + [("sampled", seed + 1000 * k) for k in range(samples)]
+    episodes: list[dict[str, float]] = []
+    for kind, pass_seed in passes:
+        evaluate_episodes(
+            runner, policy, tokenizer, prompts.items, max_new_tokens=cfg.rollout.max_new_tokens,
+            temperature=cfg.rollout.temperature, batch_size=100, seed=pass_seed, kinds=(kind,),
+            records=episodes,
+        )  # fmt: skip
     results: dict[str, Any] = {"episodes": {}}
-    for kind, temperature, passes in (("greedy", 0.0, 1),
-                                      ("sampled", cfg.rollout.temperature, samples)):  # fmt: skip
-        records = []
-        for k in range(passes):
-            for start in range(0, len(items), 100):
-                chunk = items[start : start + 100]
-                seeds = [(seed + 1000 * k) * 1_000_003 + start + i for i in range(len(chunk))]
-                episodes = runner.rollouts(
-                    policy, tokenizer, chunk, group_size=1, seeds=seeds,
-                    sampling=Sampling(temperature=temperature),
-                    max_new_tokens=cfg.rollout.max_new_tokens,
-                ).episodes  # fmt: skip
-                for i, e in enumerate(episodes):
-                    solved = float(e.reward >= runner.cls.success_reward)
-                    turns = float(sum(t.role == "assistant" for t in e.turns))
-                    calls = [e.stats.get(n, 0.0) for n in ("tool_calls", "invalid_tool_calls")]
-                    records.append([start + i, solved, *calls, turns])
+    for kind in ("greedy", "sampled"):
+        records = [[e["index"], e["success"], e.get("env/tool_calls", 0.0),
+                    e.get("env/invalid_tool_calls", 0.0), e["env/turns"]]
+                   for e in episodes if e["kind"] == kind]  # fmt: skip
         results["episodes"][kind] = records
         results.update({f"eval/{kind}_{key}": v for key, v in episode_figures(records).items()})
     return results
