@@ -13,7 +13,10 @@ every arm runs once as a fresh process, each pair of rounds in one order and the
   no_cpu_attention   transformers' SDPA instead of our dispatch (short attention, a call per
                     segment; segmented rows need it, so this also means mask rows)
   no_lean_norms      the RMSNorms' own forward instead of the recomputing backward
-  plain              all three switched off: transformers' path on mask rows
+  no_fill_micro_batches  `--micro-batch-size` pairs per forward instead of micro-batches merged
+                    up to the tokens a padded micro-batch could hold
+  plain              all four switched off: transformers' path on mask rows, one forward per
+                    micro-batch
   trl                TRL's DPOTrainer on the same workload (`--trl`), for the like-for-like ratio
 
     RLHF_BENCH_RETAIN_FREED_MEMORY=1 uv run --group bench python -m benchmarks.speed_plan \
@@ -35,7 +38,7 @@ from typing import Any
 from benchmarks.measure import machine, run_worker, timestamp, write_results
 from benchmarks.workload import MODEL_CHOICES, Workload
 
-SWITCHES = ("segmented_rows", "cpu_attention", "lean_norms")
+SWITCHES = ("segmented_rows", "cpu_attention", "lean_norms", "fill_micro_batches")
 
 
 def arm_workload(base: Workload, arm: str) -> Workload:
@@ -60,7 +63,8 @@ def arm_plan(w: Workload) -> str:
                       attention="sdpa", speed=SpeedConfig(**w.speed))  # fmt: skip
     return (f"{plan.layout} rows, {'our' if plan.cpu_attention else 'transformers'} attention"
             f"{f' (short <= {plan.short_attention_keys} keys)' if plan.cpu_attention else ''}, "
-            f"{'lean' if plan.lean_norms else 'plain'} norms")  # fmt: skip
+            f"{'lean' if plan.lean_norms else 'plain'} norms, micro-batches "
+            f"{'filled' if plan.fill_micro_batches else 'as configured'}")  # fmt: skip
 
 
 def measure_shape(base: Workload, arms: list[str], rounds: int, timeout: float) -> dict[str, Any]:

@@ -124,6 +124,10 @@ def train(cfg: DAConfig, run: RunArgs) -> int:
         "segmented": partial(pack_pairs, row_tokens=plan.row_tokens), "mask": pack_pairs,
         "flat": partial(pack_pairs, flat=True), "padded": collate_pairs,
     }[plan.layout if t.packing else "padded"]  # fmt: skip
+    # packed pairs: a step's micro-batches merged into forwards of up to what a padded
+    # micro-batch could hold (exact for per-pair losses up to rounding; the plan says when)
+    merge = t.packing and loss_fn.mean_of_pairs and not loss_fn.unpaired
+    budget = plan.pair_token_budget(micro, d.max_length) if merge else 0
     reference, ref_cache = None, None
     if loss_fn.needs_reference:
         reference = load_reference(cfg.reference, cfg.model, policy, engine)
@@ -191,7 +195,10 @@ def train(cfg: DAConfig, run: RunArgs) -> int:
     with StopSignal() as stop:
         while step < total_steps:
             batches = book.next_micro_batches(
-                micro, lambda rows: collate([train_data.pairs[j] for j in rows], pad_id)
+                micro,
+                lambda rows: collate([train_data.pairs[j] for j in rows], pad_id),
+                tokens=lambda j: train_data.pairs[j].packed_tokens,
+                budget=budget,
             )
             # each micro-batch's loss counts with its share of the step's pairs
             step_loss, metrics = accumulate_gradients(

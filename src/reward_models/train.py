@@ -124,6 +124,10 @@ def train(cfg: RMConfig, run: RunArgs) -> int:
     model = BaseRewardModel.for_config(cfg, loss_fn, tokenizer, device, weights_from=ckpt)
     if kind == "preference" and t.share_prompt:
         collate = shared_prompt_collate(model, cfg.model.gradient_checkpointing) or collate
+    # packed pairs: a step's micro-batches merged into forwards of up to what a padded
+    # micro-batch could hold (every loss here is a mean of per-example losses; the plan says when)
+    packed = getattr(collate, "func", collate) is pack_pairs
+    budget = speed_plan(model.backbone).pair_token_budget(micro, d.max_length) if packed else 0
     model.train()
     grad_buffer = maybe_embedding_grad_buffer(
         model.backbone, enabled=t.sparse_embedding_grad, processes=world
@@ -157,7 +161,10 @@ def train(cfg: RMConfig, run: RunArgs) -> int:
     with StopSignal() as stop:
         while step < total_steps:
             batches = book.next_micro_batches(
-                micro, lambda rows: collate([train_data.examples[j] for j in rows], pad_id)
+                micro,
+                lambda rows: collate([train_data.examples[j] for j in rows], pad_id),
+                tokens=lambda j: train_data.examples[j].packed_tokens,
+                budget=budget,
             )
             # each micro-batch's loss counts with its share of the step's examples
             step_loss, metrics = accumulate_gradients(

@@ -121,14 +121,20 @@ class Bookkeeping:
         )  # fmt: skip
 
     def next_micro_batches(
-        self, size: int, collate: Callable[[list[int]], Batch]
+        self,
+        size: int,
+        collate: Callable[[list[int]], Batch],
+        *,
+        tokens: Callable[[int], int] | None = None,
+        budget: int = 0,
     ) -> list[tuple[list[int], Batch]]:
         """This process's share of the next step's `train.batch_size` rows (the seeded
-        sampler's order, split across processes) in micro-batches of `size`, each with
-        `collate(rows)` (`rlhf_core.loop.micro_batches`)."""
+        sampler's order, split across processes) in micro-batches of `size`, or with a token
+        `budget` of up to that many tokens, each with `collate(rows)`
+        (`rlhf_core.loop.micro_batches`)."""
         rank, world = self.accelerator.process_index, self.accelerator.num_processes
         rows = self.sampler.next_batch(self.cfg.train.batch_size)[rank::world]
-        return micro_batches(rows, size, collate)
+        return micro_batches(rows, size, collate, tokens=tokens, budget=budget)
 
     def final_train_facts(self) -> Facts:
         """The summary's final train figures, read from the newest logged step (so also after a

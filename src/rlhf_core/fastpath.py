@@ -14,6 +14,8 @@ bf16 on this CPU: `warn_if_bf16_is_slow`).
                     models), "mask" rows no longer than the longest group (a 4D mask: SDPA or
                     eager), "flat" (flash attention's varlen: sequences told apart by position
                     ids) or "padded" (one sequence per row: encoder-decoder models and others)
+    micro-batches   packed preference pairs (DPO, reward models) merged into forwards of up to
+                    the tokens a padded micro-batch could hold (`pair_token_budget`)
     attention       our SDPA dispatch on the CPU (`rlhf_core.attention`): `short_attention` for
                     bf16/fp16 calls with few keys, grouped key/value heads without copies, and
                     one call per segment of a packed row where that pays (`segments_pay`)
@@ -89,6 +91,13 @@ class SpeedConfig(StrictModel):
         description="CPU: decode writes keys and values into a KV cache reserved ahead instead "
         "of concatenating every token; false = transformers' DynamicLayer",
     )
+    fill_micro_batches: bool = Field(
+        True,
+        description="CPU, packed preference pairs: merge a step's micro-batches into forwards "
+        "of up to the tokens a padded micro-batch could hold (train.micro_batch_size x 2 x "
+        "data.max_length), where the loss is a mean of per-pair losses; false = "
+        "train.micro_batch_size pairs per forward",
+    )
     lean_norms: bool = Field(
         True,
         description="CPU: Llama/Qwen RMSNorms save their input only and recompute in a closed-"
@@ -116,6 +125,7 @@ class SpeedPlan:
     cpu_attention: bool  # our SDPA dispatch for multi-token calls
     short_attention_keys: int  # bf16/fp16 calls with at most this many keys: short_attention
     segment_call_units: int  # the cost of a call per segment (`rlhf_core.attention.segments_pay`)
+    fill_micro_batches: bool  # packed pairs: micro-batches merged up to `pair_token_budget`
     grouped_decode: bool
     reserve_positions: int
     lean_norms: bool
@@ -125,6 +135,15 @@ class SpeedPlan:
     def dispatch(self) -> bool:
         """Whether the model's SDPA goes through `rlhf_core.attention`'s dispatch at all."""
         return self.cpu_attention or self.grouped_decode
+
+    def pair_token_budget(self, micro_pairs: int, max_length: int) -> int:
+        """Tokens one forward of packed preference pairs may hold when `fill_micro_batches`:
+        what a padded micro-batch of `micro_pairs` pairs (two rows of up to `max_length` each)
+        could, so a forward never needs more than the configured micro-batch might; 0 = off.
+        Small packed micro-batches make small matrices, which run slowly on a CPU (on the
+        benchmarks' `wide` shape, bf16, 2 threads: a 2-pair micro-batch is one row of 217-480
+        tokens, matmuls at ~100 GFLOP/s against ~160 at ~1,000 rows)."""
+        return 2 * micro_pairs * max_length if self.fill_micro_batches else 0
 
     def describe(self) -> dict[str, Any]:
         """The plan as summary.json holds it."""
@@ -141,8 +160,10 @@ class SpeedPlan:
         )
         return (
             f"speed plan ({self.device}, {self.dtype}): layout {self.layout}{rows}; attention "
-            f"{attention}; grouped decode {'on' if self.grouped_decode else 'off'}; KV cache "
-            f"reserve {self.reserve_positions or 'off'}; lean norms "
+            f"{attention}; micro-batches "
+            f"{'filled' if self.fill_micro_batches else 'as configured'}; grouped decode "
+            f"{'on' if self.grouped_decode else 'off'}; KV cache reserve "
+            f"{self.reserve_positions or 'off'}; lean norms "
             f"{'on' if self.lean_norms else 'off'}; allocator {self.allocator}"
         )
 
@@ -239,6 +260,7 @@ def plan_speed(
         cpu_attention=cpu_attention,
         short_attention_keys=short_attention_keys(config) if cpu_attention else 0,
         segment_call_units=SEGMENT_CALL_UNITS,
+        fill_micro_batches=cpu and speed.fill_micro_batches and layout in ("segmented", "mask"),
         grouped_decode=ours and speed.grouped_decode and query_groups(config) > 1,
         reserve_positions=RESERVE_POSITIONS if cpu and speed.reserved_cache else 0,
         lean_norms=cpu and speed.lean_norms,

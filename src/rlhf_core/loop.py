@@ -149,11 +149,32 @@ Batch = dict[str, torch.Tensor]  # one collated micro-batch: name -> tensor
 
 
 def micro_batches(
-    rows: list[int], size: int, collate: Callable[[list[int]], Batch]
+    rows: list[int],
+    size: int,
+    collate: Callable[[list[int]], Batch],
+    *,
+    tokens: Callable[[int], int] | None = None,
+    budget: int = 0,
 ) -> list[tuple[list[int], Batch]]:
     """This process's `rows` of one optimizer step in micro-batches of `size` rows: (the rows,
-    `collate(rows)`) each, collated up front (on the CPU) so a loss can be normalised over all."""
-    return [(rows[s : s + size], collate(rows[s : s + size])) for s in range(0, len(rows), size)]
+    `collate(rows)`) each, collated up front (on the CPU) so a loss can be normalised over all.
+
+    With a token `budget` (and `tokens(row)`, a row's tokens as collated) consecutive rows are
+    merged instead into micro-batches of up to `budget` tokens (at least one row each): fewer,
+    larger forwards for packed rows (`SpeedPlan.fill_micro_batches`)."""
+    if not budget:
+        spans = [rows[s : s + size] for s in range(0, len(rows), size)]
+    else:
+        assert tokens is not None, "a token budget needs tokens(row)"
+        spans, used = [], budget + 1
+        for row in rows:
+            cost = tokens(row)
+            if used + cost > budget:
+                spans.append([])
+                used = 0
+            spans[-1].append(row)
+            used += cost
+    return [(span, collate(span)) for span in spans]
 
 
 def accumulate_gradients(

@@ -61,6 +61,11 @@ class PreferencePair:
     label: bool | None = None
     margin: float | None = None
 
+    @property
+    def packed_tokens(self) -> int:
+        """Its tokens in a packed row (`pack_pairs`): the prompt once, both completions."""
+        return len(self.prompt_ids) + len(self.chosen_ids) + len(self.rejected_ids)
+
 
 # ----------------------------------------------------------------------------- rows
 

@@ -58,12 +58,55 @@ def test_micro_batches_train_as_one_forward_per_step(tiny_dpo_dict, tmp_path):
     tiny_dpo_dict["data"]["eval"] = None
     assert run_cfg(tiny_dpo_dict, tmp_path / "one") == 0
     tiny_dpo_dict["train"]["micro_batch_size"] = 2  # 8 pairs: 4 micro-batches
+    tiny_dpo_dict["train"]["speed"] = {"fill_micro_batches": False}  # as configured
     assert run_cfg(tiny_dpo_dict, tmp_path / "micro") == 0
     one, micro = (metric_series(tmp_path / r, "train/loss") for r in ("one", "micro"))
     assert one.keys() == micro.keys() == {1, 2}
     for step in one:
         assert abs(one[step] - micro[step]) < 1e-6
     a, b = (load_file(tmp_path / r / "final" / "model.safetensors") for r in ("one", "micro"))
+    for name in a:
+        torch.testing.assert_close(a[name], b[name], rtol=1e-4, atol=1e-5)  # fp32 sums
+
+
+@pytest.mark.parametrize("loss, merges", [("dpo", True), ("kto", False)])
+def test_filled_micro_batches_make_fewer_forwards_and_train_the_same(
+    tiny_dpo_dict, tmp_path, monkeypatch, loss, merges
+):
+    """The speed plan's filled micro-batches (`SpeedPlan.pair_token_budget`): packed pairs of
+    1-pair micro-batches merge into forwards of up to 2 x max_length tokens. The losses and the
+    weights are those of one forward per pair, up to float32 rounding; KTO, whose
+    reference point is a batch mean, keeps its micro-batches."""
+    import direct_alignment.train as da_train
+
+    forwards: list[int] = []
+    real_pair_logps = da_train.pair_logps
+
+    def counted(model, batch):
+        forwards.append(len(batch["lengths"]) // 2)
+        return real_pair_logps(model, batch)
+
+    monkeypatch.setattr(da_train, "pair_logps", counted)
+    tiny_dpo_dict["loss"] = {"name": loss}
+    tiny_dpo_dict["data"]["eval"] = None
+    tiny_dpo_dict["train"].update(max_steps=2, micro_batch_size=1)
+    runs = {}
+    for fill in (False, True):
+        tiny_dpo_dict["train"]["speed"] = {"fill_micro_batches": fill}
+        forwards.clear()
+        assert run_cfg(tiny_dpo_dict, tmp_path / f"fill{fill}") == 0
+        runs[fill] = list(forwards)
+    assert runs[False] == [1] * 16  # 2 steps of 8 pairs, one pair per forward
+    assert sum(runs[True]) == 16
+    if merges:
+        assert len(runs[True]) <= 8 and min(runs[True]) >= 2, runs[True]  # pairs of <= 80 tokens
+    else:
+        assert runs[True] == runs[False]
+    plain, filled = (metric_series(tmp_path / f"fill{f}", "train/loss") for f in (False, True))
+    assert plain.keys() == filled.keys() == {1, 2}
+    for step in plain:
+        assert abs(plain[step] - filled[step]) < 1e-6, (step, plain[step], filled[step])
+    a, b = (load_file(tmp_path / f"fill{f}" / "final" / "model.safetensors") for f in (False, True))
     for name in a:
         torch.testing.assert_close(a[name], b[name], rtol=1e-4, atol=1e-5)  # fp32 sums
 

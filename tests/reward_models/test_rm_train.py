@@ -115,17 +115,38 @@ def test_prm_learns_to_find_the_wrong_step(tmp_path):
 # ----------------------------------------------------------------------------- the loop
 
 
-def test_gradient_accumulation_equals_one_big_batch(pref_dict, tmp_path):
+def test_gradient_accumulation_equals_one_big_batch(pref_dict, tmp_path, monkeypatch):
+    """Micro-batches of 4 pairs as configured, and 1-pair micro-batches that the speed plan
+    merges into forwards of up to 2 x max_length tokens (`fill_micro_batches`), both train as
+    one forward of the step's 16 pairs."""
+    import reward_models.train as rm_train
+
+    forwards: list[int] = []
+    real_compute_loss = rm_train.compute_loss
+
+    def counted(model, loss_fn, batch):
+        forwards.append(len(batch["lengths"]) // 2)
+        return real_compute_loss(model, loss_fn, batch)
+
+    monkeypatch.setattr(rm_train, "compute_loss", counted)
     pref_dict["data"]["eval"] = None
     pref_dict["train"]["max_steps"] = 3
     run_cfg(pref_dict, tmp_path / "big")
-    pref_dict["train"]["micro_batch_size"] = 4
+    pref_dict["train"].update(micro_batch_size=4, speed={"fill_micro_batches": False})
+    forwards.clear()
     run_cfg(pref_dict, tmp_path / "acc")
-    big, acc = (metric_series(tmp_path / r, "train/loss") for r in ("big", "acc"))
-    assert big.keys() == acc.keys() and all(abs(big[s] - acc[s]) < 1e-5 for s in big)
+    assert forwards == [4] * 12
+    pref_dict["train"].update(micro_batch_size=1, speed={"fill_micro_batches": True})
+    forwards.clear()
+    run_cfg(pref_dict, tmp_path / "filled")
+    assert sum(forwards) == 48 and len(forwards) <= 24, forwards  # pairs merged
+    big = metric_series(tmp_path / "big", "train/loss")
     a = load_file(tmp_path / "big" / "final" / "scalar_head.safetensors")["weight"]
-    b = load_file(tmp_path / "acc" / "final" / "scalar_head.safetensors")["weight"]
-    torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)
+    for run in ("acc", "filled"):
+        other = metric_series(tmp_path / run, "train/loss")
+        assert big.keys() == other.keys() and all(abs(big[s] - other[s]) < 1e-5 for s in big)
+        b = load_file(tmp_path / run / "final" / "scalar_head.safetensors")["weight"]
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)
 
 
 def test_the_embedding_grad_buffer_trains_as_the_dense_gradient(pref_dict, tmp_path):

@@ -96,6 +96,7 @@ def test_on_cuda_every_cpu_rule_is_off():
         assert plan.layout == "mask" and plan.row_tokens == 0  # packed rows, no segments
         assert not plan.cpu_attention and not plan.dispatch and plan.short_attention_keys == 0
         assert not plan.grouped_decode and plan.reserve_positions == 0 and not plan.lean_norms
+        assert not plan.fill_micro_batches and plan.pair_token_budget(4, 512) == 0
         assert plan.allocator == "torch's (not glibc's)"
     flash = plan_speed(bench_config("real"), device="cuda", dtype=torch.bfloat16,
                        attention="flash_attention_2", speed=SpeedConfig())  # fmt: skip
@@ -130,6 +131,8 @@ def test_allocator_has_one_owner_and_one_policy():
         ("grouped_decode", lambda p: not p.grouped_decode and p.cpu_attention),
         ("reserved_cache", lambda p: p.reserve_positions == 0),
         ("lean_norms", lambda p: not p.lean_norms),
+        ("fill_micro_batches", lambda p: not p.fill_micro_batches
+         and p.pair_token_budget(2, 256) == 0),
     ],
 )  # fmt: skip
 def test_each_decision_switches_off_from_the_config(switch, off):

@@ -24,6 +24,7 @@ class _KTOBase(DirectAlignmentLoss):
 
     needs_reference = True
     needs_lengths = False
+    mean_of_pairs = False  # the reference point z is a batch statistic
 
     def __init__(
         self,

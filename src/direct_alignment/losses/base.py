@@ -59,6 +59,9 @@ class DirectAlignmentLoss(Configurable, nn.Module):
     # Unpaired losses (KTO on labelled single completions) read the rows' labels instead of a
     # preference: `forward(..., labels=...)`, data from `data.format: unpaired`.
     unpaired: ClassVar[bool] = False
+    # Whether a batch's loss is the mean of its per-pair losses, so that how a step's pairs are
+    # split into forwards changes only rounding (not KTO: its reference point is a batch mean).
+    mean_of_pairs: ClassVar[bool] = True
 
     def __init__(self, *, beta: float = 0.1) -> None:
         super().__init__()
