@@ -36,6 +36,11 @@ With `seeds: [0, 1]` (or `--seeds 0 1`) every run trains once per seed, into `<n
 (the DPO family's pairs are sampled once); the table adds a row per algorithm (its figure per
 seed, mean, spread and gain over the SFT model) and the plot each algorithm's spread
 (`rlhf_lab.compare_report`). `--resume` reuses the finished runs of an --output-dir.
+
+With `jobs: N` (or `--jobs N`) the policy-gradient runs, then the DPO-family runs, then the
+evaluation's models train or are evaluated N at a time in worker processes, each at `threads`
+torch threads (default 1 when N > 1), the longest runs first (`rlhf_lab.compare_pool`); every
+run's figures are those it gets alone at that thread count.
 """
 
 from __future__ import annotations
@@ -47,151 +52,22 @@ import sqlite3
 import sys
 import time
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any
 
-from pydantic import Field, field_validator
-
-from rlhf_core.config import StrictModel
 from rlhf_core.data import DataSource
 from rlhf_core.errors import UserError, UserFileNotFound
+from rlhf_lab.compare_config import (  # CompareConfig, _pg_config, _seeded: also imported from here
+    CompareConfig,
+    _da_config,
+    _pg_config,
+    _pg_cost,
+    _seeded,
+    run_threads,
+)
+from rlhf_lab.compare_pool import RunFailed
 from rlhf_lab.compare_report import RM_LABEL, plot_curves, seed_summary, write_table
 
 DEFAULT_CONFIG = Path("configs") / "quickstart" / "compare.yaml"
-
-
-class RunSpec(StrictModel):
-    preset: str = Field(
-        description="a shipped config whose `algorithm` (policy gradients) or `loss` (direct "
-        "alignment) block this run uses"
-    )
-    set: list[str] = Field(default_factory=list, description="overrides for this run only")
-
-
-class CompareConfig(StrictModel):
-    name: str = Field("compare", description="run name (the output dir is compare-<time>)")
-    sft_model: str | None = Field(
-        None, description="the SFT model dir every run starts from; null: train sft_config first"
-    )
-    sft_config: str = Field(
-        "configs/quickstart/sft.yaml", description="SFT config trained when sft_model is null"
-    )
-    base: str = Field(
-        "configs/quickstart/grpo.yaml", description="policy-gradient config that sets the shared "
-        "budget: model, data (prompts and their format), rewards, rollout, train, optim",
-    )  # fmt: skip
-    set: list[str] = Field(
-        default_factory=list, description="overrides applied to every policy-gradient run"
-    )
-    algorithms: dict[str, RunSpec] = Field(description="policy-gradient runs: name -> preset")
-    dpo_base: str = Field(
-        "configs/quickstart/dpo.yaml", description="direct-alignment config for the DPO family"
-    )
-    direct_alignment: dict[str, RunSpec] = Field(
-        default_factory=dict, description="optional DPO-family runs: name -> loss preset"
-    )
-    reward_model: str | None = Field(
-        None, description="a reward model dir (saved by reward_models): held-out mean score and "
-        "win rate against the SFT model, and the judge of the DPO family's pairs when there is "
-        "no verifier",
-    )  # fmt: skip
-    verifier: list[dict[str, Any]] = Field(
-        default_factory=list, description="reward components that grade held-out completions "
-        "(e.g. {name: reasoning_gym, extract: full, label: task}): mean and accuracy (share "
-        "scoring 1.0), greedy and sampled",
-    )  # fmt: skip
-    eval_prompts: DataSource | None = Field(
-        None, description="held-out prompts, read with the base's data format, columns and "
-        "template; null = the base's data.eval",
-    )  # fmt: skip
-    eval_size: int = Field(
-        200, gt=0, description="held-out prompts (reasoning-gym: the size; a file: at most this "
-        "many rows)",
-    )  # fmt: skip
-    seeds: list[int] | None = Field(
-        None, description="training seeds: every run once per seed (`seed=<k>`, run dirs "
-        "<name>-seed<k>), and the table and plot per algorithm over them (mean, min-max, gain "
-        "over the SFT model); null = each run once, at its config's seed",
-    )  # fmt: skip
-    pairs: int = Field(512, gt=0, description="training prompts for the on-policy pairs")
-    pair_samples: int = Field(4, ge=2, description="SFT samples per prompt for the pairs")
-    pairs_judge: Literal["auto", "verifier", "reward_model"] = Field(
-        "auto", description="who picks chosen and rejected (rlhf_lab.onpolicy); auto = the "
-        "task's verifier on reasoning-gym prompts with a verifier configured, else reward_model",
-    )  # fmt: skip
-
-    @field_validator("seeds")
-    @classmethod
-    def _seeds(cls, seeds: list[int] | None) -> list[int] | None:
-        if seeds is not None and (not seeds or len(set(seeds)) != len(seeds)):
-            raise ValueError(f"expected distinct integers (or null), got {seeds}")
-        return seeds
-
-    @field_validator("verifier")
-    @classmethod
-    def _verifier(cls, specs: list[dict[str, Any]]) -> list[dict[str, Any]]:
-        from policy_gradients.rewards import REWARDS
-        from rlhf_core.registry import validate_spec
-
-        out = []
-        for i, spec in enumerate(specs):
-            core = {k: v for k, v in spec.items() if k != "label"}
-            checked = validate_spec(REWARDS, core, where=f"verifier.{i}")
-            if getattr(REWARDS.get(checked["name"]), "learned", False):
-                raise ValueError(
-                    f"verifier.{i}: {checked['name']!r} is a learned reward; set it as "
-                    "reward_model, verifier lists graders (reasoning_gym, gsm8k, exact_match)"
-                )
-            out.append({**checked, "label": spec.get("label", checked["name"])})
-        labels = [s["label"] for s in out]
-        if len(set(labels)) != len(labels) or RM_LABEL in labels:
-            raise ValueError(f"verifier: labels must be unique and not {RM_LABEL!r}: {labels}")
-        return out
-
-
-def _seeded(cfg: CompareConfig, name: str) -> list[tuple[str, int | None]]:
-    """(run name, seed) of each run of `name`: one per seed in `seeds`, else one."""
-    return [(f"{name}-seed{k}", k) for k in cfg.seeds] if cfg.seeds else [(name, None)]
-
-
-def _pg_config(
-    cfg: CompareConfig, name: str, spec: RunSpec | None, sft: Path, fast: bool,
-    seed: int | None = None,
-):  # fmt: skip
-    """The policy-gradient config of run `name` (spec None: the base with the shared overrides,
-    whose data and rollout settings the pairs and the evaluation use); `seed` set last."""
-    from policy_gradients.config import PGConfig
-    from rlhf_core.config import apply_overrides, read_yaml, validate_config
-
-    data = read_yaml(cfg.base)
-    if spec is not None:
-        data["algorithm"] = read_yaml(spec.preset)["algorithm"]
-    data["name"] = f"{cfg.name}_{name}"
-    data["model"]["name_or_path"] = str(sft)
-    overrides = [*cfg.set, *(spec.set if spec else [])] + (["train.max_steps=2"] if fast else [])
-    overrides += [] if seed is None else [f"seed={seed}"]
-    data = apply_overrides(data, overrides)
-    preset = f" + algorithm of {spec.preset}" if spec else ""
-    source = f"{cfg.base}{preset} (with --set {', '.join(overrides)})"
-    return validate_config(PGConfig, data, source)
-
-
-def _da_config(
-    cfg: CompareConfig, name: str, spec: RunSpec, sft: Path, pairs: Path, fast: bool,
-    seed: int | None = None,
-):  # fmt: skip
-    from direct_alignment.config import DAConfig
-    from rlhf_core.config import apply_overrides, read_yaml, validate_config
-
-    data = read_yaml(cfg.dpo_base)
-    data["loss"] = read_yaml(spec.preset)["loss"]
-    data["name"] = f"{cfg.name}_{name}"
-    data["model"]["name_or_path"] = str(sft)
-    data["data"]["train"] = {"path": str(pairs / "train.jsonl")}
-    data["data"]["eval"] = {"path": str(pairs / "eval.jsonl")}
-    overrides = list(spec.set) + (["train.max_steps=2"] if fast else [])
-    overrides += [] if seed is None else [f"seed={seed}"]
-    data = apply_overrides(data, overrides)
-    return validate_config(DAConfig, data, f"{cfg.dpo_base} + loss of {spec.preset}")
 
 
 def _model_dir(path: str, field: str) -> Path:
@@ -293,19 +169,57 @@ def evaluate_compare(
     )  # fmt: skip
 
 
+def _evaluate_part(
+    cfg: CompareConfig, base: Any, stages: dict[str, Path], size: int, threads: int | None
+) -> tuple[dict[str, dict[str, float]], dict[str, list[dict[str, Any]]]]:
+    """`evaluate_compare` at `threads` torch threads (in a worker process)."""
+    from rlhf_core.runtime import configure_threads
+
+    if threads is not None:
+        configure_threads(threads)
+    return evaluate_compare(cfg, base, stages, size)
+
+
+def evaluate_all(
+    cfg: CompareConfig, base: Any, stages: dict[str, Path], size: int, out: Path
+) -> tuple[dict[str, dict[str, float]], dict[str, list[dict[str, Any]]]]:
+    """`evaluate_compare` of every stage; with jobs > 1 the models are split over the workers,
+    each evaluating the SFT model too (the KL reference and win-rate baseline), with the same
+    sampling seed per model, so the figures are those of one evaluation."""
+    from rlhf_lab.compare_pool import in_workers
+
+    names = [name for name in stages if name != "sft"]
+    parts = [names[i :: cfg.jobs] for i in range(cfg.jobs) if names[i :: cfg.jobs]]
+    if len(parts) < 2:
+        return evaluate_compare(cfg, base, stages, size)
+    threads = run_threads(cfg)
+    tasks = {}
+    for i, part in enumerate(parts):
+        models = {"sft": stages["sft"], **{n: stages[n] for n in part}}
+        tasks[f"evaluate-{i}"] = (_evaluate_part, (cfg, base, models, size, threads))
+    done = in_workers(tasks, out / "logs", cfg.jobs)
+    figures = {k: v for part in done.values() for k, v in part[0].items()}
+    samples = {k: v for part in done.values() for k, v in part[1].items()}
+    return {n: figures[n] for n in stages}, {n: samples[n] for n in stages}
+
+
 def run_compare(
     cfg: CompareConfig, out: Path, *, fast: bool = False, resume: bool = False
 ) -> dict[str, Any]:
     """Train every configured run into `out`, evaluate, write compare.{md,json,png}. With
     `resume`, runs (and pairs) that finished earlier in `out` are reused, a run stopped part-way
-    continues from its newest checkpoint."""
-    from direct_alignment.train import train as train_da
-    from policy_gradients.train import train as train_pg
-    from rlhf_core.config import RunArgs, load_config
-    from rlhf_core.rundir import run_status
+    continues from its newest checkpoint. `cfg.jobs` runs at a time (rlhf_lab.compare_pool)."""
+    from rlhf_core.config import load_config
+    from rlhf_core.runtime import configure_threads
+    from rlhf_lab.compare_pool import Run, train_runs
 
+    start = time.perf_counter()
     out.mkdir(parents=True, exist_ok=True)
     results: dict[str, dict[str, Any]] = {}
+    phases: dict[str, float] = {}
+    threads = run_threads(cfg)
+    if threads is not None:  # the pairs and a one-job evaluation run in this process
+        configure_threads(threads)
 
     def banner(text: str) -> float:
         print(f"\n=== compare: {text} ===", file=sys.stderr, flush=True)
@@ -318,10 +232,12 @@ def run_compare(
         from instruction_tuning.train import train as train_sft
         from rlhf_lab.quickstart import _run
 
-        banner(f"SFT ({cfg.sft_config})")
-        sft_cfg = load_config(SFTConfig, cfg.sft_config, ["train.max_steps=40"] if fast else [])
-        _run(train_sft, sft_cfg, out / "sft", "sft")
-        sft = out / "sft" / "final"
+        t0 = banner(f"SFT ({cfg.sft_config})")
+        sft_set = (["train.max_steps=40"] if fast else []) + (
+            [] if threads is None else [f"train.threads={threads}"]
+        )
+        _run(train_sft, load_config(SFTConfig, cfg.sft_config, sft_set), out / "sft", "sft")
+        sft, phases["sft"] = out / "sft" / "final", time.perf_counter() - t0
     else:
         sft = _model_dir(cfg.sft_model, "sft_model")
     base = _pg_config(cfg, "base", None, sft, fast)
@@ -330,31 +246,23 @@ def run_compare(
     if cfg.direct_alignment:
         pairs_judge(cfg, base)
 
-    def train_one(trainer, run_cfg, base_path: str, name: str, spec: RunSpec) -> dict[str, Any]:
-        """Run one trainer into out/<name>; its summary.json, plus the wall time."""
-        t0 = banner(f"{name} ({spec.preset})")
-        done = run_status(out / name).get("status") == "finished"
-        if not (resume and done and (out / name / "summary.json").is_file()):
-            again = "auto" if resume and (out / name).exists() else None
-            args = RunArgs(config_path=Path(base_path), output_dir=out / name, resume=again)
-            code = trainer(run_cfg, args)
-            if code != 0:
-                raise RuntimeError(f"compare: {name} exited with {code}")
-        summary = json.loads((out / name / "summary.json").read_text())
-        return {**summary, "wall_s": summary.get("wall_time_s", time.perf_counter() - t0)}
-
+    pg_runs = []
     for (algorithm, spec), (name, seed) in (
         (a, s) for a in cfg.algorithms.items() for s in _seeded(cfg, a[0])
     ):
         pg_cfg = _pg_config(cfg, name, spec, sft, fast, seed)
-        summary = train_one(train_pg, pg_cfg, cfg.base, name, spec)
-        results[name] = {
-            "family": "policy_gradients", "algorithm": algorithm, "seed": pg_cfg.seed,
+        pg_runs.append(Run(name, "policy_gradients", pg_cfg, cfg.base, spec.preset,
+                           _pg_cost(pg_cfg)))  # fmt: skip
+        results[name] = {"family": "policy_gradients", "algorithm": algorithm, "seed": pg_cfg.seed}
+    t0 = banner(f"{len(pg_runs)} policy-gradient runs, {cfg.jobs} at a time")
+    for name, summary in train_runs(pg_runs, out, resume=resume, jobs=cfg.jobs).items():
+        results[name].update({
             "wall_s": summary["wall_s"],
             "first_train_reward": summary.get("first_train_reward"),
             "last_train_reward": summary.get("last_train_reward"),
             "tokens_generated": _tokens_generated(out / name),
-        }  # fmt: skip
+        })  # fmt: skip
+    phases["policy_gradients"] = time.perf_counter() - t0
 
     if cfg.direct_alignment:
         t0 = banner("on-policy pairs from the SFT model")
@@ -363,23 +271,29 @@ def run_compare(
             pair_stats = json.loads((out / "pairs" / "summary.json").read_text())
         else:
             pair_stats = build_compare_pairs(cfg, base, sft, out / "pairs", n)
-        pair_s = time.perf_counter() - t0
+        pair_s = phases["pairs"] = time.perf_counter() - t0
+        da_runs = []
         for (algorithm, spec), (name, seed) in (
             (a, s) for a in cfg.direct_alignment.items() for s in _seeded(cfg, a[0])
         ):
             da_cfg = _da_config(cfg, name, spec, sft, out / "pairs", fast, seed)
-            summary = train_one(train_da, da_cfg, cfg.dpo_base, name, spec)
-            results[name] = {
-                "family": "direct_alignment", "algorithm": algorithm, "seed": da_cfg.seed,
+            da_runs.append(Run(name, "direct_alignment", da_cfg, cfg.dpo_base, spec.preset))
+            results[name] = {"family": "direct_alignment", "algorithm": algorithm,
+                             "seed": da_cfg.seed}  # fmt: skip
+        t0 = banner(f"{len(da_runs)} direct-alignment runs, {cfg.jobs} at a time")
+        for name, summary in train_runs(da_runs, out, resume=resume, jobs=cfg.jobs).items():
+            results[name].update({
                 "wall_s": summary["wall_s"],
                 "pairs_s": pair_s, "pairs": pair_stats["train"]["pairs"],
                 "tokens_generated": None,
                 "heldout_reward_accuracy": summary.get("eval/rewards/accuracy"),
-            }  # fmt: skip
+            })  # fmt: skip
+        phases["direct_alignment"] = time.perf_counter() - t0
 
-    banner("evaluate every checkpoint on the same held-out prompts")
+    t0 = banner("evaluate every checkpoint on the same held-out prompts")
     stages = {"sft": sft, **{name: out / name / "final" for name in results}}
-    evaluation, samples = evaluate_compare(cfg, base, stages, eval_size)
+    evaluation, samples = evaluate_all(cfg, base, stages, eval_size, out)
+    phases["evaluation"] = time.perf_counter() - t0
     for name, figures in evaluation.items():
         results.setdefault(name, {"family": "sft"})["eval"] = figures
     results = {"sft": results.pop("sft"), **results}
@@ -392,9 +306,11 @@ def run_compare(
     report = {
         "config": cfg.model_dump(), "fast": fast, "sft_model": str(sft), "eval_prompts":
         len(samples["sft"]), "verifiers": [s["label"] for s in cfg.verifier],
-        "reward_model": cfg.reward_model, "seeds": cfg.seeds, "runs": results,
+        "reward_model": cfg.reward_model, "seeds": cfg.seeds, "jobs": cfg.jobs,
+        "threads": threads, "resumed": resume, "phases_s": phases, "runs": results,
     }  # fmt: skip
     report["summary"] = seed_summary(report)
+    report["wall_s"] = time.perf_counter() - start
     (out / "compare.json").write_text(json.dumps(report, indent=2, default=str) + "\n")
     write_table(out, report)
     plot_curves(out, report)
@@ -422,6 +338,14 @@ def main(argv: list[str] | None = None) -> int:
         "--seeds", type=int, nargs="+", default=None, metavar="K",
         help="train every run once per seed (sets the YAML's seeds)",
     )  # fmt: skip
+    parser.add_argument(
+        "--jobs", type=int, default=None, metavar="N",
+        help="train N runs at once, each in its own process (sets the YAML's jobs)",
+    )  # fmt: skip
+    parser.add_argument(
+        "--threads", type=int, default=None, metavar="T",
+        help="torch threads per run (sets the YAML's threads; default 1 when jobs > 1)",
+    )  # fmt: skip
     parser.add_argument("--debug", action="store_true", help="show tracebacks of user errors")
     parser.add_argument("--overwrite", action="store_true", help="move an old --output-dir aside")
     parser.add_argument(
@@ -429,10 +353,18 @@ def main(argv: list[str] | None = None) -> int:
     )
     args = parser.parse_args(argv)
     seeds = [] if args.seeds is None else [f"seeds={json.dumps(args.seeds)}"]
+    seeds += [
+        f"{k}={v}" for k, v in (("jobs", args.jobs), ("threads", args.threads)) if v is not None
+    ]
     cfg = load_config(CompareConfig, args.config, [*args.overrides, *seeds])
     out = args.output_dir or Path("outputs") / f"{cfg.name}-{timestamp()}"
-    with locked_run(out, package="compare", resume=args.resume, overwrite=args.overwrite):
-        run_compare(cfg, out, fast=args.fast, resume=args.resume)
+    with locked_run(out, package="compare", resume=args.resume, overwrite=args.overwrite) as o:
+        try:
+            run_compare(cfg, out, fast=args.fast, resume=args.resume)
+        except RunFailed as exc:  # each failed run's traceback is in its log
+            print(f"error: {exc}", file=sys.stderr)
+            o.exit_code = 1
+            return 1
     print(f"\ntable: {out / 'compare.md'}")
     return 0
 

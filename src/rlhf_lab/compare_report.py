@@ -125,6 +125,19 @@ def summary_lines(report: dict[str, Any]) -> list[str]:
     return [*lines, ""]
 
 
+def _wall_line(report: dict[str, Any]) -> list[str]:
+    """The compare's own wall time (this invocation: with --resume, not the reused runs') and
+    how many runs it ran at once."""
+    if report.get("wall_s") is None:
+        return []
+    m, s = divmod(round(report["wall_s"]), 60)
+    threads = report.get("threads")
+    each = "the trainers' default threads" if threads is None else f"{threads} torch thread(s)"
+    resumed = "; resumed, reusing finished runs" if report.get("resumed") else ""
+    jobs = report.get("jobs", 1)
+    return [f"Wall time {m}:{s:02d} ({jobs} run(s) at a time, {each} each{resumed}).", ""]
+
+
 def write_table(out: Path, report: dict[str, Any]) -> None:
     runs = report["runs"]
     smoke = " (fast smoke run: the figures are not meaningful)" if report["fast"] else ""
@@ -134,6 +147,7 @@ def write_table(out: Path, report: dict[str, Any]) -> None:
     lines = [
         "# rlhf-lab compare", "",
         f"From `{report['sft_model']}`, run dir `{out}`{smoke}; {n} held-out prompts{seeds}.", "",
+        *_wall_line(report),
         *summary_lines(report),
         "| run | family | " + " | ".join(h for h, _ in columns) + " |",
         "|---|---|" + "---|" * len(columns),

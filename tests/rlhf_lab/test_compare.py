@@ -67,6 +67,130 @@ def test_fast_compare_runs_each_configured_algorithm_once_per_seed(
     assert again["runs"]["rloo-seed4"]["eval"] == report["runs"]["rloo-seed4"]["eval"]
 
 
+def _two_arms(sft_checkpoint, extra: list[str] = (), dpo: bool = True) -> CompareConfig:
+    """The shipped compare with one policy-gradient arm (grpo) and, with `dpo`, one DPO-family
+    arm (ipo), each at seeds 0 and 1, on 16 held-out prompts."""
+    from conftest import REPO
+
+    cfg = load_config(CompareConfig, REPO / "configs/quickstart/compare.yaml", [
+        f"sft_model={sft_checkpoint}", "eval_size=16", "seeds=[0, 1]", *extra,
+    ])  # fmt: skip
+    return cfg.model_copy(update={
+        "algorithms": {"grpo": cfg.algorithms["grpo"]},
+        "direct_alignment": {"ipo": cfg.direct_alignment["ipo"]} if dpo else {},
+    })  # fmt: skip
+
+
+def test_compare_jobs_2_gives_each_run_what_it_gets_alone(sft_checkpoint, tmp_path, monkeypatch):
+    """--jobs 2 (1 thread per run by default) against --jobs 1 --threads 1: every run's summary,
+    final weights and held-out figures are equal, bit for bit."""
+    import yaml
+    from conftest import REPO
+    from safetensors.torch import load_file
+
+    monkeypatch.chdir(REPO)
+    one = run_compare(
+        _two_arms(sft_checkpoint, ["jobs=1", "threads=1"]), tmp_path / "one", fast=True
+    )
+    two = run_compare(_two_arms(sft_checkpoint, ["jobs=2"]), tmp_path / "two", fast=True)
+    assert (one["jobs"], one["threads"], two["jobs"], two["threads"]) == (1, 1, 2, 1)
+    names = ["grpo-seed0", "grpo-seed1", "ipo-seed0", "ipo-seed1"]
+    assert list(two["runs"]) == ["sft", *names]
+    for name in names:
+        a, b = (
+            json.loads((tmp_path / d / name / "summary.json").read_text()) for d in ("one", "two")
+        )
+        key = "last_train_reward" if name.startswith("grpo") else "final_train_loss"
+        assert a[key] == b[key] and a["threads"] == b["threads"] == 1, name
+        config = yaml.safe_load((tmp_path / "two" / name / "config.yaml").read_text())
+        assert config["train"]["threads"] == 1 and config["seed"] == int(name[-1])
+        wa, wb = (
+            load_file(tmp_path / d / name / "final" / "model.safetensors") for d in ("one", "two")
+        )
+        assert wa.keys() == wb.keys() and all(wa[k].equal(wb[k]) for k in wa), name
+        # each worker's output went to its own log, not to the terminal
+        assert (
+            f"run dir: {tmp_path / 'two' / name}"
+            in (tmp_path / "two" / "logs" / f"{name}.log").read_text()
+        )
+    for name in ["sft", *names]:  # the evaluation, split over the two workers, is the same too
+        assert two["runs"][name]["eval"] == one["runs"][name]["eval"], name
+    assert (tmp_path / "two" / "samples.jsonl").read_text() == (
+        tmp_path / "one" / "samples.jsonl"
+    ).read_text()
+    assert not (tmp_path / "one" / "logs").exists()
+    assert two["wall_s"] > 0 and set(two["phases_s"]) == {
+        "policy_gradients", "pairs", "direct_alignment", "evaluation",
+    }  # fmt: skip
+    text = (tmp_path / "two" / "compare.md").read_text()
+    assert "(2 run(s) at a time, 1 torch thread(s) each)." in text
+
+
+def test_compare_jobs_a_failed_run_is_named_and_the_others_kept(
+    sft_checkpoint, tmp_path, monkeypatch, capsys
+):
+    """A run that fails in a worker (its model directory is missing): exit 1, one line naming it
+    and its log; the run beside it finishes, and --resume reuses it (not retrained) once the
+    cause is fixed."""
+    import shutil
+
+    from conftest import REPO
+
+    from rlhf_lab.compare import main
+
+    monkeypatch.chdir(REPO)
+    later, out = tmp_path / "later", tmp_path / "cmp"
+    grpo = "{preset: configs/policy_gradients/grpo.yaml"
+    argv = [
+        "--fast", "--jobs", "2", "--seeds", "0", "--output-dir", str(out),
+        "--set", f"sft_model={sft_checkpoint}", "--set", "eval_size=16",
+        "--set", "direct_alignment={}", "--set",
+        f"algorithms={{grpo: {grpo}}}, late: {grpo}, set: [model.name_or_path={later}]}}}}",
+    ]  # fmt: skip
+    assert main(argv) == 1
+    err = capsys.readouterr().err
+    log = out / "logs" / "late-seed0.log"
+    assert "error: compare: 1 run(s) failed: late-seed0 (" in err
+    assert f"; log {log})" in err and "--resume" in err
+    assert "Traceback" in log.read_text() and str(later) in log.read_text()
+    finished = out / "grpo-seed0" / "summary.json"
+    assert finished.is_file() and not (out / "compare.json").exists()
+    stamp = finished.stat().st_mtime_ns
+    shutil.copytree(sft_checkpoint, later)  # the cause fixed
+    assert main([*argv, "--resume"]) == 0
+    assert finished.stat().st_mtime_ns == stamp  # reused, not trained again
+    report = json.loads((out / "compare.json").read_text())
+    assert report["resumed"] and report["jobs"] == 2 and report["threads"] == 1
+    assert (out / "late-seed0" / "final" / "config.json").is_file()
+    assert math.isfinite(report["runs"]["late-seed0"]["eval"]["eval/sampled_task"])
+
+
+def test_compare_jobs_threads_and_the_longest_runs_first(tmp_path, monkeypatch):
+    from conftest import REPO
+
+    from rlhf_lab.compare import main
+    from rlhf_lab.compare_config import _pg_cost, run_threads
+
+    monkeypatch.chdir(REPO)
+    path = REPO / "configs/quickstart/compare.yaml"
+    cfg = load_config(CompareConfig, path)
+    assert (cfg.jobs, cfg.threads, run_threads(cfg)) == (1, None, None)
+    pg = _pg_config(cfg, "grpo", cfg.algorithms["grpo"], tmp_path, fast=False)
+    assert pg.train.threads is None  # one job: the trainer's default, as before
+    two = load_config(CompareConfig, path, ["jobs=2"])
+    assert run_threads(two) == 1
+    assert _pg_config(two, "grpo", two.algorithms["grpo"], tmp_path, fast=False).train.threads == 1
+    assert run_threads(load_config(CompareConfig, path, ["jobs=2", "threads=3"])) == 3
+    # PPO (4 epochs and a value model) starts first, then the 2-epoch arms
+    costs = {n: _pg_cost(_pg_config(cfg, n, s, tmp_path, fast=False))
+             for n, s in cfg.algorithms.items()}  # fmt: skip
+    order = sorted(costs, key=lambda n: -costs[n])
+    assert order[0] == "ppo" and set(order[1:3]) == {"gspo", "cispo"}
+    with pytest.raises(ConfigError, match=r"jobs"):
+        main(["--jobs", "0", "--output-dir", str(tmp_path / "never")])
+    assert not (tmp_path / "never").exists()
+
+
 def test_compare_seeds_are_distinct_and_come_from_the_command_line(tmp_path, monkeypatch):
     from conftest import REPO
 
