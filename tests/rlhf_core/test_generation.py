@@ -252,7 +252,10 @@ def test_decode_writes_its_kv_cache_in_place_and_draws_what_concatenation_draws(
         hook.remove()
     assert len(seen) == 11
     assert all(filled <= total <= filled + room + 1 for _, filled, total in seen)
-    assert len({ptr for ptr, _, _ in seen}) == (1 if room >= 12 else -(-11 // room))
+    # a re-reservation copies into a new storage while the old one is alive, so it moves the
+    # pointer; counted step to step (a later storage may reuse a freed one's address)
+    moves = sum(a[0] != b[0] for a, b in zip(seen, seen[1:], strict=False))
+    assert moves == (0 if room >= 12 else -(-11 // room) - 1), seen
     monkeypatch.setattr(generation, "_reserve_cache", lambda cache, room: None)
     concatenated = decode(model, enc["input_ids"], enc["attention_mask"],
                           generator=row_generators(range(6), "cpu"), **args)  # fmt: skip
