@@ -10,8 +10,8 @@ run starts and one when it finishes, with its wall time. When a run fails, the r
 running finish, none is started, and `RunFailed` names the failed runs and their logs; every
 finished run stays in place for `--resume`.
 
-Tiny models do not gain from a second intra-op thread (docs/quickstart.md), so on a small CPU
-machine N jobs of one thread each use N cores better than one job of N threads.
+Why processes, not threads: the tiny models' small matrices gain little from a second intra-op
+thread (docs/performance.md), while two runs at a time keep two cores busy.
 """
 
 from __future__ import annotations
