@@ -133,7 +133,8 @@ class RMConfig(TrainerConfig):
         False,
         description="the backbone is a bidirectional encoder (BERT / DeBERTa / Longformer "
         "family: a ...ForTokenClassification, ...ForSequenceClassification or ...ForMaskedLM "
-        "checkpoint's encoder), so each token's score reads the whole sequence; recorded in "
+        "checkpoint's encoder, or an encoder-decoder checkpoint's encoder such as a T5 "
+        "policy's), so each token's score reads the whole sequence; recorded in "
         "scalar_head.json. Preference models need train.share_prompt: false",
     )
     pooling: Literal["last", "mean", "sum"] = Field(

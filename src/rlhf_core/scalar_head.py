@@ -16,7 +16,8 @@ encoder-decoder's (T5: the encoder reads the prompt, the decoder positions are s
 `share_encoder`, another model's encoder reads it, e.g. the PPO policy's), or, with
 `info.encoder_only`, a bidirectional encoder's (BERT / DeBERTa / Longformer family; a
 `...ForTokenClassification`, `...ForSequenceClassification` or `...ForMaskedLM` checkpoint's
-encoder; its pooler, unused by a per-token head, is dropped): every token's score then reads the
+encoder; its pooler, unused by a per-token head, is dropped; or an encoder-decoder checkpoint's
+encoder alone, e.g. a T5 policy's as `T5EncoderModel`): every token's score then reads the
 whole sequence, as in Fine-Grained RLHF's Longformer token classifiers. The head is
 `nn.Linear(hidden, head_dim, bias=False)` with N(0, 0.02^2) init, kept in float32 (hidden states
 are upcast before it); it has no bias so that it is exactly transformers'
@@ -98,13 +99,16 @@ def load_backbone(
     (trainable); full weights there replace the base. Without it, `cfg.lora` adds a fresh adapter.
     """
     from peft import PeftModel
-    from transformers import AutoModel
+    from transformers import AutoModel, AutoModelForTextEncoding
 
     device = torch.device(device)
     adapter = weights_from is not None and (Path(weights_from) / "adapter_config.json").is_file()
     base_path = resolve_model_path(cfg.name_or_path)
     path = str(weights_from) if (weights_from is not None and not adapter) else base_path
-    model = load_pretrained(AutoModel, cfg, path, device)
+    auto = AutoModel
+    if encoder_only and _is_encoder_decoder(base_path):
+        auto = AutoModelForTextEncoding  # T5: its encoder alone (T5EncoderModel)
+    model = load_pretrained(auto, cfg, path, device)
     if encoder_only and getattr(model, "pooler", None) is not None:
         model.pooler = None  # BERT / RoBERTa / Longformer: a token head never reads the pooler
     if adapter:
@@ -112,6 +116,18 @@ def load_backbone(
     elif cfg.lora is not None:
         model = apply_lora(model, cfg.lora, task_type="FEATURE_EXTRACTION")
     return model
+
+
+def _is_encoder_decoder(path: str) -> bool:
+    """An encoder-decoder checkpoint (T5), or the encoder of one saved alone (T5EncoderModel,
+    whose saved config no longer says encoder-decoder)."""
+    from transformers import AutoConfig
+
+    config = AutoConfig.from_pretrained(path)
+    archs = getattr(config, "architectures", None) or []
+    return bool(getattr(config, "is_encoder_decoder", False)) or any(
+        a.endswith("EncoderModel") for a in archs
+    )
 
 
 class ScalarHeadModel(TextScoring, nn.Module):
@@ -132,10 +148,11 @@ class ScalarHeadModel(TextScoring, nn.Module):
         self.head = nn.Linear(hidden, info.head_dim, bias=False, device=device)
         nn.init.normal_(self.head.weight, std=HEAD_INIT_STD)
         self._shared_encoder: list[nn.Module] = []  # a list: not a submodule (`share_encoder`)
-        if info.encoder_only and backbone.config.is_encoder_decoder:
+        if info.encoder_only and getattr(backbone, "decoder", None) is not None:
             raise ValueError(
-                f"encoder_only: {backbone.config.model_type} is an encoder-decoder model; "
-                "encoder_only is for bidirectional encoders (BERT / DeBERTa / Longformer family)"
+                f"encoder_only: {type(backbone).__name__} has a decoder; encoder_only is for "
+                "bidirectional encoders (BERT / DeBERTa / Longformer family, or an "
+                "encoder-decoder checkpoint's encoder: load_backbone)"
             )
         if info.lm_likelihood:  # w of w * log p_LM(token); set by the trainer or load_head
             check_tied_lm_head(backbone)

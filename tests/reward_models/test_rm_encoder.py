@@ -181,3 +181,25 @@ def test_an_encoder_segment_rm_rewards_fine_grained_ppo(encoder_segment_rm, tmp_
     rewards = metric_series(run, "train/reward/relevance")
     # each segment's expected class reward, -P(irrelevant), summed over segments: below 0
     assert len(rewards) == 2 and all(r < 0 for r in rewards.values())
+
+
+def test_an_encoder_decoder_checkpoint_serves_its_encoder(tmp_path):
+    """encoder_only on a T5 directory (e.g. the SFT policy) loads its encoder alone
+    (`T5EncoderModel`, no decoder), scores every token from the whole row, and saves / reloads
+    as the same model."""
+    from rlhf_core.tiny import preset_dir
+
+    t5 = preset_dir("tiny-t5-facts")
+    model = encoder_rm(t5, kind="segment", head_dim=2, segment_level="sentence", max_length=96)
+    assert type(model.backbone).__name__ == "T5EncoderModel"
+    assert getattr(model.backbone, "decoder", None) is None
+    prompts = [[{"role": "user", "content": "Tell me about Ada. Notes: Ada has a cat."}]] * 2
+    completions = ["Ada has a cat. Ada eats rice.", "Ada has a dog. Ada eats rice."]
+    before = model.segment_scores(prompts, completions)
+    assert [tuple(x.shape) for x in before] == [(2, 2), (2, 2)]
+    assert not torch.equal(before[0][1], before[1][1])  # the second sentence reads the first
+    model.save_pretrained(tmp_path / "rm")
+    loaded = ScalarHeadModel.from_pretrained(tmp_path / "rm")
+    assert type(loaded.backbone).__name__ == "T5EncoderModel" and loaded.info.encoder_only
+    for a, b in zip(loaded.segment_scores(prompts, completions), before, strict=True):
+        torch.testing.assert_close(a, b)
