@@ -6,19 +6,22 @@
 Stages (each the trainer a user runs by hand with the named YAML; a stage whose `final/` exists
 under `--out` is reused):
   sft              configs/instruction_tuning/tiny_t5_sft_longform.yaml   imperfect answers
-  feedback         the SFT model's own answers to the training prompts, labelled per segment by
-                   the exact grader (the paper collects its feedback on SFT samples):
-                   <out>/feedback/{relevance,factuality}.jsonl, the segment RMs' data
+  feedback         the SFT model's own answers to the training prompts, graded by the exact
+                   grader (the paper collects all its feedback on SFT samples): per segment
+                   <out>/feedback/{relevance,factuality}.jsonl, and pairs of answers to one
+                   prompt {completeness,preference}.jsonl; every reward model's data
   rm_relevance     configs/reward_models/tiny_segment_relevance.yaml      per sub-sentence
   rm_factuality    configs/reward_models/tiny_segment_factuality.yaml     per sentence
   rm_completeness  configs/reward_models/tiny_completeness.yaml           preference, last token
   rm_holistic      configs/reward_models/tiny_holistic.yaml               preference, last token
+                   (each trained on 90% of its feedback rows, the rest held out)
   fine_grained_ppo / holistic_ppo (configs/policy_gradients/), per seed, `--steps` steps each
 
 `--segment-encoder DIR` trains the two segment reward models on a bidirectional encoder instead
-(a BERT / DeBERTa / Longformer-family checkpoint directory whose vocabulary fits the task's
-tokenizer: `model.name_or_path=DIR`, `encoder_only: true`), the paper's setting; use another
-`--out`, since finished stages are reused.
+(a BERT / DeBERTa / Longformer-family checkpoint directory, or an encoder-decoder's such as the
+SFT T5 model's, whose vocabulary fits the task's tokenizer: `model.name_or_path=DIR`,
+`encoder_only: true`), the paper's setting; use another `--out`, since finished stages are
+reused.
 
 Then every model is evaluated on the same held-out prompts (data/longform/heldout.jsonl): greedy
 and sampled (T=1, seeded) answers graded exactly by `rlhf_core.longform.grade` (each error type's
@@ -45,6 +48,9 @@ STAGES = {
     "rm_holistic": ("reward_models", "tiny_holistic"),
 }
 ARMS = ("fine_grained_ppo", "holistic_ppo")
+#: each reward model's rows in <out>/feedback (`collect_feedback`)
+FEEDBACK_OF = {"rm_relevance": "relevance", "rm_factuality": "factuality",
+               "rm_completeness": "completeness", "rm_holistic": "preference"}  # fmt: skip
 
 
 def _trainer(package: str) -> tuple[Any, Any]:
@@ -80,17 +86,33 @@ def run_stage(package: str, name: str, out: Path, overrides: list[str]) -> float
 
 
 FEEDBACK_SAMPLES = 3  # answers per training prompt: one greedy, the rest sampled at T=1
+FEEDBACK_FILES = ("relevance", "factuality", "completeness", "preference")
+
+
+def answer_pairs(prompt: str, answers: dict[str, Any], score: Any) -> list[dict[str, str]]:
+    """Preference rows {"prompt", "chosen", "rejected"} from every two distinct answers to
+    `prompt` (answer -> its grade) whose `score(grade)` differs; chosen = the higher."""
+    texts = list(answers)
+    return [
+        {"prompt": prompt, "chosen": a, "rejected": b} if score(answers[a]) > score(answers[b])
+        else {"prompt": prompt, "chosen": b, "rejected": a}
+        for i, a in enumerate(texts) for b in texts[i + 1 :]
+        if score(answers[a]) != score(answers[b])
+    ]  # fmt: skip
 
 
 def collect_feedback(
     sft: Path, prompts: Path, out: Path, *, samples: int = FEEDBACK_SAMPLES,
     max_new_tokens: int = 40, chunk: int = 250,
 ) -> float:  # fmt: skip
-    """Fine-grained feedback on the SFT model's own answers, as the paper collects it: `samples`
-    answers to every prompt of `prompts` (the first greedy, the others sampled at T=1, seeded),
-    each labelled per sub-sentence (irrelevant) and per sentence (unverifiable/wrong) by the exact
-    grader `rlhf_core.longform.grade`, written shuffled to `out/relevance.jsonl` and
-    `out/factuality.jsonl` (the segment reward models' data); reused when both exist. Seconds."""
+    """Feedback on the SFT model's own answers, as the paper collects it: `samples` answers to
+    every prompt of `prompts` (the first greedy, the others sampled at T=1, seeded), graded by
+    the exact grader `rlhf_core.longform.grade` and written shuffled to `out/`:
+    `relevance.jsonl` / `factuality.jsonl` (per sub-sentence irrelevant / per sentence
+    unverifiable or wrong: the segment reward models' rows), `completeness.jsonl` (pairs of two
+    answers to one prompt, chosen = the one stating more of the target's facts correctly) and
+    `preference.jsonl` (chosen = the higher `holistic_score`, the holistic baseline's). Reused
+    when all four exist. Seconds."""
     import random
 
     import torch
@@ -98,10 +120,10 @@ def collect_feedback(
     from policy_gradients.rollout import generate_rollouts, load_prompts
     from rlhf_core.data import DataSource
     from rlhf_core.generation import Sampling
-    from rlhf_core.longform import grade, question_from_prompt
+    from rlhf_core.longform import grade, holistic_score, question_from_prompt
     from rlhf_core.models import ModelConfig, load_policy, load_tokenizer
 
-    files = {"relevance": out / "relevance.jsonl", "factuality": out / "factuality.jsonl"}
+    files = {name: out / f"{name}.jsonl" for name in FEEDBACK_FILES}
     if all(path.is_file() for path in files.values()):
         return 0.0
     start = time.perf_counter()
@@ -111,7 +133,8 @@ def collect_feedback(
         prompt_template="{question}", system_prompt=None, where="feedback prompts",
     ).items  # fmt: skip
     policy = load_policy(ModelConfig(name_or_path=str(sft))).eval()
-    rows: dict[str, list[dict]] = {"relevance": [], "factuality": []}
+    rows: dict[str, list[dict]] = {name: [] for name in FEEDBACK_FILES}
+    graded: list[dict[str, Any]] = [{} for _ in items]  # per prompt: answer -> its grade
     for k in range(samples):
         for first in range(0, len(items), chunk):
             part = items[first : first + chunk]
@@ -121,15 +144,21 @@ def collect_feedback(
                     max_new_tokens=max_new_tokens, sampling=Sampling(temperature=1.0 if k else 0.0),
                     seeds=[10_000 * (k + 1) + first + i for i in range(len(part))],
                 )  # fmt: skip
-            for item, answer in zip(part, ro.completions, strict=True):
+            for i, (item, answer) in enumerate(zip(part, ro.completions, strict=True)):
                 question = item["messages"][-1]["content"]
                 g = grade(question_from_prompt(question), answer)
+                graded[first + i][answer] = g
                 for name, labels in (("relevance", g.subsentence_irrelevant),
                                      ("factuality", g.sentence_factual)):  # fmt: skip
                     if labels:
                         rows[name].append(
                             {"prompt": question, "completion": answer, "labels": labels}
                         )
+    for item, answers in zip(items, graded, strict=True):
+        rows["completeness"] += answer_pairs(item["messages"][-1]["content"], answers,
+                                             lambda g: g.covered)  # fmt: skip
+        rows["preference"] += answer_pairs(item["messages"][-1]["content"], answers,
+                                           holistic_score)  # fmt: skip
     out.mkdir(parents=True, exist_ok=True)
     rng = random.Random(0)
     for name, path in files.items():
@@ -252,13 +281,13 @@ def main(argv: list[str] | None = None) -> int:
     encoder = args.segment_encoder
     for stage, (package, name) in STAGES.items():
         overrides = []
-        if name.startswith("tiny_segment_"):
+        if stage != "sft":
             if "feedback" not in times:
                 times["feedback"] = collect_feedback(
                     out / "sft" / "final", Path("data/longform/prompts.jsonl"), out / "feedback",
                     max_new_tokens=args.max_new_tokens,
                 )  # fmt: skip
-            rows = out / "feedback" / f"{stage[3:]}.jsonl"
+            rows = out / "feedback" / f"{FEEDBACK_OF[stage]}.jsonl"
             n_train = int(0.9 * sum(1 for _ in rows.open()))
             overrides = [f"data.train.path={rows}", f"data.train.limit={n_train}",
                          f"data.eval.path={rows}", f"data.eval.offset={n_train}"]  # fmt: skip
