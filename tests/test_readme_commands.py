@@ -59,8 +59,8 @@ PLAN: dict[str, str] = {
     "uv run python -m direct_alignment.train --config configs/direct_alignment/tiny_dpo.yaml "
     "--import my_dpo --set loss.name=my_dpo": RUN,
     "uv run rlhf-lab compare --config configs/quickstart/compare.yaml "
-    "--set sft_model=outputs/quickstart-<time>/sft/final": "a <time> placeholder and ~8 CPU "
-    "minutes; its --fast form is tests/rlhf_lab/test_compare.py",
+    "--set sft_model=outputs/quickstart-<time>/sft/final --jobs 2": "a <time> placeholder and "
+    "~12 minutes on 2 cores; its --fast form is tests/rlhf_lab/test_compare.py",
     "uv run python -m policy_gradients.train "
     "--config configs/policy_gradients/grpo_qwen3_1p7b_reasoning_gym.yaml": "a hub model (network)",
     "uv run python -m policy_gradients.train --config configs/policy_gradients/grpo.yaml "
