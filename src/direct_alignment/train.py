@@ -126,7 +126,7 @@ def train(cfg: DAConfig, run: RunArgs) -> int:
     }[plan.layout if t.packing else "padded"]  # fmt: skip
     # packed pairs: a step's micro-batches merged into forwards of up to what a padded
     # micro-batch could hold (exact for per-pair losses up to rounding; the plan says when)
-    merge = t.packing and loss_fn.mean_of_pairs and not loss_fn.unpaired
+    merge = t.packing and loss_fn.mean_of_pairs
     budget = plan.pair_token_budget(micro, d.max_length) if merge else 0
     reference, ref_cache = None, None
     if loss_fn.needs_reference:

@@ -166,10 +166,10 @@ def micro_batches(
         spans = [rows[s : s + size] for s in range(0, len(rows), size)]
     else:
         assert tokens is not None, "a token budget needs tokens(row)"
-        spans, used = [], budget + 1
+        spans, used = [], 0
         for row in rows:
             cost = tokens(row)
-            if used + cost > budget:
+            if not spans or used + cost > budget:
                 spans.append([])
                 used = 0
             spans[-1].append(row)
