@@ -64,11 +64,20 @@ def arm_config(arm: str, args: argparse.Namespace, model: str, seed: int) -> dic
     cfg["model"] = {"name_or_path": model}
     if "bf16" in parts:
         cfg["model"]["dtype"] = "bf16"
-    cfg["data"]["train"]["reasoning_gym"]["size"] = 2000
-    if args.eval_size:
-        cfg["data"]["eval"]["reasoning_gym"]["size"] = args.eval_size
+    if args.task == "local":  # the same task from a file: no reasoning-gym (a bare GPU image)
+        cfg["data"] = {
+            "train": {"path": str(local_prompts(args.workdir, "train", 2000, 1))},
+            "eval": {"path": str(local_prompts(args.workdir, "eval", args.eval_size, 10_000_000))}
+            if args.eval_size
+            else None,
+        }
+        cfg["rewards"] = [{"name": "exact_match", "weight": 1.0, "extract": "full"}]
     else:
-        cfg["data"]["eval"] = None
+        cfg["data"]["train"]["reasoning_gym"]["size"] = 2000
+        if args.eval_size:
+            cfg["data"]["eval"]["reasoning_gym"]["size"] = args.eval_size
+        else:
+            cfg["data"]["eval"] = None
     cfg["rollout"].update(prompts_per_step=args.prompts, group_size=args.group,
                           max_new_tokens=args.tokens, max_staleness=int(parts[0][1:]))  # fmt: skip
     if "p09" in parts:
@@ -85,6 +94,22 @@ def arm_config(arm: str, args: argparse.Namespace, model: str, seed: int) -> dic
     return cfg
 
 
+def local_prompts(workdir: Path, split: str, size: int, seed: int) -> Path:
+    """`size` spell-backward rows ({"prompt", "answer"}) of random 3-10 letter words, as JSONL:
+    `--task local`'s data (scored by exact match on the whole completion)."""
+    import random
+
+    path = workdir / f"spell_backward_{split}.jsonl"
+    if not path.exists():
+        rng = random.Random(seed)
+        rows = []
+        for _ in range(size):
+            word = "".join(rng.choices("abcdefghijklmnopqrstuvwxyz", k=rng.randint(3, 10)))
+            rows.append({"prompt": f"Spell this word backward: {word}", "answer": word[::-1]})
+        path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return path
+
+
 def run_arm(
     arm: str, args: argparse.Namespace, model: str, workdir: Path, seed: int
 ) -> dict[str, Any]:
@@ -95,7 +120,8 @@ def run_arm(
     before = resource.getrusage(resource.RUSAGE_CHILDREN)
     load_before = os.getloadavg()[0]
     t0 = time.perf_counter()
-    env = {**os.environ, "PYTHONPATH": str(REPO / "src")}
+    paths = [str(REPO / "src"), os.environ.get("PYTHONPATH", "")]  # keep carried site-packages
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in paths if p)}
     cmd = [sys.executable, "-m", "policy_gradients.train", "--config", str(path),
            "--output-dir", str(out)]  # fmt: skip
     proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True)
@@ -194,6 +220,10 @@ def main() -> None:
     parser.add_argument("--group", type=int, default=8)
     parser.add_argument("--tokens", type=int, default=16)
     parser.add_argument("--eval-size", type=int, default=100)
+    parser.add_argument("--task", choices=("reasoning_gym", "local"), default="reasoning_gym",
+                        help="spell_backward from reasoning-gym, or the same task generated "
+                        "here into JSONL files (for a machine without reasoning-gym)")  # fmt: skip
+    parser.add_argument("--out", help="also copy the result files into this folder")
     parser.add_argument("--plot", help="write the reward curves to this PNG")
     parser.add_argument(
         "--threads", type=int, default=1, help="train.threads of every process (trainer and "
@@ -213,12 +243,14 @@ def main() -> None:
     payload: dict[str, Any] = {
         "model": args.model, "model_path": model, "when": timestamp(), "machine": machine(),
         "command": "uv run python -m benchmarks.async_rollouts " + " ".join(sys.argv[1:]),
+        "task": args.task,
         "shape": f"GRPO (tiny_grpo.yaml: 2 PPO epochs, clip 0.2), {args.prompts} prompts x "
         f"{args.group} completions x {args.tokens} new tokens per step, {args.steps} steps, "
         f"train.threads {args.threads}.",
         "runs": [],
     }  # fmt: skip
     with tempfile.TemporaryDirectory(prefix="async-bench-") as tmp:
+        args.workdir = Path(tmp)
         for round_ in range(args.rounds):
             order = [(seed, arm) for seed in args.seeds for arm in arms]
             for seed, arm in order if round_ % 2 == 0 else order[::-1]:
@@ -229,6 +261,12 @@ def main() -> None:
     payload["machine"]["load_average_at_end"] = [round(x, 2) for x in os.getloadavg()]
     stem = f"{payload['when']}-async-rollouts-{args.model}"
     json_path, md_path = write_results(stem, payload, markdown(payload), latest=False)
+    if args.out:
+        import shutil
+
+        Path(args.out).mkdir(parents=True, exist_ok=True)
+        for path in (json_path, md_path):
+            shutil.copy(path, args.out)
     if args.plot:
         plot(payload, Path(args.plot))
     print(f"wrote {json_path} and {md_path}")

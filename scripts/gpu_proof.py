@@ -299,6 +299,11 @@ def main(argv: list[str] | None = None) -> int:
     )  # fmt: skip
     parser.add_argument("--out", type=Path, required=True, help="folder for the results")
     parser.add_argument("--smoke", action="store_true", help="the CPU check at a tiny shape")
+    parser.add_argument(
+        "--skip-benchmark",
+        action="store_true",
+        help="leave the benchmark out (a rerun of the checks after a fix)",
+    )
     args = parser.parse_args(argv)
     out = args.out.resolve()
     out.mkdir(parents=True, exist_ok=True)
@@ -325,7 +330,8 @@ def main(argv: list[str] | None = None) -> int:
         print("gpu_proof: no CUDA device here; --smoke checks the script on the CPU")
         return 1
     part("cpu_only_paths", cpu_only_paths_off)
-    part("benchmark", benchmark, out, mode)
+    if not args.skip_benchmark:
+        part("benchmark", benchmark, out, mode)
     part("cuda_tests", cuda_tests, out, mode)
     print(render(proof))
     return 0 if proof["ok"] else 1

@@ -6,6 +6,7 @@
 #                                                benchmarks.gpu, pytest -m cuda -> DIR/gpu_proof.*
 #   bash scripts/gpu_proof.sh --smoke --out DIR  the same script on the CPU at a tiny shape, in the
 #                                                current environment (CI: tests/test_gpu_proof.py)
+#   bash scripts/gpu_proof.sh --skip-benchmark --out DIR   the checks only (a rerun after a fix)
 #   bash scripts/gpu_proof.sh --fetch-wheels     here, with a package registry: download the
 #                                                pinned wheels into wheels/ (Python 3.12, x86-64)
 #                                                and print their size against the 64 MiB carry
@@ -17,12 +18,14 @@ PY=${PYTHON:-python3}
 MODE=full
 OUT=gpu_proof_out
 FETCH=0
+SKIP_BENCH=0
 while [ $# -gt 0 ]; do
   case "$1" in
     --smoke) MODE=smoke ;;
     --fetch-wheels) FETCH=1 ;;
     --out) OUT=${2:?--out needs a folder}; shift ;;
-    -h|--help) sed -n '2,13p' "$0"; exit 0 ;;
+    --skip-benchmark) SKIP_BENCH=1 ;;
+    -h|--help) sed -n '2,14p' "$0"; exit 0 ;;
     *) echo "gpu_proof.sh: unknown argument $1 (see --help)" >&2; exit 2 ;;
   esac
   shift
@@ -96,4 +99,5 @@ export PYTHONPATH="$REPO/src:$REPO${PYTHONPATH:+:$PYTHONPATH}"
 export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TOKENIZERS_PARALLELISM=false WANDB_MODE=disabled
 args=(--out "$OUT")
 [ "$MODE" = smoke ] && args+=(--smoke)
+[ "$SKIP_BENCH" = 1 ] && args+=(--skip-benchmark)
 exec "$PY" scripts/gpu_proof.py "${args[@]}"

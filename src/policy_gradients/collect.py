@@ -126,7 +126,8 @@ def experience_of(
     r, alg, ro = cfg.rollout, cfg.algorithm, rollouts
     device = next(policy.parameters()).device
     mask = ro.action_mask[rows].to(device)
-    ids, attn = ro.sequence_ids[rows], ro.attention_mask[rows]
+    # on the trainer's device: a generator process's rollouts arrive on the CPU
+    ids, attn = ro.sequence_ids[rows].to(device), ro.attention_mask[rows].to(device)
     t0 = time.perf_counter()
     lp_args = (ids, attn, ro.prompt_length)
     lp_kwargs = {"temperature": r.temperature, "action_mask": mask}

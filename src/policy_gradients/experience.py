@@ -64,13 +64,20 @@ class Experience(LossInputs):
     def select(self, index: torch.Tensor | list[int]) -> Experience:
         """The rows `index` (a micro-batch), every tensor field indexed alike."""
         index = torch.as_tensor(index, dtype=torch.long, device=self.sequence_ids.device)
+        on = {index.device: index}  # the index on each device a field lives on (rewards: CPU)
+
+        def rows(value: torch.Tensor) -> torch.Tensor:
+            if value.device not in on:
+                on[value.device] = index.to(value.device)
+            return value[on[value.device]]
+
         out = {}
         for f in fields(self):
             value = getattr(self, f.name)
             if isinstance(value, torch.Tensor):
-                out[f.name] = value[index]
+                out[f.name] = rows(value)
             elif isinstance(value, dict):
-                out[f.name] = {k: v[index] for k, v in value.items()}
+                out[f.name] = {k: rows(v) for k, v in value.items()}
             else:
                 out[f.name] = value
         return Experience(**out)

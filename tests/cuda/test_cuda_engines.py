@@ -50,7 +50,7 @@ def one_process_group():
     backend = "cpu:gloo,cuda:nccl" if DEVICE.type == "cuda" else "gloo"
     dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
     if DEVICE.type == "cuda":
-        torch.cuda.set_device(DEVICE)
+        torch.cuda.set_device(DEVICE.index or 0)  # set_device needs an index, not 'cuda'
     yield
     dist.destroy_process_group()
 

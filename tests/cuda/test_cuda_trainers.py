@@ -131,12 +131,16 @@ def pg_dict(name: str, model_path: Path | str, algorithm: str) -> dict:
     }  # fmt: skip
 
 
-@pytest.mark.parametrize("algorithm", ["grpo", "ppo"])
-def test_policy_gradient(qwen3_dir, tmp_path, algorithm):
+@pytest.mark.parametrize("algorithm,staleness", [("grpo", 0), ("ppo", 0), ("grpo", 1)])
+def test_policy_gradient(qwen3_dir, tmp_path, algorithm, staleness):
+    """staleness 1: a generator process samples ahead on the GPU and its batches reach the
+    trainer on the CPU (the first GPU run found them left there)."""
     from policy_gradients.config import PGConfig
     from policy_gradients.train import train
 
-    cfg = PGConfig.model_validate(pg_dict(f"cuda_{algorithm}", qwen3_dir, algorithm))
+    data = pg_dict(f"cuda_{algorithm}_k{staleness}", qwen3_dir, algorithm)
+    data["rollout"]["max_staleness"] = staleness
+    cfg = PGConfig.model_validate(data)
     assert train(cfg, RunArgs(Path("t.yaml"), output_dir=tmp_path / "run")) == 0
     assert_run(tmp_path / "run")
     load_causal_lm(tmp_path / "run" / "final")
