@@ -31,6 +31,7 @@ several turns, told "higher" or "lower"), and the rows of their offline data set
 from __future__ import annotations
 
 import json
+import math
 import random
 import re
 from typing import Any
@@ -80,17 +81,24 @@ class ToolEnvironment(Environment):
     """An episode in which the model may call `tools` (`policy_gradients.tools`) before it answers.
 
     A reply with `<tool_call>` blocks gets one tool message per call back (an invalid call or a
-    failing tool: an error message) and `call_reward` per valid call (default 0); a reply without
-    one is the answer, scored by `score` (subclasses), and ends the episode. With
-    `describe_tools`, a system message lists the tools' JSON schemas, Hermes-style."""
+    failing tool: an error message), `call_reward` per valid call (default 0) and minus
+    `invalid_call_penalty` per invalid one (default 0); a reply without one is the answer, scored
+    by `score` (subclasses), and ends the episode. With `describe_tools`, a system message lists
+    the tools' JSON schemas, Hermes-style."""
 
     def __init__(
         self, *, tools: list[str], timeout_s: float = 2.0, call_reward: float = 0.0,
-        describe_tools: bool = False,
+        invalid_call_penalty: float = 0.0, describe_tools: bool = False,
     ) -> None:  # fmt: skip
         super().__init__()
+        if not 0.0 <= invalid_call_penalty < math.inf:
+            raise UserError(
+                "environment.env.invalid_call_penalty: expected a finite number >= 0 (subtracted "
+                f"per invalid call), got {invalid_call_penalty}"
+            )
         self.toolbox = ToolBox(tools, timeout_s=timeout_s)
         self.call_reward, self.describe_tools = float(call_reward), describe_tools
+        self.invalid_call_penalty = float(invalid_call_penalty)
         self.row: dict[str, Any] = {}
 
     def tools_prompt(self) -> str:
@@ -116,7 +124,8 @@ class ToolEnvironment(Environment):
         valid = sum(r.ok for r in results)
         self.count("tool_calls", len(results))
         self.count("invalid_tool_calls", len(results) - valid)
-        return [r.message() for r in results], self.call_reward * valid, False
+        reward = self.call_reward * valid - self.invalid_call_penalty * (len(results) - valid)
+        return [r.message() for r in results], reward, False
 
     def score(self, completion: str) -> float:
         raise NotImplementedError
@@ -132,11 +141,12 @@ class CalculatorArithmetic(ToolEnvironment):
 
     def __init__(
         self, *, tools: list[str] | None = None, timeout_s: float = 2.0, call_reward: float = 0.0,
-        right_call_reward: float = 0.0, describe_tools: bool = False,
+        invalid_call_penalty: float = 0.0, right_call_reward: float = 0.0,
+        describe_tools: bool = False,
     ) -> None:  # fmt: skip
         super().__init__(
             tools=tools or ["calculator"], timeout_s=timeout_s, call_reward=call_reward,
-            describe_tools=describe_tools,
+            invalid_call_penalty=invalid_call_penalty, describe_tools=describe_tools,
         )  # fmt: skip
         if not 0.0 <= right_call_reward < self.success_reward:
             raise UserError(

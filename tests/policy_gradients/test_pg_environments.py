@@ -419,6 +419,23 @@ def test_right_call_reward_is_paid_once_for_the_questions_operands():
         CalculatorArithmetic(right_call_reward=1.0)
 
 
+def test_invalid_call_penalty_is_taken_per_invalid_call():
+    """invalid_call_penalty: minus p for each call that did not run (bad JSON, an unknown tool,
+    a failing expression), beside call_reward per valid call; the right call's reward stays."""
+    env = CalculatorArithmetic(invalid_call_penalty=0.5, call_reward=0.1, right_call_reward=0.25)
+    messages = env.reset(prompt_item("37*48=?", answer="1776"))
+    assert env.step(messages, "<tool_call>{bad</tool_call>")[1] == -0.5
+    two_bad = '<tool_call>{"name": "nope", "arguments": {}}</tool_call>' + call("37*48)")
+    assert env.step(messages, two_bad)[1] == -1.0
+    assert env.step(messages, call("37*84"))[1] == pytest.approx(0.1)  # valid, wrong operands
+    assert env.step(messages, call("37*48") + "<tool_call>{bad</tool_call>")[1] == pytest.approx(
+        0.1 + 0.25 - 0.5)  # fmt: skip
+    assert env.stats == {"tool_calls": 6.0, "invalid_tool_calls": 4.0, "right_calls": 1.0}
+    for bad in (-0.1, math.inf, math.nan):
+        with pytest.raises(UserError, match="environment.env.invalid_call_penalty: .*>= 0"):
+            CalculatorArithmetic(invalid_call_penalty=bad)
+
+
 def test_guess_number_gives_feedback_until_right():
     env = GuessNumber()
     messages = env.reset(prompt_item("Guess my number, 1 to 8.", answer="6"))
