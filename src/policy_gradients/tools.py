@@ -94,8 +94,9 @@ def tool_schema(fn: Callable[..., Any], name: str | None = None) -> dict[str, An
 
 
 def parse_tool_calls(text: str) -> list[ToolCall]:
-    """Every `<tool_call>` block of `text`, in order; a `<tool_call>` never closed is an invalid
-    call too. Arguments may be an object or a JSON string holding one (OpenAI style)."""
+    """Every `<tool_call>` block of `text`, in order; a `<tool_call>` never closed, or a
+    `</tool_call>` never opened (a garbled opening tag), is an invalid call too. Arguments may be
+    an object or a JSON string holding one (OpenAI style)."""
     calls = []
     for body in TOOL_CALL.findall(text):
         try:
@@ -116,8 +117,11 @@ def parse_tool_calls(text: str) -> list[ToolCall]:
             calls.append(ToolCall(value["name"], {}, "arguments must be a JSON object"))
             continue
         calls.append(ToolCall(value["name"], args))
-    if text.count("<tool_call>") > text.count("</tool_call>"):
+    opened, closed = text.count("<tool_call>"), text.count("</tool_call>")
+    if opened > closed:
         calls.append(ToolCall(None, {}, "<tool_call> without </tool_call>"))
+    elif closed > opened:
+        calls.append(ToolCall(None, {}, "</tool_call> without <tool_call>"))
     return calls
 
 

@@ -323,6 +323,9 @@ def test_parse_tool_calls_reads_valid_and_flags_invalid_blocks():
     assert [c.error is not None for c in calls[2:]] == [True] * 4
     assert "invalid JSON" in calls[2].error and "</tool_call>" in calls[5].error
     assert parse_tool_calls("no calls here") == []
+    # a garbled opening tag (as sampled): a call that did not run, not an answer
+    garbled = parse_tool_calls('<tool_caol>{"name":"calculator","arguments":{}}</tool_call>')
+    assert len(garbled) == 1 and garbled[0].error == "</tool_call> without <tool_call>"
 
 
 def test_bad_tool_calls_become_error_messages():
