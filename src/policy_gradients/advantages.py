@@ -16,6 +16,8 @@ with the completion tokens (and, for `gae`, value targets):
     grpo       (r_i - mean_g r) / (std_g r + eps)   std unbiased (n - 1)       yes     no
     dr_grpo    r_i - mean_g r                                                  yes     no
     rloo       r_i - mean_{j in g, j != i} r_j                                 yes     no
+    turn_grpo  per turn j: A_ij + lam sum_{k>j} A_ik, A_ij GRPO over turn j   yes     no
+               (rewards per turn: dense (B, T), turns = runs of action_mask)
     reinforce  r_i  (minus the batch mean with baseline="batch_mean")          no      no
     gae        A_t = sum_l (gamma lam)^l delta_{t+l},
                delta_t = r_t + gamma V_{t+1} - V_t,  V after the last token = 0  no      yes
@@ -322,6 +324,61 @@ class RLOOAdvantage(GroupAdvantageEstimator):
 
 
 # ---------------------------------------------------------------------- batch estimators
+
+
+@ADVANTAGES.register("turn_grpo")
+class TurnGRPOAdvantage(AdvantageEstimator):
+    """Turn-level credit for multi-turn episodes: MT-GRPO (Zeng et al. 2025, "Reinforcing
+    Multi-Turn Reasoning in LLM Agents via Turn-Level Credit Assignment", arXiv:2505.11821).
+
+    The paper, for a tool turn and an answer turn, with turn reward R^T and outcome reward R^O:
+
+        A_i(turn 1) = A^T_i + lam * A^O_i,    A_i(turn 2) = A^O_i,
+        A^X_i = (R^X_i - mean_g R^X) / std_g R^X
+
+    Here for any number of turns: with R_ij the reward of model turn j of episode i (the dense
+    rewards summed over that turn's tokens; `environment` with `per_turn: true` puts each turn's
+    reward on its last token) and A_ij = (R_ij - mean R_.j) / (std R_.j + eps) over the episodes
+    of i's group that have a turn j (std unbiased; scale_rewards = False drops the division),
+
+        A_i(token in turn j) = A_ij + lam * sum_{k > j} A_ik
+
+    A turn is a run of consecutive action_mask 1s (environment tokens between turns are 0).
+    With one turn per episode this is `grpo`. lam = 1 credits a turn with every later turn's
+    outcome; lam = 0 with its own reward only.
+    """
+
+    needs_groups = True
+
+    def __init__(self, *, lam: float = 1.0, eps: float = 1e-6, scale_rewards: bool = True) -> None:
+        self._require(0 <= lam < math.inf, "lam", lam, "a finite number >= 0")
+        self._require(0 < eps < math.inf, "eps", eps, "a positive finite number")
+        self.lam, self.eps, self.scale_rewards = float(lam), float(eps), bool(scale_rewards)
+
+    def _estimate(self, rewards, mask, group_ids, values):
+        if rewards.dim() != 2:
+            raise self._error(
+                f"needs per-turn rewards (B, T), got {tuple(rewards.shape)}; give the "
+                "environment reward per_turn: true"
+            )
+        starts = mask & ~torch.nn.functional.pad(mask[:, :-1], (1, 0), value=False)
+        turn = torch.where(mask, starts.long().cumsum(dim=1) - 1, -1)  # (B, T), -1 off turns
+        turns = int(turn.max()) + 1 if bool(mask.any()) else 0
+        one_hot = turn[:, :, None] == torch.arange(turns, device=mask.device)  # (B, T, J)
+        per_turn = torch.where(one_hot, rewards[:, :, None], 0).sum(dim=1)  # R_ij (B, J)
+        present = one_hot.any(dim=1)  # (B, J)
+        advantage = torch.zeros_like(per_turn)
+        for j in range(turns):
+            rows = present[:, j]
+            size, total, variance = group_statistics(per_turn[rows, j], group_ids[rows])
+            a = per_turn[rows, j] - total / size
+            if self.scale_rewards:
+                a = a / (variance.sqrt() + self.eps)
+            advantage[rows, j] = a
+        later = advantage.flip(1).cumsum(dim=1).flip(1) - advantage  # sum_{k > j} A_ik
+        credit = advantage + self.lam * later
+        tokens = torch.where(one_hot, credit[:, None, :], 0).sum(dim=2)
+        return torch.where(mask, tokens, torch.zeros_like(tokens)), None
 
 
 @ADVANTAGES.register("reinforce")

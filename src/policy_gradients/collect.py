@@ -275,6 +275,7 @@ def reward_input(
         items=rep_items, lengths=ro.action_mask.sum(-1).cpu(), action_mask=ro.action_mask.cpu(),
         scorer=prompts.scorer, completion_ids=ro.completion_token_ids(),
         tokenizer=tokenizer, environment_rewards=ro.rewards if episodes else None,
+        environment_turn_rewards=ro.turn_rewards() if episodes else None,
     )  # fmt: skip
 
 

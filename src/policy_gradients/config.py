@@ -276,4 +276,11 @@ class PGConfig(TrainerConfig):
                 "per-token values across environment turns are not supported; use a group "
                 "estimator (grpo, dr_grpo, rloo) or reinforce"
             )
+        if self.algorithm.advantage["name"] == "turn_grpo" and not any(
+            r["name"] == "environment" and r.get("per_turn") for r in self.rewards
+        ):
+            raise UserError(
+                "algorithm.advantage 'turn_grpo' credits each turn with its own reward: it needs "
+                "an environment: block and the reward {name: environment, per_turn: true}"
+            )
         return self

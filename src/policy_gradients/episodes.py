@@ -23,8 +23,9 @@ when the environment says so, after `max_turns` model turns, when a model turn r
 `max_new_tokens` without eos (truncated), or when its next turn would pass `max_tokens`, the
 budget of model and environment tokens after the prompt (truncated). Its reward is the sum of the
 per-turn rewards (`rewards` (B,), the `environment` reward component); group estimators then
-compare whole trajectories. Not here: dense per-turn rewards for GAE, KV-cache reuse across turns
-(each turn re-encodes the episode so far), environments that run asynchronously.
+compare whole trajectories, and `turn_grpo` compares turns (with `environment`'s `per_turn`).
+Not here: dense per-turn rewards for GAE, KV-cache reuse across turns (each turn re-encodes the
+episode so far), environments that run asynchronously.
 """
 
 from __future__ import annotations
@@ -125,6 +126,10 @@ class Episodes(Rollouts):
     episodes: list[Episode]
     rewards: torch.Tensor  # (B,) each episode's summed rewards
 
+    def turn_rewards(self) -> torch.Tensor:
+        """(B, T) each model turn's reward on its last token (`turn_rewards`)."""
+        return turn_rewards(self.episodes, self.action_mask.shape[1])
+
     def completion_token_ids(self) -> list[list[int]]:
         return [e.completion_ids for e in self.episodes]
 
@@ -138,6 +143,20 @@ def left_pad(rows: list[list[int]], pad_id: int) -> tuple[torch.Tensor, torch.Te
             ids[i, width - len(row) :] = torch.tensor(row)
             mask[i, width - len(row) :] = 1
     return ids, mask
+
+
+def turn_rewards(episodes: list[Episode], width: int) -> torch.Tensor:
+    """(B, `width`) float32: each model turn's reward on that turn's last token, 0 elsewhere
+    (aligned with `episode_rows`' completion); a row sums to its episode's reward when every
+    rewarded turn has tokens. What `environment` with `per_turn: true` gives the trainer."""
+    out = torch.zeros((len(episodes), width), dtype=torch.float32)
+    for b, episode in enumerate(episodes):
+        at = 0
+        for turn in episode.turns:
+            at += len(turn.token_ids)
+            if turn.role == "assistant" and turn.token_ids:
+                out[b, at - 1] = turn.reward
+    return out
 
 
 def episode_rows(episodes: list[Episode], pad_id: int) -> tuple[Any, ...]:

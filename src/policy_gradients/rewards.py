@@ -66,6 +66,7 @@ class RewardInput:
     completion_ids: list[list[int]] | None = None  # the policy's completion tokens (through eos)
     tokenizer: Any = None  # the policy's tokenizer (dense rewards map text to its tokens)
     environment_rewards: torch.Tensor | None = None  # (B,) episode rewards (environment: block)
+    environment_turn_rewards: torch.Tensor | None = None  # (B, T) each turn's, on its last token
 
 
 def extract_answer(text: str) -> str | None:
@@ -421,11 +422,17 @@ class RougeReward:
 @REWARDS.register("environment")
 class EnvironmentReward:
     """The episode's rewards from the configured `environment:` (`policy_gradients.episodes`),
-    summed over its turns."""
+    summed over its turns; with `per_turn`, dense (B, T): each model turn's reward on that
+    turn's last token (what the `turn_grpo` advantage reads)."""
+
+    def __init__(self, *, per_turn: bool = False) -> None:
+        self.per_turn = bool(per_turn)
 
     def __call__(self, batch: RewardInput) -> torch.Tensor:
         if batch.environment_rewards is None:
             raise UserError("reward 'environment' needs an environment: block in the config")
+        if self.per_turn:
+            return batch.environment_turn_rewards
         return batch.environment_rewards
 
 

@@ -18,14 +18,21 @@ import pytest
 import torch
 from conftest import REPO, eos_prone_model, run_module
 
-from policy_gradients.advantages import GRPOAdvantage
+from policy_gradients.advantages import ADVANTAGES, GRPOAdvantage
 from policy_gradients.environments import (
     ENVIRONMENTS,
     CalculatorArithmetic,
     Environment,
     GuessNumber,
 )
-from policy_gradients.episodes import EpisodeRunner, environment_text, environment_tokens
+from policy_gradients.episodes import (
+    Episode,
+    EpisodeRunner,
+    Turn,
+    environment_text,
+    environment_tokens,
+    turn_rewards,
+)
 from policy_gradients.experience import LossInputs
 from policy_gradients.losses import LOSSES
 from policy_gradients.rollout import completion_logprobs
@@ -308,6 +315,92 @@ def test_multi_turn_grpo_loss_matches_a_float64_hand_computation():
 # ---------------------------------------------------------------------------- tools
 
 
+@pytest.mark.parametrize("scale", [True, False])
+def test_turn_grpo_matches_a_float64_hand_computation(scale: bool):
+    """MT-GRPO's turn-level advantage (arXiv:2505.11821), written out in loops: turns are runs of
+    the action mask; each turn's reward is normalised over the group's episodes that have that
+    turn; a token of turn j gets A_j + lam * sum of the later turns' A_k."""
+    lam, eps = 0.5, 1e-6
+    mask = torch.tensor([[1, 1, 0, 1, 1, 0, 1], [1, 0, 0, 1, 0, 0, 0], [1, 1, 1, 1, 1, 1, 1],
+                         [1, 0, 1, 1, 0, 0, 0], [1, 1, 0, 1, 0, 0, 0]]).bool()  # fmt: skip
+    groups = torch.tensor([7, 7, 7, 3, 3])
+    rewards = torch.zeros(5, 7, dtype=torch.float64)
+    for (b, t), v in {
+        (0, 1): 0.5,
+        (0, 4): 1.0,
+        (0, 6): -0.25,
+        (1, 0): 0.0,
+        (1, 3): 1.0,
+        (2, 6): 1.5,
+        (3, 0): 0.5,
+        (3, 3): 1.0,
+        (4, 1): 0.0,
+        (4, 3): 0.25,
+    }.items():
+        rewards[b, t] = v  # fmt: skip
+    got, returns = ADVANTAGES.get("turn_grpo")(lam=lam, eps=eps, scale_rewards=scale)(
+        rewards, action_mask=mask, group_ids=groups
+    )
+    assert returns is None
+
+    turns = []  # per row: [(token positions, reward)] in order
+    for b in range(5):
+        row, t = [], 0
+        while t < 7:
+            if mask[b, t]:
+                span = []
+                while t < 7 and mask[b, t]:
+                    span.append(t)
+                    t += 1
+                row.append((span, sum(float(rewards[b, u]) for u in span)))
+            else:
+                t += 1
+        turns.append(row)
+    assert [len(r) for r in turns] == [3, 2, 1, 2, 2]
+    adv = {}
+    for b in range(5):
+        for j, (_, r) in enumerate(turns[b]):
+            mates = [
+                turns[c][j][1] for c in range(5) if groups[c] == groups[b] and len(turns[c]) > j
+            ]
+            mean = sum(mates) / len(mates)
+            std = math.sqrt(sum((x - mean) ** 2 for x in mates) / (len(mates) - 1)) if len(
+                mates) > 1 else 0.0  # fmt: skip
+            adv[b, j] = (r - mean) / (std + eps) if scale else r - mean
+    want = torch.zeros(5, 7, dtype=torch.float64)
+    for b in range(5):
+        for j, (span, _) in enumerate(turns[b]):
+            value = adv[b, j] + lam * sum(adv[b, k] for k in range(j + 1, len(turns[b])))
+            for t in span:
+                want[b, t] = value
+    torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)
+
+    # one turn per episode: GRPO's advantage of the summed reward
+    full = torch.ones(5, 7, dtype=torch.bool)
+    one, _ = ADVANTAGES.get("turn_grpo")(lam=lam, scale_rewards=scale)(
+        rewards, action_mask=full, group_ids=groups
+    )
+    grpo, _ = GRPOAdvantage(scale_rewards=scale, dense_reduction="sum")(
+        rewards, action_mask=full, group_ids=groups
+    )
+    torch.testing.assert_close(one, grpo, rtol=1e-12, atol=1e-12)
+    with pytest.raises(ValueError, match="needs per-turn rewards"):
+        ADVANTAGES.get("turn_grpo")()(rewards.sum(-1), action_mask=mask, group_ids=groups)
+
+
+def test_turn_rewards_sit_on_each_model_turns_last_token():
+    episode = Episode([1, 2], turns=[
+        Turn("assistant", [5, 6, 7], "call", 0.5), Turn("environment", [8, 9], "result"),
+        Turn("assistant", [10, 11], "answer", 1.0), Turn("environment", [], "closing"),
+    ], reward=1.5)  # fmt: skip
+    short = Episode([1], turns=[Turn("assistant", [5], "answer", -0.25)], reward=-0.25)
+    got = turn_rewards([episode, short], width=8)
+    want = torch.zeros(2, 8)
+    want[0, 2], want[0, 6], want[1, 0] = 0.5, 1.0, -0.25
+    torch.testing.assert_close(got, want)
+    assert got.sum(-1).tolist() == [1.5, -0.25]
+
+
 def test_parse_tool_calls_reads_valid_and_flags_invalid_blocks():
     text = (
         'a <tool_call>{"name": "calculator", "arguments": {"expression": "2+3"}}</tool_call> '
@@ -579,6 +672,35 @@ def test_shipped_environment_configs_train(env: str, tmp_path: Path):
     assert "eval/greedy_success" in final and "eval/sampled_turns" in final
     if env == "calculator":
         assert "eval/sampled_tool_call_valid" in final
+
+
+def test_turn_grpo_trains_the_calculator_and_is_refused_without_per_turn_rewards(tmp_path: Path):
+    """algorithm.advantage turn_grpo with the environment's per-turn rewards, 2 steps of the
+    shipped calculator config; without per_turn the config is refused in one line."""
+    from rlhf_lab.multi_turn import ENVS, write_data
+
+    write_data(tmp_path, "calculator", train=32, held_out=4, worked=2)
+    model = save_eos_prone_model(tmp_path / "model")
+    config = REPO / "configs" / "policy_gradients" / f"{ENVS['calculator']}.yaml"
+    common = [
+        "--config", str(config), "--set", f"model.name_or_path={model}",
+        "--set", f"data.train.path={tmp_path}/train.jsonl",
+        "--set", f"data.eval.path={tmp_path}/eval.jsonl", "--set", "train.max_steps=2",
+        "--set", "rollout.prompts_per_step=2", "--set", "rollout.group_size=4",
+        "--set", "train.threads=1", "--set", "train.eval_every=0",
+        "--set", "algorithm.advantage={name: turn_grpo, lam: 0.5, scale_rewards: false}",
+    ]  # fmt: skip
+    refused = run_module("policy_gradients.train", *common, "--output-dir", str(tmp_path / "no"),
+                         cwd=tmp_path)  # fmt: skip
+    assert refused.returncode != 0 and "per_turn: true" in refused.stderr
+    run_dir = tmp_path / "run"
+    result = run_module(
+        "policy_gradients.train", *common, "--output-dir", str(run_dir),
+        "--set", "rewards=[{name: environment, per_turn: true}]", cwd=tmp_path,
+    )  # fmt: skip
+    assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-3000:]
+    rows = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert sum("train/loss" in r for r in rows) == 2
 
 
 @pytest.mark.parametrize("env_name", ["calculator", "guess"])
