@@ -338,14 +338,19 @@ class TurnGRPOAdvantage(AdvantageEstimator):
 
     Here for any number of turns: with R_ij the reward of model turn j of episode i (the dense
     rewards summed over that turn's tokens; `environment` with `per_turn: true` puts each turn's
-    reward on its last token) and A_ij = (R_ij - mean R_.j) / (std R_.j + eps) over the episodes
-    of i's group that have a turn j (std unbiased; scale_rewards = False drops the division),
+    reward on its last token; 0 for a turn the episode never reached) and
+    A_ij = (R_ij - mean_g R_.j) / (std_g R_.j + eps) over i's group (std unbiased;
+    scale_rewards = False drops the division),
 
         A_i(token in turn j) = A_ij + lam * sum_{k > j} A_ik
 
     A turn is a run of consecutive action_mask 1s (environment tokens between turns are 0).
-    With one turn per episode this is `grpo`. lam = 1 credits a turn with every later turn's
-    outcome; lam = 0 with its own reward only.
+    An episode that ends early earns 0 for the turns it missed, as the paper's outcome reward is
+    0 for a trajectory without an answer: ending early (e.g. a reply that derails instead of
+    finishing a broken call) is not a way around a later turn's reward. With one turn per
+    episode this is `grpo`; with lam = 1 and scale_rewards = False the first turn gets exactly
+    Dr. GRPO's advantage of the episode's summed reward. lam = 0 credits a turn with its own
+    reward only.
     """
 
     needs_groups = True
@@ -365,16 +370,13 @@ class TurnGRPOAdvantage(AdvantageEstimator):
         turn = torch.where(mask, starts.long().cumsum(dim=1) - 1, -1)  # (B, T), -1 off turns
         turns = int(turn.max()) + 1 if bool(mask.any()) else 0
         one_hot = turn[:, :, None] == torch.arange(turns, device=mask.device)  # (B, T, J)
-        per_turn = torch.where(one_hot, rewards[:, :, None], 0).sum(dim=1)  # R_ij (B, J)
-        present = one_hot.any(dim=1)  # (B, J)
+        per_turn = torch.where(one_hot, rewards[:, :, None], 0).sum(dim=1)  # R_ij (B, J), 0 if none
         advantage = torch.zeros_like(per_turn)
         for j in range(turns):
-            rows = present[:, j]
-            size, total, variance = group_statistics(per_turn[rows, j], group_ids[rows])
-            a = per_turn[rows, j] - total / size
+            size, total, variance = group_statistics(per_turn[:, j], group_ids)
+            advantage[:, j] = per_turn[:, j] - total / size
             if self.scale_rewards:
-                a = a / (variance.sqrt() + self.eps)
-            advantage[rows, j] = a
+                advantage[:, j] = advantage[:, j] / (variance.sqrt() + self.eps)
         later = advantage.flip(1).cumsum(dim=1).flip(1) - advantage  # sum_{k > j} A_ik
         credit = advantage + self.lam * later
         tokens = torch.where(one_hot, credit[:, None, :], 0).sum(dim=2)

@@ -140,6 +140,8 @@ def episode_figures(records: list[list[float]]) -> dict[str, float]:
     calls = sum(r[2] for r in records)
     if calls:
         out["tool_call_valid"] = 1.0 - sum(r[3] for r in records) / calls
+        # the share of episodes that made a call that ran: not raised by calling less
+        out["valid_call_episodes"] = sum(r[2] - r[3] > 0 for r in records) / n
     return out
 
 
@@ -226,10 +228,16 @@ def figures(results: dict[str, Any]) -> dict[str, float]:
     return {k: v for k, v in results.items() if k.startswith("eval/")}
 
 
-COLUMNS = ("greedy_success", "sampled_success", "sampled_tool_call_valid", "sampled_turns")
+COLUMNS = ("greedy_success", "sampled_success", "sampled_tool_call_valid",
+           "sampled_valid_call_episodes", "sampled_turns")  # fmt: skip
 
 
 def write_report(out: Path, env: str, results: list[dict], command: str) -> None:
+    for r in results:  # from the episodes' records (cached evaluations predate this figure)
+        for stage in ("sft", "grpo"):
+            found = episode_figures(r[stage]["episodes"]["sampled"])
+            if "valid_call_episodes" in found:
+                r[stage]["eval/sampled_valid_call_episodes"] = found["valid_call_episodes"]
     keys = [k for k in COLUMNS if f"eval/{k}" in results[0]["sft"]]
     lines = [f"# Multi-turn GRPO, tiny world: {env}", "", f"`{command}`", "",
              "| seed | stage | " + " | ".join(keys) + " |",
@@ -250,7 +258,8 @@ def write_report(out: Path, env: str, results: list[dict], command: str) -> None
     for r in results:
         cells = []
         for kind, key in (("greedy", "success"), ("sampled", "success"),
-                          ("sampled", "tool_call_valid")):  # fmt: skip
+                          ("sampled", "tool_call_valid"),
+                          ("sampled", "valid_call_episodes")):  # fmt: skip
             before, after = r["sft"]["episodes"][kind], r["grpo"]["episodes"][kind]
             if key in episode_figures(before):
                 diff, low, high = paired_difference(before, after, key)

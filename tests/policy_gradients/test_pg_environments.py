@@ -318,8 +318,8 @@ def test_multi_turn_grpo_loss_matches_a_float64_hand_computation():
 @pytest.mark.parametrize("scale", [True, False])
 def test_turn_grpo_matches_a_float64_hand_computation(scale: bool):
     """MT-GRPO's turn-level advantage (arXiv:2505.11821), written out in loops: turns are runs of
-    the action mask; each turn's reward is normalised over the group's episodes that have that
-    turn; a token of turn j gets A_j + lam * sum of the later turns' A_k."""
+    the action mask; each turn's reward is normalised over the group, a turn an episode never
+    reached counting 0; a token of turn j gets A_j + lam * sum of the later turns' A_k."""
     lam, eps = 0.5, 1e-6
     mask = torch.tensor([[1, 1, 0, 1, 1, 0, 1], [1, 0, 0, 1, 0, 0, 0], [1, 1, 1, 1, 1, 1, 1],
                          [1, 0, 1, 1, 0, 0, 0], [1, 1, 0, 1, 0, 0, 0]]).bool()  # fmt: skip
@@ -359,18 +359,17 @@ def test_turn_grpo_matches_a_float64_hand_computation(scale: bool):
     assert [len(r) for r in turns] == [3, 2, 1, 2, 2]
     adv = {}
     for b in range(5):
-        for j, (_, r) in enumerate(turns[b]):
-            mates = [
-                turns[c][j][1] for c in range(5) if groups[c] == groups[b] and len(turns[c]) > j
-            ]
+        for j in range(3):
+            r = turns[b][j][1] if len(turns[b]) > j else 0.0
+            mates = [turns[c][j][1] if len(turns[c]) > j else 0.0
+                     for c in range(5) if groups[c] == groups[b]]  # fmt: skip
             mean = sum(mates) / len(mates)
-            std = math.sqrt(sum((x - mean) ** 2 for x in mates) / (len(mates) - 1)) if len(
-                mates) > 1 else 0.0  # fmt: skip
+            std = math.sqrt(sum((x - mean) ** 2 for x in mates) / (len(mates) - 1))
             adv[b, j] = (r - mean) / (std + eps) if scale else r - mean
     want = torch.zeros(5, 7, dtype=torch.float64)
     for b in range(5):
         for j, (span, _) in enumerate(turns[b]):
-            value = adv[b, j] + lam * sum(adv[b, k] for k in range(j + 1, len(turns[b])))
+            value = adv[b, j] + lam * sum(adv[b, k] for k in range(j + 1, 3))
             for t in span:
                 want[b, t] = value
     torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)
@@ -384,6 +383,14 @@ def test_turn_grpo_matches_a_float64_hand_computation(scale: bool):
         rewards, action_mask=full, group_ids=groups
     )
     torch.testing.assert_close(one, grpo, rtol=1e-12, atol=1e-12)
+    # lam 1, unscaled: a first turn's advantage is Dr. GRPO's of the episode's summed reward
+    first, _ = ADVANTAGES.get("turn_grpo")(lam=1.0, scale_rewards=False)(
+        rewards, action_mask=mask, group_ids=groups
+    )
+    dr, _ = GRPOAdvantage(scale_rewards=False, dense_reduction="sum")(
+        rewards, action_mask=mask, group_ids=groups
+    )
+    torch.testing.assert_close(first[:, 0], dr[:, 0], rtol=1e-12, atol=1e-12)
     with pytest.raises(ValueError, match="needs per-turn rewards"):
         ADVANTAGES.get("turn_grpo")()(rewards.sum(-1), action_mask=mask, group_ids=groups)
 
