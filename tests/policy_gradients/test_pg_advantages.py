@@ -330,8 +330,10 @@ def test_group_of_equal_rewards_gives_zero_not_nan():
 def test_fully_masked_row_and_length_one():
     r, m, g = tensors()
     values = torch.tensor(random_values(), dtype=F64)
+    dense = torch.tensor(dense_rewards(), dtype=F64)
     for name in ADVANTAGES:
-        adv, returns = ADVANTAGES.get(name)()(r, action_mask=m, group_ids=g, values=values)
+        rewards = dense if name == "turn_grpo" else r  # per-turn rewards are dense
+        adv, returns = ADVANTAGES.get(name)()(rewards, action_mask=m, group_ids=g, values=values)
         assert torch.isfinite(adv).all(), name
         assert torch.equal(adv[~m], torch.zeros_like(adv[~m])), name
         assert torch.all(adv[2] == 0), name
@@ -439,12 +441,12 @@ def test_bad_settings_raise(name, kwargs, match):
 
 
 def test_registry_lists_names_and_flags():
-    assert ADVANTAGES.names() == ["dr_grpo", "gae", "grpo", "reinforce", "rloo"]
+    assert ADVANTAGES.names() == ["dr_grpo", "gae", "grpo", "reinforce", "rloo", "turn_grpo"]
     with pytest.raises(RegistryError, match="registered: dr_grpo, gae, grpo, reinforce, rloo"):
         ADVANTAGES.get("ppo")
     for name in ADVANTAGES:
         cls = ADVANTAGES.get(name)
-        assert cls.needs_groups == (name in {"grpo", "dr_grpo", "rloo"}), name
+        assert cls.needs_groups == (name in {"grpo", "dr_grpo", "rloo", "turn_grpo"}), name
         assert cls.needs_values == (name == "gae"), name
 
 
