@@ -421,9 +421,8 @@ class RougeReward:
 
 @REWARDS.register("environment")
 class EnvironmentReward:
-    """The episode's rewards from the configured `environment:` (`policy_gradients.episodes`),
-    summed over its turns; with `per_turn`, dense (B, T): each model turn's reward on that
-    turn's last token (what the `turn_grpo` advantage reads)."""
+    """The episode's rewards from the `environment:` (`policy_gradients.episodes`), summed over
+    its turns; with `per_turn`, (B, T): each turn's on its last token (for `turn_grpo`)."""
 
     def __init__(self, *, per_turn: bool = False) -> None:
         self.per_turn = bool(per_turn)
