@@ -323,9 +323,6 @@ class RLOOAdvantage(GroupAdvantageEstimator):
         return rewards - (total - rewards) / (size - 1)
 
 
-# ---------------------------------------------------------------------- batch estimators
-
-
 @ADVANTAGES.register("turn_grpo")
 class TurnGRPOAdvantage(AdvantageEstimator):
     """Turn-level credit for multi-turn episodes: MT-GRPO (Zeng et al. 2025, "Reinforcing
@@ -381,6 +378,9 @@ class TurnGRPOAdvantage(AdvantageEstimator):
         credit = advantage + self.lam * later
         tokens = torch.where(one_hot, credit[:, None, :], 0).sum(dim=2)
         return torch.where(mask, tokens, torch.zeros_like(tokens)), None
+
+
+# ---------------------------------------------------------------------- batch estimators
 
 
 @ADVANTAGES.register("reinforce")

@@ -63,13 +63,12 @@ class Experience(LossInputs):
 
     def select(self, index: torch.Tensor | list[int]) -> Experience:
         """The rows `index` (a micro-batch), every tensor field indexed alike."""
-        index = torch.as_tensor(index, dtype=torch.long, device=self.sequence_ids.device)
-        on = {index.device: index}  # the index on each device a field lives on (rewards: CPU)
+        index = torch.as_tensor(index, dtype=torch.long)
 
-        def rows(value: torch.Tensor) -> torch.Tensor:
-            if value.device not in on:
-                on[value.device] = index.to(value.device)
-            return value[on[value.device]]
+        def rows(
+            value: torch.Tensor,
+        ) -> torch.Tensor:  # each field on its own device (rewards: CPU)
+            return value[index.to(value.device)]
 
         out = {}
         for f in fields(self):
