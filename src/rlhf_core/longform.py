@@ -161,6 +161,41 @@ def sample_answer(
     return join_sentences(sentences)
 
 
+#: clause kinds of `sample_retrieval_answer` and their probabilities: the SFT policy's own kinds
+#: of factual error (docs/algorithms/fine_grained_rlhf.md), which only looking the fact up can tell
+RETRIEVAL_KINDS = {"correct": 0.5, "unstated_attribute": 0.2, "distractor_value": 0.15,
+                   "other_attested_value": 0.1, "unattested_value": 0.05}  # fmt: skip
+
+
+def sample_retrieval_answer(rng: random.Random, q: Question, *, max_clauses: int = 4) -> str:
+    """An answer of 1..`max_clauses` clauses about the target, each correct or wrong in one of the
+    ways the SFT policy is wrong (`RETRIEVAL_KINDS`): an attribute the notes do not give, the
+    distractor's value, another note-like value, or an unattested one. Only the last is
+    visible without reading the notes."""
+    clauses = []
+    for _ in range(rng.randint(1, max_clauses)):
+        kind = rng.choices(list(RETRIEVAL_KINDS), weights=list(RETRIEVAL_KINDS.values()))[0]
+        attribute = rng.choice(list(q.facts))
+        value = q.facts[attribute]
+        unstated = [a for a in ATTRIBUTES if a not in q.facts]
+        if kind == "unstated_attribute" and unstated:
+            attribute = rng.choice(unstated)
+            value = rng.choice(ATTRIBUTES[attribute][1][:ATTESTED])
+        elif kind == "distractor_value" and q.distractor_facts:
+            attribute, value = rng.choice(list(q.distractor_facts.items()))
+        elif kind == "other_attested_value":
+            value = rng.choice([v for v in ATTRIBUTES[attribute][1][:ATTESTED] if v != value])
+        elif kind == "unattested_value":
+            value = rng.choice(ATTRIBUTES[attribute][1][ATTESTED:])
+        clauses.append(clause(q.target, attribute, value))
+    sentences, i = [], 0
+    while i < len(clauses):  # one or two clauses per sentence
+        size = 2 if (i + 1 < len(clauses) and rng.random() < 0.5) else 1
+        sentences.append(clauses[i : i + size])
+        i += size
+    return join_sentences(sentences)
+
+
 # ----------------------------------------------------------------------------- grading
 
 
@@ -280,6 +315,20 @@ def write_task(
     return paths
 
 
+def write_retrieval_factuality(path: str | Path, n: int, *, seed: int = 0) -> Path:
+    """Write `n` factuality rows {"prompt", "completion", "labels"} (per sentence, 1 = factual
+    error) of `sample_retrieval_answer`s to `n` new questions (a seed of their own)."""
+    rng, path = random.Random(seed + 2_000_003), Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with path.open("w") as f:
+        for _ in range(n):
+            q = sample_question(rng)
+            answer = sample_retrieval_answer(rng, q)
+            labels = grade(q, answer).sentence_factual
+            f.write(json.dumps({"prompt": q.prompt, "completion": answer, "labels": labels}) + "\n")
+    return path
+
+
 def corpus(size: int = 400, seed: int = 12345) -> list[str]:
     """Texts for training the task's tokenizer: prompts and answers."""
     rng = random.Random(seed)
@@ -298,10 +347,20 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--train", type=int, default=2000)
     parser.add_argument("--heldout", type=int, default=200)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument(
+        "--retrieval", type=int, default=0, metavar="N",
+        help="also write factuality_retrieval.jsonl: N answers to N new questions with the SFT "
+        "policy's kinds of factual error (sample_retrieval_answer), labelled per sentence",
+    )  # fmt: skip
     args = parser.parse_args(argv)
     for name, path in write_task(args.out_dir, train=args.train, heldout=args.heldout,
                                  seed=args.seed).items():  # fmt: skip
         print(f"{name}: {path} ({sum(1 for _ in path.open())} rows)")
+    if args.retrieval:
+        path = write_retrieval_factuality(
+            Path(args.out_dir) / "factuality_retrieval.jsonl", args.retrieval, seed=args.seed
+        )
+        print(f"factuality_retrieval: {path} ({args.retrieval} rows)")
     return 0
 
 

@@ -109,3 +109,36 @@ def test_longform_files_are_consistent(tmp_path):
     )  # fmt: skip
     assert rates == {"irrelevant_rate": 0.0, "factual_error_rate": 0.0, "missing_rate": 0.0}
     assert 0.1 < sum(sum(r["labels"]) for r in rel) / sum(len(r["labels"]) for r in rel) < 0.4
+
+
+def test_retrieval_answers_carry_the_policys_kinds_of_error(tmp_path):
+    """`sample_retrieval_answer`'s wrong clauses are wrong only against the notes: every value
+    but the unattested kind is a value some note could state, so the label needs retrieval."""
+    import json
+    import random
+
+    rng = random.Random(3)
+    kinds = {"fact": 0, "unstated": 0, "distractor": 0, "attested": 0, "unattested": 0}
+    for _ in range(300):
+        q = longform.sample_question(rng)
+        for sub in segment(longform.sample_retrieval_answer(rng, q), "subsentence"):
+            name, attribute, value = longform.parse_clause(sub.text)
+            assert name == q.target  # never irrelevant: only the factual judgement varies
+            if q.facts.get(attribute) == value:
+                kinds["fact"] += 1
+            elif attribute not in q.facts:
+                kinds["unstated"] += 1
+            elif q.distractor_facts.get(attribute) == value:
+                kinds["distractor"] += 1
+            elif value in longform.ATTRIBUTES[attribute][1][: longform.ATTESTED]:
+                kinds["attested"] += 1
+            else:
+                kinds["unattested"] += 1
+    assert all(kinds.values()), kinds
+    assert 0.4 < kinds["fact"] / sum(kinds.values()) < 0.65
+    path = longform.write_retrieval_factuality(tmp_path / "r.jsonl", 50, seed=1)
+    rows = [json.loads(x) for x in path.read_text().splitlines()]
+    assert len(rows) == 50 and len({r["prompt"] for r in rows}) == 50
+    for row in rows:
+        q = longform.question_from_prompt(row["prompt"])
+        assert row["labels"] == longform.grade(q, row["completion"]).sentence_factual
