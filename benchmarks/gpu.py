@@ -368,7 +368,60 @@ def bench_decode_vs_generate(s: Settings, model, ids, mask, device) -> dict[str,
     equal = (tokens["decode"][:, :n] == tokens["generate"][:, :n]).all(-1)
     out["rows_equal"] = float(equal.float().mean())
     out["speedup"] = out["decode"]["tokens_per_s"] / out["generate"]["tokens_per_s"]
+    out["parting"] = parting_margins(model, ids, mask, tokens["decode"][:, :n],
+                                     tokens["generate"][:, :n], eos)  # fmt: skip
     return out
+
+
+def parting_margins(model, ids, mask, ours, theirs, eos: int) -> dict[str, Any]:
+    """Where two greedy decodings of the same rows part, and by how much: for each row that
+    differs, the first position p at which it does and `generate`'s own logit gap at p between
+    its token and ours (one more untimed `generate` that returns its scores). A gap within two
+    bf16 spacings of the top logit (2 x 2^(floor(log2|top|) - 7)) is a near-tie that rounding
+    alone can flip; a wide gap would be a bug in one of the two loops."""
+    import torch
+
+    rows = (ours != theirs).any(-1).nonzero().flatten().tolist()
+    out: dict[str, Any] = {"rows": len(rows), "first_position": [], "gap": [], "near_tie": 0}
+    if not rows:
+        return out
+    model.eval()
+    with torch.no_grad():
+        scored = model.generate(input_ids=ids[rows], attention_mask=mask[rows], do_sample=False,
+                                max_new_tokens=ours.shape[1], eos_token_id=eos, pad_token_id=0,
+                                output_scores=True, return_dict_in_generate=True)  # fmt: skip
+    model.train()
+    same = scored.sequences[:, ids.shape[1] :]
+    for k, r in enumerate(rows):
+        n = min(same.shape[1], ours.shape[1])
+        if not torch.equal(same[k, :n], theirs[r, :n]):  # generate itself not repeatable
+            continue
+        p = int((ours[r, :n] != theirs[r, :n]).nonzero()[0])
+        logits = scored.scores[p][k].float()
+        top = float(logits[theirs[r, p]])
+        gap = top - float(logits[ours[r, p]])
+        spacing = 2.0 ** (torch.tensor(abs(top) or 1.0).log2().floor().item() - 7)
+        out["first_position"].append(p)
+        out["gap"].append(gap)
+        out["near_tie"] += int(gap <= 2 * spacing)
+    if out["gap"]:
+        out["median_first_position"] = sorted(out["first_position"])[len(out["gap"]) // 2]
+        out["median_gap"] = sorted(out["gap"])[len(out["gap"]) // 2]
+        out["max_gap"] = max(out["gap"])
+    return out
+
+
+def parting_text(d: dict[str, Any]) -> str:
+    """One sentence on where the differing rows part (`parting_margins`)."""
+    p = d.get("parting") or {}
+    if not p.get("gap"):
+        return ""
+    return (
+        f"Rows that differ part at token {p['median_first_position']} (median) where "
+        f"`generate`'s logits put its token {p['median_gap']:.3f} (median; max "
+        f"{p['max_gap']:.3f}) above ours: {p['near_tie']} of {len(p['gap'])} within two bf16 "
+        "spacings of the top logit (a near-tie)."
+    )
 
 
 def render(r: dict[str, Any]) -> str:
@@ -419,7 +472,7 @@ def render(r: dict[str, Any]) -> str:
         f"{g['decode_vs_generate']['decode']['tokens_per_s']:.0f} tokens/s, transformers "
         f"`generate` {g['decode_vs_generate']['generate']['tokens_per_s']:.0f} tokens/s "
         f"({g['decode_vs_generate']['speedup']:.2f}x); rows equal throughout "
-        f"{g['decode_vs_generate']['rows_equal']:.0%}.",
+        f"{g['decode_vs_generate']['rows_equal']:.0%}. {parting_text(g['decode_vs_generate'])}",
         "",
         f"Target >= 40% MFU for SFT/DPO: SFT {r['sft_dpo']['sft']['mfu'] >= 0.4}, "
         f"DPO {r['sft_dpo']['dpo']['mfu'] >= 0.4}.",

@@ -226,6 +226,7 @@ def benchmark(out: Path, mode: str) -> dict[str, Any]:
             "generate_tokens_per_s": g["decode_vs_generate"]["generate"]["tokens_per_s"],
             "decode_speedup_vs_generate": g["decode_vs_generate"]["speedup"],
             "decode_rows_equal_generate": g["decode_vs_generate"]["rows_equal"],
+            "decode_parting": g["decode_vs_generate"].get("parting"),
             "speed_plan": sd["speed_plan"],
         }  # fmt: skip
     return part
@@ -267,6 +268,8 @@ def render(proof: dict[str, Any]) -> str:
             msg = r["message"].replace("|", "/").replace("\n", " ")[:160]
             lines.append(f"| {name} | {r['outcome']} | {r['seconds']:.1f} | {msg} |")
     if "benchmark" in proof and "summary" in proof["benchmark"]:
+        from benchmarks.gpu import parting_text
+
         b = proof["benchmark"]["summary"]
         lines += [
             "", f"Benchmark (`benchmarks.gpu`, {b['dtype']}, attention `{b['attention']}`, "
@@ -278,7 +281,8 @@ def render(proof: dict[str, Any]) -> str:
             f"{b['grpo_generation_share']:.0%} of the step",
             f"- greedy decode {b['decode_tokens_per_s']:.0f} tokens/s vs `generate` "
             f"{b['generate_tokens_per_s']:.0f} ({b['decode_speedup_vs_generate']:.2f}x), rows "
-            f"equal {b['decode_rows_equal_generate']:.0%}",
+            f"equal {b['decode_rows_equal_generate']:.0%}. "
+            f"{parting_text({'parting': b.get('decode_parting')})}",
             "", "Full tables: gpu.md.",
         ]  # fmt: skip
     return "\n".join(lines) + "\n"
