@@ -111,3 +111,35 @@ def test_smoke_mode_runs_end_to_end_and_writes_its_record(tmp_path):
     for path in PATHS:
         assert f"| {path} | True |" in text, path
     assert "test_cuda_trainers::test_sft | skipped" in text or "test_sft | passed" in text
+
+
+def test_parting_margins_find_where_two_greedy_decodings_part_and_by_what_gap():
+    """`benchmarks.gpu.parting_margins` on a real tiny model: `generate`'s own tokens against
+    themselves part nowhere; a token changed by hand parts at its position with a gap of
+    `generate`'s logits, far wider than bf16 rounding (not counted as a near-tie)."""
+    from transformers import AutoModelForCausalLM
+
+    from rlhf_core.tiny import preset_dir
+
+    # from its file: pysbd installs a top-level package also named `benchmarks`
+    spec = importlib.util.spec_from_file_location("rlhf_lab_bench_gpu", REPO / "benchmarks/gpu.py")
+    gpu = sys.modules[spec.name] = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(gpu)
+    parting_margins, parting_text = gpu.parting_margins, gpu.parting_text
+
+    model = AutoModelForCausalLM.from_pretrained(preset_dir("tiny-qwen3"), dtype=torch.float32)
+    ids = torch.randint(10, 90, (4, 8), generator=torch.Generator().manual_seed(0))
+    mask = torch.ones_like(ids)
+    eos = model.config.eos_token_id
+    model.eval()
+    with torch.no_grad():
+        theirs = model.generate(input_ids=ids, attention_mask=mask, do_sample=False,
+                                max_new_tokens=12, eos_token_id=eos, pad_token_id=0)  # fmt: skip
+    theirs = theirs[:, ids.shape[1] :]
+    assert parting_margins(model, ids, mask, theirs, theirs, eos)["rows"] == 0
+    ours = theirs.clone()
+    ours[2, 5] = (ours[2, 5] + 1) % 90
+    parted = parting_margins(model, ids, mask, ours, theirs, eos)
+    assert parted["rows"] == 1 and parted["first_position"] == [5]
+    assert parted["gap"][0] > 0.05 and parted["near_tie"] == 0
+    assert "part at token 5" in parting_text({"parting": parted})
