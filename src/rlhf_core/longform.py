@@ -99,6 +99,16 @@ def join_sentences(sentences: list[list[str]]) -> str:
     return " ".join(t[0].upper() + t[1:] for t in text)
 
 
+def join_in_sentences(rng: random.Random, clauses: list[str]) -> str:
+    """`clauses` in order, one or two to a sentence (two with probability 1/2), as text."""
+    sentences, i = [], 0
+    while i < len(clauses):
+        size = 2 if (i + 1 < len(clauses) and rng.random() < 0.5) else 1
+        sentences.append(clauses[i : i + size])
+        i += size
+    return join_sentences(sentences)
+
+
 def sample_question(rng: random.Random, *, n_facts: int = 3, n_distractor: int = 2) -> Question:
     target, distractor = rng.sample(NAMES, 2)
     attributes = rng.sample(list(ATTRIBUTES), n_facts)
@@ -153,12 +163,7 @@ def sample_answer(
         clauses.append(clause(q.target, attribute, value))
     if rng.random() < p_irrelevant:
         clauses.insert(rng.randrange(len(clauses) + 1), rng.choice(FILLERS))
-    sentences, i = [], 0
-    while i < len(clauses):  # one or two clauses per sentence
-        size = 2 if (i + 1 < len(clauses) and rng.random() < 0.5) else 1
-        sentences.append(clauses[i : i + size])
-        i += size
-    return join_sentences(sentences)
+    return join_in_sentences(rng, clauses)
 
 
 #: clause kinds of `sample_retrieval_answer` and their probabilities: the SFT policy's own kinds
@@ -188,12 +193,7 @@ def sample_retrieval_answer(rng: random.Random, q: Question, *, max_clauses: int
         elif kind == "unattested_value":
             value = rng.choice(ATTRIBUTES[attribute][1][ATTESTED:])
         clauses.append(clause(q.target, attribute, value))
-    sentences, i = [], 0
-    while i < len(clauses):  # one or two clauses per sentence
-        size = 2 if (i + 1 < len(clauses) and rng.random() < 0.5) else 1
-        sentences.append(clauses[i : i + size])
-        i += size
-    return join_sentences(sentences)
+    return join_in_sentences(rng, clauses)
 
 
 # ----------------------------------------------------------------------------- grading
