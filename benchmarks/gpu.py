@@ -376,34 +376,39 @@ def bench_decode_vs_generate(s: Settings, model, ids, mask, device) -> dict[str,
 def parting_margins(model, ids, mask, ours, theirs, eos: int) -> dict[str, Any]:
     """Where two greedy decodings of the same rows part, and by how much: for each row that
     differs, the first position p at which it does and `generate`'s own logit gap at p between
-    its token and ours (one more untimed `generate` that returns its scores). A gap within two
-    bf16 spacings of the top logit (2 x 2^(floor(log2|top|) - 7)) is a near-tie that rounding
-    alone can flip; a wide gap would be a bug in one of the two loops."""
+    its token and ours (one more untimed `generate` of the same batch that returns its scores).
+    A gap within two bf16 spacings of the top logit (2 x 2^(floor(log2|top|) - 7)) is a near-tie
+    that rounding alone can flip; a wide gap would be a bug in one of the two loops. A row whose
+    rerun differs from `theirs` (`generate` not repeatable) is counted in `unrepeatable`."""
+    import math
+
     import torch
 
     rows = (ours != theirs).any(-1).nonzero().flatten().tolist()
-    out: dict[str, Any] = {"rows": len(rows), "first_position": [], "gap": [], "near_tie": 0}
+    out: dict[str, Any] = {"rows": len(rows), "first_position": [], "gap": [], "near_tie": 0,
+                           "unrepeatable": 0}  # fmt: skip
     if not rows:
         return out
     model.eval()
     with torch.no_grad():
-        scored = model.generate(input_ids=ids[rows], attention_mask=mask[rows], do_sample=False,
+        scored = model.generate(input_ids=ids, attention_mask=mask, do_sample=False,
                                 max_new_tokens=ours.shape[1], eos_token_id=eos, pad_token_id=0,
                                 output_scores=True, return_dict_in_generate=True)  # fmt: skip
     model.train()
-    same = scored.sequences[:, ids.shape[1] :]
-    for k, r in enumerate(rows):
-        n = min(same.shape[1], ours.shape[1])
-        if not torch.equal(same[k, :n], theirs[r, :n]):  # generate itself not repeatable
+    again = scored.sequences[:, ids.shape[1] :]
+    n = min(again.shape[1], ours.shape[1])
+    for r in rows:
+        parted = (ours[r, :n] != theirs[r, :n]).nonzero()
+        if not torch.equal(again[r, :n], theirs[r, :n]) or len(parted) == 0:
+            out["unrepeatable"] += 1
             continue
-        p = int((ours[r, :n] != theirs[r, :n]).nonzero()[0])
-        logits = scored.scores[p][k].float()
+        p = int(parted[0])
+        logits = scored.scores[p][r].float()
         top = float(logits[theirs[r, p]])
         gap = top - float(logits[ours[r, p]])
-        spacing = 2.0 ** (torch.tensor(abs(top) or 1.0).log2().floor().item() - 7)
         out["first_position"].append(p)
         out["gap"].append(gap)
-        out["near_tie"] += int(gap <= 2 * spacing)
+        out["near_tie"] += int(gap <= 2 * 2.0 ** (math.floor(math.log2(abs(top) or 1.0)) - 7))
     if out["gap"]:
         out["median_first_position"] = sorted(out["first_position"])[len(out["gap"]) // 2]
         out["median_gap"] = sorted(out["gap"])[len(out["gap"]) // 2]
@@ -420,8 +425,10 @@ def parting_text(d: dict[str, Any]) -> str:
         f"Rows that differ part at token {p['median_first_position']} (median) where "
         f"`generate`'s logits put its token {p['median_gap']:.3f} (median; max "
         f"{p['max_gap']:.3f}) above ours: {p['near_tie']} of {len(p['gap'])} within two bf16 "
-        "spacings of the top logit (a near-tie)."
-    )
+        "spacings of the top logit (a near-tie)"
+        + (f"; {p['unrepeatable']} not repeatable by `generate` itself." if p.get("unrepeatable")
+           else ".")
+    )  # fmt: skip
 
 
 def render(r: dict[str, Any]) -> str:
