@@ -28,6 +28,13 @@ a machine whose cores other jobs also use, two spinning OpenMP threads per proce
     uv run python -m benchmarks.async_rollouts --model tiny --sft outputs/tiny_sft/final \
         --arms k0,k1,k2,k1+dec,k2+dec --steps 20 --rounds 1
     uv run python -m benchmarks.async_rollouts --model real --arms k0,k1,k2 --steps 8
+    python -m benchmarks.async_rollouts --model real --task local --spaced --sft-steps 1000 \
+        --arms k0,k1 --steps 30 --eval-size 100      # on a GPU: learning, not just speed
+
+`--sft-steps N` first trains the model by SFT on `--task local`'s rows (so the reward is not 0
+throughout, as it is for a random-initialised model); `--spaced` spaces the letters, one GPT-2
+token per letter (unspaced, a GPT-2-vocabulary model learns nothing: 0 exact match after 600
+SFT steps of `tiny-qwen3-gpt2`, against 0.255 greedy spaced).
 
 writes benchmarks/results/<time>-async-rollouts-<model>.{json,md} (and, with --plot, the reward
 curves as a PNG).
@@ -65,12 +72,10 @@ def arm_config(arm: str, args: argparse.Namespace, model: str, seed: int) -> dic
     if "bf16" in parts:
         cfg["model"]["dtype"] = "bf16"
     if args.task == "local":  # the same task from a file: no reasoning-gym (a bare GPU image)
-        cfg["data"] = {
-            "train": {"path": str(local_prompts(args.workdir, "train", 2000, 1))},
-            "eval": {"path": str(local_prompts(args.workdir, "eval", args.eval_size, 10_000_000))}
-            if args.eval_size
-            else None,
-        }
+        train = local_prompts(args.workdir, "train", 2000, 1, args.spaced)
+        heldout = local_prompts(args.workdir, "eval", args.eval_size, 10_000_000, args.spaced)
+        cfg["data"] = {"train": {"path": str(train)},
+                       "eval": {"path": str(heldout)} if args.eval_size else None}  # fmt: skip
         cfg["rewards"] = [{"name": "exact_match", "weight": 1.0, "extract": "full"}]
     else:
         cfg["data"]["train"]["reasoning_gym"]["size"] = 2000
@@ -94,20 +99,63 @@ def arm_config(arm: str, args: argparse.Namespace, model: str, seed: int) -> dic
     return cfg
 
 
-def local_prompts(workdir: Path, split: str, size: int, seed: int) -> Path:
+def local_prompts(workdir: Path, split: str, size: int, seed: int, spaced: bool = False) -> Path:
     """`size` spell-backward rows ({"prompt", "answer"}) of random 3-10 letter words, as JSONL:
-    `--task local`'s data (scored by exact match on the whole completion)."""
+    `--task local`'s data (scored by exact match on the whole completion). `spaced`: the letters
+    of word and answer separated by spaces ("c a t" -> "t a c"), so that a BPE vocabulary such as
+    GPT-2's sees one token per letter and a model trained from scratch can learn the task."""
     import random
 
-    path = workdir / f"spell_backward_{split}.jsonl"
+    path = workdir / f"spell_backward_{split}{size}{'_spaced' if spaced else ''}.jsonl"
     if not path.exists():
         rng = random.Random(seed)
+        join = " ".join if spaced else "".join
         rows = []
         for _ in range(size):
-            word = "".join(rng.choices("abcdefghijklmnopqrstuvwxyz", k=rng.randint(3, 10)))
-            rows.append({"prompt": f"Spell this word backward: {word}", "answer": word[::-1]})
+            word = rng.choices("abcdefghijklmnopqrstuvwxyz", k=rng.randint(3, 10))
+            rows.append({"prompt": f"Spell this word backward: {join(word)}",
+                         "answer": join(word[::-1])})  # fmt: skip
         path.write_text("".join(json.dumps(r) + "\n" for r in rows))
     return path
+
+
+def sft_first(args: argparse.Namespace, model: str, workdir: Path) -> tuple[str, dict[str, Any]]:
+    """`--sft-steps N`: SFT `model` on `--task local`'s training rows for N steps
+    (configs/instruction_tuning/tiny_sft.yaml's settings, `--sft-lr`), so that the arms start
+    from a model whose sampled answers sometimes earn the reward (a random-initialised one's
+    never do). Returns the SFT model's final/ directory and its held-out figures."""
+    cfg = yaml.safe_load((REPO / "configs/instruction_tuning/tiny_sft.yaml").read_text())
+    cfg["name"] = "async_sft"
+    cfg["model"] = {"name_or_path": model}
+    cfg["data"] = {
+        "train": {"path": str(local_prompts(workdir, "train", 20_000, 1, args.spaced))},
+        "eval": {"path": str(local_prompts(workdir, "sft_eval", 200, 30_000_000, args.spaced))},
+        "columns": {"completion": "answer"},
+        "max_length": 96,
+    }
+    cfg["train"].update(max_steps=args.sft_steps, eval_every=0, threads=args.threads,
+                        eval_max_new_tokens=args.tokens)  # fmt: skip
+    cfg["optim"]["lr"] = args.sft_lr
+    cfg["checkpoint"] = {"save_every": 0, "save_final": True}
+    path, out = workdir / "async_sft.yaml", workdir / "async_sft"
+    path.write_text(yaml.safe_dump(cfg, sort_keys=False))
+    paths = [str(REPO / "src"), os.environ.get("PYTHONPATH", "")]
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in paths if p)}
+    t0 = time.perf_counter()
+    proc = subprocess.run([sys.executable, "-m", "instruction_tuning.train", "--config",
+                           str(path), "--output-dir", str(out)], cwd=REPO, env=env,
+                          capture_output=True, text=True)  # fmt: skip
+    if proc.returncode != 0:
+        raise RuntimeError(f"the SFT stage failed:\n{proc.stderr[-3000:]}")
+    summary = json.loads((out / "summary.json").read_text())
+    figures = {k: summary.get(k) for k in ("eval/greedy_exact_match", "eval/sampled_exact_match",
+                                           "final_train_loss")}  # fmt: skip
+    return str(out / "final"), {
+        "steps": args.sft_steps,
+        "lr": args.sft_lr,
+        "wall_s": round(time.perf_counter() - t0, 1),
+        **figures,
+    }
 
 
 def run_arm(
@@ -170,6 +218,12 @@ def markdown(payload: dict[str, Any]) -> str:
         "load before/after |",
         "|---" * 15 + "|",
     ]  # fmt: skip
+    if payload.get("sft"):
+        s = payload["sft"]
+        lines[4:4] = [f"The arms start from an SFT of that model on the task's rows: {s['steps']} "
+                      f"steps at lr {s['lr']}, {s['wall_s']} s; held-out exact match greedy "
+                      f"{_fmt(s['eval/greedy_exact_match'])}, sampled "
+                      f"{_fmt(s['eval/sampled_exact_match'])}.", ""]  # fmt: skip
     for r in payload["runs"]:
         rew = r["reward"]
         tail = statistics.fmean(rew[-3:]) if rew else float("nan")
@@ -223,6 +277,19 @@ def main() -> None:
     parser.add_argument("--task", choices=("reasoning_gym", "local"), default="reasoning_gym",
                         help="spell_backward from reasoning-gym, or the same task generated "
                         "here into JSONL files (for a machine without reasoning-gym)")  # fmt: skip
+    parser.add_argument(
+        "--spaced",
+        action="store_true",
+        help="--task local with spaced letters (one GPT-2 token per letter)",
+    )
+    parser.add_argument(
+        "--sft-steps",
+        type=int,
+        default=0,
+        help="first SFT the model on the "
+        "--task local rows for this many steps; the arms start from it",
+    )
+    parser.add_argument("--sft-lr", type=float, default=3e-4)
     parser.add_argument("--out", help="also copy the result files into this folder")
     parser.add_argument("--plot", help="write the reward curves to this PNG")
     parser.add_argument(
@@ -238,6 +305,8 @@ def main() -> None:
         from benchmarks.workload import model_dir
 
         model = str(model_dir("real"))
+    if (args.spaced or args.sft_steps) and args.task != "local":
+        parser.error("--spaced and --sft-steps need --task local (the task as JSONL rows)")
     arms = args.arms.split(",")
     args.threads = args.threads or None
     payload: dict[str, Any] = {
@@ -246,11 +315,14 @@ def main() -> None:
         "task": args.task,
         "shape": f"GRPO (tiny_grpo.yaml: 2 PPO epochs, clip 0.2), {args.prompts} prompts x "
         f"{args.group} completions x {args.tokens} new tokens per step, {args.steps} steps, "
-        f"train.threads {args.threads}.",
+        f"train.threads {args.threads}." + (" Letters spaced." if args.spaced else ""),
         "runs": [],
     }  # fmt: skip
     with tempfile.TemporaryDirectory(prefix="async-bench-") as tmp:
         args.workdir = Path(tmp)
+        if args.sft_steps:
+            model, payload["sft"] = sft_first(args, model, Path(tmp))
+            print(json.dumps({"sft": payload["sft"]}), flush=True)
         for round_ in range(args.rounds):
             order = [(seed, arm) for seed in args.seeds for arm in arms]
             for seed, arm in order if round_ % 2 == 0 else order[::-1]:
