@@ -168,15 +168,17 @@ def sample_answer(
 
 #: clause kinds of `sample_retrieval_answer` and their probabilities: the SFT policy's own kinds
 #: of factual error (docs/algorithms/fine_grained_rlhf.md), which only looking the fact up can tell
-RETRIEVAL_KINDS = {"correct": 0.5, "unstated_attribute": 0.2, "distractor_value": 0.15,
-                   "other_attested_value": 0.1, "unattested_value": 0.05}  # fmt: skip
+RETRIEVAL_KINDS = {"correct": 0.5, "unstated_attribute": 0.1, "distractor_value": 0.3,
+                   "other_attested_value": 0.05, "unattested_value": 0.05}  # fmt: skip
 
 
 def sample_retrieval_answer(rng: random.Random, q: Question, *, max_clauses: int = 4) -> str:
     """An answer of 1..`max_clauses` clauses about the target, each correct or wrong in one of the
-    ways the SFT policy is wrong (`RETRIEVAL_KINDS`): an attribute the notes do not give, the
-    distractor's value, another note-like value, or an unattested one. Only the last is
-    visible without reading the notes."""
+    ways the SFT policy is wrong (`RETRIEVAL_KINDS`): an attribute the notes do not give (with
+    the distractor's value for it where the notes give one), the distractor's value, another
+    note-like value, or an unattested one. Only the last is visible without reading the notes,
+    and as in the policy's answers most wrong values are copied from the notes (another
+    person's), so "is this value in the notes at all" does not tell them apart."""
     clauses = []
     for _ in range(rng.randint(1, max_clauses)):
         kind = rng.choices(list(RETRIEVAL_KINDS), weights=list(RETRIEVAL_KINDS.values()))[0]
@@ -185,7 +187,8 @@ def sample_retrieval_answer(rng: random.Random, q: Question, *, max_clauses: int
         unstated = [a for a in ATTRIBUTES if a not in q.facts]
         if kind == "unstated_attribute" and unstated:
             attribute = rng.choice(unstated)
-            value = rng.choice(ATTRIBUTES[attribute][1][:ATTESTED])
+            attested = ATTRIBUTES[attribute][1][:ATTESTED]  # the distractor's, as the policy copies
+            value = q.distractor_facts.get(attribute) or rng.choice(attested)
         elif kind == "distractor_value" and q.distractor_facts:
             attribute, value = rng.choice(list(q.distractor_facts.items()))
         elif kind == "other_attested_value":

@@ -113,17 +113,21 @@ def test_longform_files_are_consistent(tmp_path):
 
 def test_retrieval_answers_carry_the_policys_kinds_of_error(tmp_path):
     """`sample_retrieval_answer`'s wrong clauses are wrong only against the notes: every value
-    but the unattested kind is a value some note could state, so the label needs retrieval."""
+    but the unattested kind is a value some note could state, so the label needs retrieval; and,
+    as in the SFT policy's answers, most wrong values are copied from the notes (another
+    person's), so that "is this value in the notes" does not tell them apart."""
     import json
     import random
 
     rng = random.Random(3)
     kinds = {"fact": 0, "unstated": 0, "distractor": 0, "attested": 0, "unattested": 0}
+    wrong_in_notes = 0
     for _ in range(300):
         q = longform.sample_question(rng)
         for sub in segment(longform.sample_retrieval_answer(rng, q), "subsentence"):
             name, attribute, value = longform.parse_clause(sub.text)
             assert name == q.target  # never irrelevant: only the factual judgement varies
+            wrong_in_notes += q.facts.get(attribute) != value and f" {value}." in q.prompt
             if q.facts.get(attribute) == value:
                 kinds["fact"] += 1
             elif attribute not in q.facts:
@@ -136,6 +140,7 @@ def test_retrieval_answers_carry_the_policys_kinds_of_error(tmp_path):
                 kinds["unattested"] += 1
     assert all(kinds.values()), kinds
     assert 0.4 < kinds["fact"] / sum(kinds.values()) < 0.65
+    assert wrong_in_notes / (sum(kinds.values()) - kinds["fact"]) > 0.55
     path = longform.write_retrieval_factuality(tmp_path / "r.jsonl", 50, seed=1)
     rows = [json.loads(x) for x in path.read_text().splitlines()]
     assert len(rows) == 50 and len({r["prompt"] for r in rows}) == 50
