@@ -29,7 +29,7 @@ a machine whose cores other jobs also use, two spinning OpenMP threads per proce
         --arms k0,k1,k2,k1+dec,k2+dec --steps 20 --rounds 1
     uv run python -m benchmarks.async_rollouts --model real --arms k0,k1,k2 --steps 8
     python -m benchmarks.async_rollouts --model real --task local --spaced --sft-steps 1000 \
-        --arms k0,k1 --steps 30 --eval-size 100      # on a GPU: learning, not just speed
+        --tokens 24 --arms k0,k1 --steps 30 --eval-size 100   # on a GPU: learning, not just speed
 
 `--sft-steps N` first trains the model by SFT on `--task local`'s rows (so the reward is not 0
 throughout, as it is for a random-initialised model); `--spaced` spaces the letters, one GPT-2
