@@ -119,6 +119,15 @@ def local_prompts(workdir: Path, split: str, size: int, seed: int, spaced: bool 
     return path
 
 
+def run_trainer(module: str, config: Path, out: Path) -> subprocess.CompletedProcess[str]:
+    """`python -m <module> --config <config> --output-dir <out>` in a fresh process, with src/
+    on PYTHONPATH ahead of what is already there (carried site-packages on a GPU machine)."""
+    paths = [str(REPO / "src"), os.environ.get("PYTHONPATH", "")]
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in paths if p)}
+    cmd = [sys.executable, "-m", module, "--config", str(config), "--output-dir", str(out)]
+    return subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True)
+
+
 def sft_first(args: argparse.Namespace, model: str, workdir: Path) -> tuple[str, dict[str, Any]]:
     """`--sft-steps N`: SFT `model` on `--task local`'s training rows for N steps
     (configs/instruction_tuning/tiny_sft.yaml's settings, `--sft-lr`), so that the arms start
@@ -139,12 +148,8 @@ def sft_first(args: argparse.Namespace, model: str, workdir: Path) -> tuple[str,
     cfg["checkpoint"] = {"save_every": 0, "save_final": True}
     path, out = workdir / "async_sft.yaml", workdir / "async_sft"
     path.write_text(yaml.safe_dump(cfg, sort_keys=False))
-    paths = [str(REPO / "src"), os.environ.get("PYTHONPATH", "")]
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in paths if p)}
     t0 = time.perf_counter()
-    proc = subprocess.run([sys.executable, "-m", "instruction_tuning.train", "--config",
-                           str(path), "--output-dir", str(out)], cwd=REPO, env=env,
-                          capture_output=True, text=True)  # fmt: skip
+    proc = run_trainer("instruction_tuning.train", path, out)
     if proc.returncode != 0:
         raise RuntimeError(f"the SFT stage failed:\n{proc.stderr[-3000:]}")
     summary = json.loads((out / "summary.json").read_text())
@@ -168,11 +173,7 @@ def run_arm(
     before = resource.getrusage(resource.RUSAGE_CHILDREN)
     load_before = os.getloadavg()[0]
     t0 = time.perf_counter()
-    paths = [str(REPO / "src"), os.environ.get("PYTHONPATH", "")]  # keep carried site-packages
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in paths if p)}
-    cmd = [sys.executable, "-m", "policy_gradients.train", "--config", str(path),
-           "--output-dir", str(out)]  # fmt: skip
-    proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True)
+    proc = run_trainer("policy_gradients.train", path, out)
     wall = time.perf_counter() - t0
     after = resource.getrusage(resource.RUSAGE_CHILDREN)
     if proc.returncode != 0:
@@ -305,6 +306,8 @@ def main() -> None:
         from benchmarks.workload import model_dir
 
         model = str(model_dir("real"))
+    if args.sft_steps < 0:
+        parser.error(f"--sft-steps must be >= 0, got {args.sft_steps}")
     if (args.spaced or args.sft_steps) and args.task != "local":
         parser.error("--spaced and --sft-steps need --task local (the task as JSONL rows)")
     arms = args.arms.split(",")
