@@ -332,6 +332,25 @@ def write_retrieval_factuality(path: str | Path, n: int, *, seed: int = 0) -> Pa
     return path
 
 
+def write_reading_corpus(path: str | Path, n: int, *, seed: int = 0) -> Path:
+    """Write `n` rows {"prompt", "completion"}: new questions, each with a correct answer (1-3 of
+    the target's facts, in random order). Language-model text for a reward model's backbone:
+    predicting each value means reading it off the notes for the right person, the look-up the
+    factuality reward model needs (the paper's start from a pretrained Longformer; the tiny world
+    has none)."""
+    rng, path = random.Random(seed + 3_000_017), Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with path.open("w") as f:
+        for _ in range(n):
+            q = sample_question(rng)
+            items = list(q.facts.items())
+            rng.shuffle(items)
+            kept = items[: rng.randint(1, len(items))]
+            answer = join_in_sentences(rng, [clause(q.target, a, v) for a, v in kept])
+            f.write(json.dumps({"prompt": q.prompt, "completion": answer}) + "\n")
+    return path
+
+
 def corpus(size: int = 400, seed: int = 12345) -> list[str]:
     """Texts for training the task's tokenizer: prompts and answers."""
     rng = random.Random(seed)
@@ -355,6 +374,11 @@ def main(argv: list[str] | None = None) -> int:
         help="also write factuality_retrieval.jsonl: N answers to N new questions with the SFT "
         "policy's kinds of factual error (sample_retrieval_answer), labelled per sentence",
     )  # fmt: skip
+    parser.add_argument(
+        "--reading", type=int, default=0, metavar="N",
+        help="also write reading.jsonl: N new questions with correct answers "
+        "(write_reading_corpus)",
+    )  # fmt: skip
     args = parser.parse_args(argv)
     for name, path in write_task(args.out_dir, train=args.train, heldout=args.heldout,
                                  seed=args.seed).items():  # fmt: skip
@@ -364,6 +388,10 @@ def main(argv: list[str] | None = None) -> int:
             Path(args.out_dir) / "factuality_retrieval.jsonl", args.retrieval, seed=args.seed
         )
         print(f"factuality_retrieval: {path} ({args.retrieval} rows)")
+    if args.reading:
+        path = write_reading_corpus(Path(args.out_dir) / "reading.jsonl", args.reading,
+                                    seed=args.seed)  # fmt: skip
+        print(f"reading: {path} ({args.reading} rows)")
     return 0
 
 

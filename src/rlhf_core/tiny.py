@@ -20,7 +20,9 @@ Tokenizers (all deterministic, no downloads):
 
 Presets (hidden 128, 2 layers, 4 heads, MLP 512, tied embeddings ~0.53M params, unless noted):
   tiny-qwen3 (char), tiny-qwen3-arith (arith), tiny-qwen3-gpt2 (gpt2, hidden 64, MLP 256),
-  tiny-qwen3-facts (facts: the reward models of the long-form task).
+  tiny-qwen3-facts (facts: the reward models of the long-form task), tiny-qwen3-facts-4l (the
+  same with 4 layers, ~1.1M params: the factuality reward model's backbone, pre-trained first as
+  a language model on the task's text).
   tiny-gpt2: a GPT-2-architecture `GPT2LMHeadModel` (gpt2 tokenizer; learned positions up to
   1024, GELU MLP 512, tied embeddings, no dropout; ~7.0M params, 6.4M of them the embedding), the
   policy of the GPT-2 + HH workflow (docs/workflows/gpt2_hh.md).
@@ -88,6 +90,7 @@ PRESETS: dict[str, TinyPreset] = {
         tokenizer="gpt2", hidden_size=64, intermediate_size=256, max_position_embeddings=1024
     ),
     "tiny-qwen3-facts": TinyPreset(tokenizer="facts"),
+    "tiny-qwen3-facts-4l": TinyPreset(tokenizer="facts", num_hidden_layers=4),
     "tiny-t5-facts": TinyPreset(
         tokenizer="facts", hidden_size=64, intermediate_size=256, architecture="t5"
     ),

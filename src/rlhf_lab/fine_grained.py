@@ -11,7 +11,11 @@ under `--out` is reused):
                    <out>/feedback/{relevance,factuality}.jsonl, and pairs of answers to one
                    prompt {completeness,preference}.jsonl; every reward model's data
   rm_relevance     configs/reward_models/tiny_segment_relevance.yaml      per sub-sentence
-  rm_factuality    configs/reward_models/tiny_segment_factuality.yaml     per sentence
+  lm_facts         configs/instruction_tuning/tiny_lm_facts.yaml          the factuality reward
+                   model's backbone, pre-trained as a language model on <out>/reading/ (new
+                   questions with correct answers)
+  rm_factuality    configs/reward_models/tiny_segment_factuality.yaml     per sentence, starting
+                   from lm_facts
   rm_completeness  configs/reward_models/tiny_completeness.yaml           preference, last token
   rm_holistic      configs/reward_models/tiny_holistic.yaml               preference, last token
                    (each trained on 90% of its feedback rows, the rest held out)
@@ -39,15 +43,20 @@ import time
 from pathlib import Path
 from typing import Any
 
+from rlhf_core.longform import write_reading_corpus
+
 CONFIGS = Path("configs")
 STAGES = {
     "sft": ("instruction_tuning", "tiny_t5_sft_longform"),
     "rm_relevance": ("reward_models", "tiny_segment_relevance"),
+    "lm_facts": ("instruction_tuning", "tiny_lm_facts"),
     "rm_factuality": ("reward_models", "tiny_segment_factuality"),
     "rm_completeness": ("reward_models", "tiny_completeness"),
     "rm_holistic": ("reward_models", "tiny_holistic"),
 }
 ARMS = ("fine_grained_ppo", "holistic_ppo")
+#: new questions with correct answers: the factuality reward model's backbone's language-model text
+READING_ROWS = 80_000
 #: each reward model's rows in <out>/feedback (`collect_feedback`)
 FEEDBACK_OF = {"rm_relevance": "relevance", "rm_factuality": "factuality",
                "rm_completeness": "completeness", "rm_holistic": "preference"}  # fmt: skip
@@ -281,7 +290,14 @@ def main(argv: list[str] | None = None) -> int:
     encoder = args.segment_encoder
     for stage, (package, name) in STAGES.items():
         overrides = []
-        if stage != "sft":
+        if stage == "lm_facts":
+            reading = out / "reading" / "reading.jsonl"
+            if not reading.is_file():
+                write_reading_corpus(reading, READING_ROWS)
+            n_train = READING_ROWS - 1000
+            overrides = [f"data.train.path={reading}", f"data.train.limit={n_train}",
+                         f"data.eval.path={reading}", f"data.eval.offset={n_train}"]  # fmt: skip
+        elif stage != "sft":
             if "feedback" not in times:
                 times["feedback"] = collect_feedback(
                     out / "sft" / "final", Path("data/longform/prompts.jsonl"), out / "feedback",
@@ -291,6 +307,8 @@ def main(argv: list[str] | None = None) -> int:
             n_train = int(0.9 * sum(1 for _ in rows.open()))
             overrides = [f"data.train.path={rows}", f"data.train.limit={n_train}",
                          f"data.eval.path={rows}", f"data.eval.offset={n_train}"]  # fmt: skip
+            if stage == "rm_factuality":
+                overrides.append(f"model.name_or_path={out / 'lm_facts' / 'final'}")
         if encoder is not None and name.startswith("tiny_segment_"):
             overrides += [f"model.name_or_path={encoder}", "encoder_only=true"]
         times[stage] = run_stage(package, name, out / stage, overrides)

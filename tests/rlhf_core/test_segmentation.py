@@ -147,3 +147,21 @@ def test_retrieval_answers_carry_the_policys_kinds_of_error(tmp_path):
     for row in rows:
         q = longform.question_from_prompt(row["prompt"])
         assert row["labels"] == longform.grade(q, row["completion"]).sentence_factual
+
+
+def test_reading_corpus_answers_are_correct_relevant_and_varied(tmp_path):
+    """`write_reading_corpus`: language-model text whose every clause is a fact the notes give the
+    target (nothing irrelevant or wrong), in varied orders and lengths, to distinct questions."""
+    import json
+
+    path = longform.write_reading_corpus(tmp_path / "reading.jsonl", 200, seed=2)
+    rows = [json.loads(x) for x in path.read_text().splitlines()]
+    assert len(rows) == 200 and len({r["prompt"] for r in rows}) == 200
+    covered = set()
+    for row in rows:
+        q = longform.question_from_prompt(row["prompt"])
+        g = longform.grade(q, row["completion"])
+        assert not any(g.subsentence_irrelevant) and not any(g.sentence_factual), row
+        assert 1 <= g.covered <= len(q.facts)
+        covered.add(g.covered)
+    assert covered == {1, 2, 3}
