@@ -290,6 +290,8 @@ def main(argv: list[str] | None = None) -> int:
     encoder = args.segment_encoder
     for stage, (package, name) in STAGES.items():
         overrides = []
+        if stage == "lm_facts" and encoder is not None:
+            continue  # the segment reward models start from the encoder instead
         if stage == "lm_facts":
             reading = out / "reading" / "reading.jsonl"
             if not reading.is_file():
