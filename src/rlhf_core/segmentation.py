@@ -43,6 +43,12 @@ def _sentence_segmenter() -> Any:
     return pysbd.Segmenter(language="en", clean=False, char_span=True)
 
 
+#: control characters (all but newline) read as spaces by the sentence splitter: pysbd fails on
+#: some, e.g. "a 1.\x1d8. b" raises in its numbered-list rule (a policy's sampled bytes hold them);
+#: one character for one, so every offset into the text stays the same
+_BLANK_CONTROLS = {i: " " for i in [*range(0x20), *range(0x7F, 0xA0)] if i != 0x0A}
+
+
 def _trimmed(text: str, start: int, end: int) -> Segment | None:
     piece = text[start:end]
     lead = len(piece) - len(piece.lstrip())
@@ -58,14 +64,15 @@ def segment(text: str, level: Level) -> list[Segment]:
         raise ValueError(f"segment level {level!r}: expected one of {LEVELS}")
     sentences = []
     cursor = 0
-    for span in _sentence_segmenter().segment(text):
+    plain = text.translate(_BLANK_CONTROLS)
+    for span in _sentence_segmenter().segment(plain):
         # pysbd's spans are into the text; search from the cursor to be robust to its offsets
-        start = text.find(span.sent.strip(), cursor) if span.sent.strip() else -1
+        start = plain.find(span.sent.strip(), cursor) if span.sent.strip() else -1
         if start < 0:
             continue
-        seg = _trimmed(text, start, start + len(span.sent.strip()))
+        seg = _trimmed(plain, start, start + len(span.sent.strip()))
         if seg is not None:
-            sentences.append(seg)
+            sentences.append(Segment(text[seg.start : seg.end], seg.start, seg.end))
             cursor = seg.end
     if level == "sentence":
         return sentences
