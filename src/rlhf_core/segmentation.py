@@ -43,10 +43,20 @@ def _sentence_segmenter() -> Any:
     return pysbd.Segmenter(language="en", clean=False, char_span=True)
 
 
-#: control characters (all but newline) read as spaces by the sentence splitter: pysbd fails on
-#: some, e.g. "a 1.\x1d8. b" raises in its numbered-list rule (a policy's sampled bytes hold them);
-#: one character for one, so every offset into the text stays the same
+#: control characters (all but newline) as spaces, one character for one, so every offset into
+#: the text stays the same
 _BLANK_CONTROLS = {i: " " for i in [*range(0x20), *range(0x7F, 0xA0)] if i != 0x0A}
+
+
+def _sentence_spans(text: str) -> tuple[str, Any]:
+    """pysbd's sentence spans of `text`, and the text they are of: `text` itself, or where pysbd
+    raises (its numbered-list rule calls int() on "\x1d8" in "a 1.\x1d8. b"; a policy's sampled
+    bytes hold such characters) a copy with its control characters blanked."""
+    try:
+        return text, _sentence_segmenter().segment(text)
+    except ValueError:
+        plain = text.translate(_BLANK_CONTROLS)
+        return plain, _sentence_segmenter().segment(plain)
 
 
 def _trimmed(text: str, start: int, end: int) -> Segment | None:
@@ -64,8 +74,8 @@ def segment(text: str, level: Level) -> list[Segment]:
         raise ValueError(f"segment level {level!r}: expected one of {LEVELS}")
     sentences = []
     cursor = 0
-    plain = text.translate(_BLANK_CONTROLS)
-    for span in _sentence_segmenter().segment(plain):
+    plain, spans = _sentence_spans(text)
+    for span in spans:
         # pysbd's spans are into the text; search from the cursor to be robust to its offsets
         start = plain.find(span.sent.strip(), cursor) if span.sent.strip() else -1
         if start < 0:
