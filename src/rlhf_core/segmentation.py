@@ -50,7 +50,7 @@ _BLANK_CONTROLS = {i: " " for i in [*range(0x20), *range(0x7F, 0xA0)] if i != 0x
 
 def _sentence_spans(text: str) -> tuple[str, Any]:
     """pysbd's sentence spans of `text`, and the text they are of: `text` itself, or where pysbd
-    raises (its numbered-list rule calls int() on "\x1d8" in "a 1.\x1d8. b"; a policy's sampled
+    raises (its numbered-list rule calls int() on "\\x1d8" in "a 1.\\x1d8. b"; a policy's sampled
     bytes hold such characters) a copy with its control characters blanked."""
     try:
         return text, _sentence_segmenter().segment(text)

@@ -170,8 +170,9 @@ def test_reading_corpus_answers_are_correct_relevant_and_varied(tmp_path):
 @pytest.mark.parametrize("level", ["sentence", "subsentence"])
 def test_control_characters_in_sampled_text_do_not_break_segmentation(level):
     """A policy's sampled bytes can hold control characters; pysbd alone raises on "a 1.\\x1d8. b"
-    (its numbered-list rule calls int() on "\\x1d8"). The splitter reads them as spaces, and the
-    segments are still the text's own characters at their own offsets."""
+    (its numbered-list rule calls int() on "\\x1d8"). Where it raises, the splitter reads a copy
+    with them as spaces, and the segments are still the text's own characters at their own
+    offsets."""
     text = "Mira has a cat. \x1d8. Tom, and\x07 Ada. 2.\x1d9 x"
     pieces = segment(text, level)
     assert pieces and all(text[p.start : p.end] == p.text for p in pieces)
