@@ -174,9 +174,10 @@ def grouped_decode_attention(
 
     On the CPU in bf16, SDPA with `enable_gqa=True` and one query position is 3-4x slower than
     the same call with the groups as query rows, so only bf16/fp16 calls come here
-    (`folds_query_groups`; fp16 not measured; docs/performance.md). The outputs were bitwise
-    equal up to 72 keys and differed by at most 6e-5 beyond (a rounding of the bf16 output), and
-    are as close to float64 attention as SDPA's (tested)."""
+    (`folds_query_groups`; fp16 not measured; docs/performance.md). On an AVX-512 CPU the
+    outputs were bitwise equal up to 72 keys and differed by at most 6e-5 beyond (a rounding of
+    the bf16 output); on another CPU SDPA's kernel, and so its rounding, can differ. Tested: as
+    close to float64 attention as SDPA's."""
     b, h, _, d = query.shape
     grouped = query.reshape(b, key.shape[1], h // key.shape[1], d)  # query head j*G + i is (j, i)
     out = torch.nn.functional.scaled_dot_product_attention(

@@ -205,7 +205,8 @@ def test_grouped_decode_attention_equals_the_formula_in_float64(kv_heads, mask_k
 def test_grouped_decode_attention_in_bf16_is_as_close_to_float64_as_sdpa(keys):
     """At a decoding step's shape (8 query heads over 4, width 64, left-padded rows) the bf16
     output is as close to float64 attention as SDPA's `enable_gqa=True` call (within 1.25x of
-    its relative error), and bitwise equal to it where the probe found it so (72 keys)."""
+    its relative error). Not bitwise: which kernel SDPA picks, and so its rounding, depends on
+    the CPU (equal up to 72 keys on AVX-512, not on CI's machine)."""
     (q, k, v), mask = decode_inputs(
         torch.float64, kv_heads=4, keys=keys, mask_kind="bool", rows=16, dim=64, seed=2
     )
@@ -219,8 +220,6 @@ def test_grouped_decode_attention_in_bf16_is_as_close_to_float64_as_sdpa(keys):
     error = float((ours.double() - exact).norm() / exact.norm())
     sdpa_error = float((sdpa.double() - exact).norm() / exact.norm())
     assert error <= 1.25 * sdpa_error, (error, sdpa_error)
-    if keys <= 72:
-        assert torch.equal(ours, sdpa)
 
 
 def test_folds_query_groups_takes_reduced_precision_single_grouped_queries_only():
