@@ -109,12 +109,22 @@ def join_in_sentences(rng: random.Random, clauses: list[str]) -> str:
     return join_sentences(sentences)
 
 
-def sample_question(rng: random.Random, *, n_facts: int = 3, n_distractor: int = 2) -> Question:
+def sample_question(
+    rng: random.Random, *, n_facts: int = 3, n_distractor: int = 2, shared: bool = False
+) -> Question:
+    """A question: the target's `n_facts` facts and a distractor's `n_distractor` among the notes.
+    `shared`: the distractor's attributes are the target's, with other values, so that only the
+    name tells which value is the target's."""
     target, distractor = rng.sample(NAMES, 2)
     attributes = rng.sample(list(ATTRIBUTES), n_facts)
     facts = {a: rng.choice(ATTRIBUTES[a][1][:ATTESTED]) for a in attributes}
-    d_attrs = rng.sample(list(ATTRIBUTES), n_distractor)
-    d_facts = {a: rng.choice(ATTRIBUTES[a][1][:ATTESTED]) for a in d_attrs}
+    if shared:
+        d_attrs = rng.sample(attributes, n_distractor)
+        values = {a: [v for v in ATTRIBUTES[a][1][:ATTESTED] if v != facts[a]] for a in d_attrs}
+        d_facts = {a: rng.choice(values[a]) for a in d_attrs}
+    else:
+        d_attrs = rng.sample(list(ATTRIBUTES), n_distractor)
+        d_facts = {a: rng.choice(ATTRIBUTES[a][1][:ATTESTED]) for a in d_attrs}
     notes = [clause(target, a, v) for a, v in facts.items()]
     notes += [clause(distractor, a, v) for a, v in d_facts.items()]
     rng.shuffle(notes)
@@ -332,17 +342,20 @@ def write_retrieval_factuality(path: str | Path, n: int, *, seed: int = 0) -> Pa
     return path
 
 
-def write_reading_corpus(path: str | Path, n: int, *, seed: int = 0) -> Path:
+def write_reading_corpus(path: str | Path, n: int, *, seed: int = 0, shared: float = 0.5) -> Path:
     """Write `n` rows {"prompt", "completion"}: new questions, each with a correct answer (1-3 of
     the target's facts, in random order). Language-model text for a reward model's backbone:
     predicting each value means reading it off the notes for the right person, the look-up the
     factuality reward model needs (the paper's start from a pretrained Longformer; the tiny world
-    has none)."""
+    has none). A share `shared` of the questions have a distractor with the target's attributes
+    (`sample_question(shared=True)`): in the task's own mix only a quarter of the values need the
+    name to be told apart, and a model trained on that mix alone learned to bind a value to its
+    person in 1 of 4 runs (docs/algorithms/fine_grained_rlhf.md)."""
     rng, path = random.Random(seed + 3_000_017), Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     with path.open("w") as f:
         for _ in range(n):
-            q = sample_question(rng)
+            q = sample_question(rng, shared=rng.random() < shared)
             items = list(q.facts.items())
             rng.shuffle(items)
             kept = items[: rng.randint(1, len(items))]

@@ -94,6 +94,71 @@ def run_stage(package: str, name: str, out: Path, overrides: list[str]) -> float
     return time.perf_counter() - start
 
 
+def reading_accuracy(model_dir: Path, rows: list[dict[str, str]]) -> dict[str, float]:
+    """How well a causal LM reads the notes: after '<target> <verb>' in the answer, is the
+    target's value the most likely of its attribute's values (each value's whole log-prob: some
+    are several tokens)? `all` over every fact of the questions of `rows`; `bind` and `distractor`
+    over the facts whose attribute the other person also has, with another value: the ones only
+    the name tells apart. lm_facts' check: a model that never bound values to names reads `bind`
+    near 0.5, one that did near 1 (docs/algorithms/fine_grained_rlhf.md)."""
+    import torch
+
+    from rlhf_core.longform import ATTESTED, ATTRIBUTES, question_from_prompt
+    from rlhf_core.models import ModelConfig, load_policy, load_tokenizer
+
+    tokenizer = load_tokenizer(ModelConfig(name_or_path=str(model_dir)), padding_side="right")
+    model = load_policy(ModelConfig(name_or_path=str(model_dir))).eval()
+    n = right = shared = bound = distracted = 0
+    for row in rows:
+        q = question_from_prompt(row["prompt"])
+        head = tokenizer.apply_chat_template(
+            [{"role": "user", "content": row["prompt"]}], tokenize=False, add_generation_prompt=True
+        )  # fmt: skip
+        for attribute, value in q.facts.items():
+            stem = head + ATTRIBUTES[attribute][0].format(name=q.target, value="\0").split("\0")[0]
+            start = len(tokenizer(stem.rstrip(), add_special_tokens=False).input_ids)
+            values = ATTRIBUTES[attribute][1][:ATTESTED]
+            ids = [tokenizer(stem + v, add_special_tokens=False).input_ids for v in values]
+            width = max(map(len, ids))
+            batch = torch.tensor([x + [x[-1]] * (width - len(x)) for x in ids])
+            with torch.no_grad():
+                logp = model(batch).logits.log_softmax(-1)
+            scores = [sum(float(logp[i, t - 1, x[t]]) for t in range(start, len(x)))
+                      for i, x in enumerate(ids)]  # fmt: skip
+            pick = values[max(range(len(values)), key=scores.__getitem__)]
+            other = q.distractor_facts.get(attribute)
+            n, right = n + 1, right + (pick == value)
+            if other is not None and other != value:
+                shared, bound = shared + 1, bound + (pick == value)
+                distracted += pick == other
+    return {"all": right / n, "bind": bound / max(shared, 1),
+            "distractor": distracted / max(shared, 1), "facts": n, "shared": shared}  # fmt: skip
+
+
+def check_reading(out: Path, offset: int, size: int = 400) -> dict[str, float]:
+    """`reading_accuracy` of lm_facts' model on `size` held-out reading rows (from `offset`),
+    kept in <out>/lm_facts/reading.json; a warning where it did not learn to bind."""
+    path = out / "lm_facts" / "reading.json"
+    if not path.is_file():
+        lines = (out / "reading" / "reading.jsonl").read_text().splitlines()
+        rows = [json.loads(line) for line in lines[offset : offset + size]]
+        path.write_text(json.dumps(reading_accuracy(out / "lm_facts" / "final", rows)) + "\n")
+    figures = json.loads(path.read_text())
+    print(f"lm_facts reads the notes: {figures}")
+    if figures["bind"] < MIN_BIND:
+        print(
+            f"warning: lm_facts' model tells the target's values from the other person's in only "
+            f"{figures['bind']:.2f} of the held-out facts that need the name (< {MIN_BIND}): the "
+            f"factuality reward model built on it will confuse the two; train it longer or from "
+            f"another seed ({path})", file=sys.stderr,
+        )  # fmt: skip
+    return figures
+
+
+#: lm_facts' `bind` below this: the factuality reward model will not tell the target's values
+#: from the other person's (warned and reported)
+MIN_BIND = 0.9
+
 FEEDBACK_SAMPLES = 3  # answers per training prompt: one greedy, the rest sampled at T=1
 FEEDBACK_FILES = ("relevance", "factuality", "completeness", "preference")
 
@@ -260,6 +325,13 @@ def write_report(out: Path, figures: dict[str, Any]) -> Path:
             kl = f" | {row['sampled/kl_k3']:.3f} |" if mode == "sampled" else " |"
             lines.append(f"| {name} | {cells}{kl}")
     lines += ["", "## Reward models (held-out)", ""]
+    if figures.get("reading"):
+        r = figures["reading"]
+        lines.append(
+            f"- lm_facts (the factuality reward model's backbone) picks the target's value for "
+            f"{r['all']:.3f} of held-out facts, {r['bind']:.3f} of those only the name tells "
+            f"apart (the other person's: {r['distractor']:.3f})"
+        )
     for name, summary in figures["rms"].items():
         keys = [k for k in summary if k.startswith("eval/")]
         lines.append(f"- {name}: " + ", ".join(f"{k[5:]} {summary[k]:.3f}" for k in keys))
@@ -288,6 +360,7 @@ def main(argv: list[str] | None = None) -> int:
     out: Path = args.out
     times: dict[str, float] = {}
     encoder = args.segment_encoder
+    reading_figures: dict[str, float] = {}
     for stage, (package, name) in STAGES.items():
         overrides = []
         if stage == "lm_facts" and encoder is not None:
@@ -314,6 +387,8 @@ def main(argv: list[str] | None = None) -> int:
         if encoder is not None and name.startswith("tiny_segment_"):
             overrides += [f"model.name_or_path={encoder}", "encoder_only=true"]
         times[stage] = run_stage(package, name, out / stage, overrides)
+        if stage == "lm_facts":
+            reading_figures = check_reading(out, n_train)
     rms = {
         stage: json.loads((out / stage / "summary.json").read_text())
         for stage in STAGES if stage.startswith("rm_")
@@ -337,7 +412,8 @@ def main(argv: list[str] | None = None) -> int:
     )  # fmt: skip
     figures = {
         "sft": str(out / "sft" / "final"), "steps": args.steps, "seeds": args.seeds,
-        "size": args.heldout, "times_s": times, "rms": rms, "eval": results,
+        "size": args.heldout, "times_s": times, "rms": rms, "reading": reading_figures,
+        "eval": results,
         "examples": examples,
     }  # fmt: skip
     print(write_report(out, figures).read_text())

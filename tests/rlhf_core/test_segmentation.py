@@ -167,6 +167,24 @@ def test_reading_corpus_answers_are_correct_relevant_and_varied(tmp_path):
     assert covered == {1, 2, 3}
 
 
+def test_shared_questions_need_the_name_and_the_reading_corpus_mixes_them(tmp_path):
+    """`sample_question(shared=True)`: the other person has the target's attributes with other
+    values, so only the name tells the values apart; the reading corpus holds about half such."""
+    import json
+    import random
+
+    rng = random.Random(5)
+    for _ in range(200):
+        q = longform.sample_question(rng, shared=True)
+        assert set(q.distractor_facts) <= set(q.facts) and len(q.distractor_facts) == 2
+        assert all(q.facts[a] != v for a, v in q.distractor_facts.items())
+        assert longform.question_from_prompt(q.prompt) == q
+    path = longform.write_reading_corpus(tmp_path / "reading.jsonl", 400, seed=1)
+    questions = [longform.question_from_prompt(json.loads(x)["prompt"]) for x in path.open()]
+    share = sum(set(q.distractor_facts) <= set(q.facts) for q in questions) / len(questions)
+    assert 0.5 < share < 0.7  # 0.5 shared, plus 0.5 x 0.2 unshared that happen to share
+
+
 @pytest.mark.parametrize("level", ["sentence", "subsentence"])
 def test_control_characters_in_sampled_text_do_not_break_segmentation(level):
     """A policy's sampled bytes can hold control characters; pysbd alone raises on "a 1.\\x1d8. b"

@@ -58,3 +58,42 @@ def test_answer_pairs_prefer_the_higher_grade_and_skip_ties():
             "rejected": "Ada has a dog."} in holistic  # fmt: skip
     assert all(holistic_score(graded[r["chosen"]]) > holistic_score(graded[r["rejected"]])
                for r in holistic)  # fmt: skip
+
+
+def test_reading_accuracy_picks_each_facts_most_likely_value_as_scored_one_by_one():
+    """lm_facts' check, batched with its padding and prompt offsets, picks the same values as
+    scoring each candidate answer text alone with transformers (an untrained 4-layer model)."""
+    import random
+
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from rlhf_core.longform import ATTESTED, ATTRIBUTES, sample_question
+    from rlhf_lab.fine_grained import reading_accuracy
+
+    rng, path = random.Random(3), preset_dir("tiny-qwen3-facts-4l")
+    questions = [sample_question(rng, shared=k % 2 == 0) for k in range(8)]
+    got = reading_accuracy(path, [{"prompt": q.prompt} for q in questions])
+    tok, model = AutoTokenizer.from_pretrained(path), AutoModelForCausalLM.from_pretrained(path)
+    n = right = shared = bound = 0
+    for q in questions:
+        head = tok.apply_chat_template(
+            [{"role": "user", "content": q.prompt}], tokenize=False, add_generation_prompt=True
+        )
+        for attribute, value in q.facts.items():
+            template = ATTRIBUTES[attribute][0]
+            stem = head + template[: template.index("{value}")].format(name=q.target).rstrip()
+            start = len(tok(stem, add_special_tokens=False).input_ids)
+            scores = {}
+            for v in ATTRIBUTES[attribute][1][:ATTESTED]:
+                ids = tok(f"{stem} {v}", add_special_tokens=False, return_tensors="pt").input_ids
+                with torch.no_grad():
+                    logp = model(ids).logits[0].log_softmax(-1)
+                scores[v] = sum(float(logp[t - 1, ids[0, t]]) for t in range(start, ids.shape[1]))
+            pick = max(scores, key=scores.get)
+            n, right = n + 1, right + (pick == value)
+            other = q.distractor_facts.get(attribute)
+            if other is not None and other != value:
+                shared, bound = shared + 1, bound + (pick == value)
+    assert (got["facts"], got["shared"]) == (n, shared) and shared >= 8
+    assert got["all"] == right / n and got["bind"] == bound / shared
