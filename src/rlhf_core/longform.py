@@ -342,20 +342,21 @@ def write_retrieval_factuality(path: str | Path, n: int, *, seed: int = 0) -> Pa
     return path
 
 
-def write_reading_corpus(path: str | Path, n: int, *, seed: int = 0, shared: float = 0.5) -> Path:
+def write_reading_corpus(path: str | Path, n: int, *, seed: int = 0, shared: float = 0.0) -> Path:
     """Write `n` rows {"prompt", "completion"}: new questions, each with a correct answer (1-3 of
     the target's facts, in random order). Language-model text for a reward model's backbone:
     predicting each value means reading it off the notes for the right person, the look-up the
     factuality reward model needs (the paper's start from a pretrained Longformer; the tiny world
     has none). A share `shared` of the questions have a distractor with the target's attributes
-    (`sample_question(shared=True)`): in the task's own mix only a quarter of the values need the
-    name to be told apart, and a model trained on that mix alone learned to bind a value to its
-    person in 1 of 4 runs (docs/algorithms/fine_grained_rlhf.md)."""
+    (`sample_question(shared=True)`), so that more values need the name to be told apart than
+    the task's quarter; at 0.5 it did not make the binding more often learned (1 language model
+    of 8 learned it, on either mix), so the pipeline writes the task's own mix (0: the same rows
+    as before the option; docs/algorithms/fine_grained_rlhf.md)."""
     rng, path = random.Random(seed + 3_000_017), Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     with path.open("w") as f:
         for _ in range(n):
-            q = sample_question(rng, shared=rng.random() < shared)
+            q = sample_question(rng, shared=shared > 0 and rng.random() < shared)
             items = list(q.facts.items())
             rng.shuffle(items)
             kept = items[: rng.randint(1, len(items))]

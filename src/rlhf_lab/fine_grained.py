@@ -13,7 +13,8 @@ under `--out` is reused):
   rm_relevance     configs/reward_models/tiny_segment_relevance.yaml      per sub-sentence
   lm_facts         configs/instruction_tuning/tiny_lm_facts.yaml          the factuality reward
                    model's backbone, pre-trained as a language model on <out>/reading/ (new
-                   questions with correct answers)
+                   questions with correct answers); what it learned is checked
+                   (`reading_accuracy`, <out>/lm_facts/reading.json)
   rm_factuality    configs/reward_models/tiny_segment_factuality.yaml     per sentence, starting
                    from lm_facts
   rm_completeness  configs/reward_models/tiny_completeness.yaml           preference, last token

@@ -169,7 +169,8 @@ def test_reading_corpus_answers_are_correct_relevant_and_varied(tmp_path):
 
 def test_shared_questions_need_the_name_and_the_reading_corpus_mixes_them(tmp_path):
     """`sample_question(shared=True)`: the other person has the target's attributes with other
-    values, so only the name tells the values apart; the reading corpus holds about half such."""
+    values, so only the name tells the values apart; `write_reading_corpus(shared=0.5)` mixes
+    them in."""
     import json
     import random
 
@@ -179,7 +180,7 @@ def test_shared_questions_need_the_name_and_the_reading_corpus_mixes_them(tmp_pa
         assert set(q.distractor_facts) <= set(q.facts) and len(q.distractor_facts) == 2
         assert all(q.facts[a] != v for a, v in q.distractor_facts.items())
         assert longform.question_from_prompt(q.prompt) == q
-    path = longform.write_reading_corpus(tmp_path / "reading.jsonl", 400, seed=1)
+    path = longform.write_reading_corpus(tmp_path / "reading.jsonl", 400, seed=1, shared=0.5)
     questions = [longform.question_from_prompt(json.loads(x)["prompt"]) for x in path.open()]
     share = sum(set(q.distractor_facts) <= set(q.facts) for q in questions) / len(questions)
     assert 0.5 < share < 0.7  # 0.5 shared, plus 0.5 x 0.2 unshared that happen to share
