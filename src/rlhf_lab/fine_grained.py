@@ -104,6 +104,7 @@ def reading_accuracy(model_dir: Path, rows: list[dict[str, str]]) -> dict[str, f
     near 0.5, one that did near 1 (docs/algorithms/fine_grained_rlhf.md)."""
     import torch
 
+    from rlhf_core.logprobs import causal_lm_token_logprobs, masked_sum
     from rlhf_core.longform import ATTESTED, ATTRIBUTES, question_from_prompt
     from rlhf_core.models import ModelConfig, load_policy, load_tokenizer
 
@@ -121,11 +122,13 @@ def reading_accuracy(model_dir: Path, rows: list[dict[str, str]]) -> dict[str, f
             values = ATTRIBUTES[attribute][1][:ATTESTED]
             ids = [tokenizer(stem + v, add_special_tokens=False).input_ids for v in values]
             width = max(map(len, ids))
-            batch = torch.tensor([x + [x[-1]] * (width - len(x)) for x in ids])
+            batch = torch.tensor([x + [tokenizer.pad_token_id] * (width - len(x)) for x in ids])
+            mask = torch.tensor([[1] * len(x) + [0] * (width - len(x)) for x in ids])
+            value_tokens = mask[:, 1:].clone()  # logprob t-1 is token t's
+            value_tokens[:, : start - 1] = 0
             with torch.no_grad():
-                logp = model(batch).logits.log_softmax(-1)
-            scores = [sum(float(logp[i, t - 1, x[t]]) for t in range(start, len(x)))
-                      for i, x in enumerate(ids)]  # fmt: skip
+                logp = causal_lm_token_logprobs(model, batch, mask)
+            scores = masked_sum(logp, value_tokens, dim=-1).tolist()
             pick = values[max(range(len(values)), key=scores.__getitem__)]
             other = q.distractor_facts.get(attribute)
             n, right = n + 1, right + (pick == value)
@@ -134,6 +137,11 @@ def reading_accuracy(model_dir: Path, rows: list[dict[str, str]]) -> dict[str, f
                 distracted += pick == other
     return {"all": right / n, "bind": bound / max(shared, 1),
             "distractor": distracted / max(shared, 1), "facts": n, "shared": shared}  # fmt: skip
+
+
+#: lm_facts' `bind` below this: the factuality reward model will not tell the target's values
+#: from the other person's (warned and reported)
+MIN_BIND = 0.9
 
 
 def check_reading(out: Path, offset: int, size: int = 400) -> dict[str, float]:
@@ -155,10 +163,6 @@ def check_reading(out: Path, offset: int, size: int = 400) -> dict[str, float]:
         )  # fmt: skip
     return figures
 
-
-#: lm_facts' `bind` below this: the factuality reward model will not tell the target's values
-#: from the other person's (warned and reported)
-MIN_BIND = 0.9
 
 FEEDBACK_SAMPLES = 3  # answers per training prompt: one greedy, the rest sampled at T=1
 FEEDBACK_FILES = ("relevance", "factuality", "completeness", "preference")
