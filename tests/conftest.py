@@ -17,6 +17,26 @@ from filelock import FileLock
 REPO = Path(__file__).resolve().parents[1]
 
 
+def pytest_configure(config):
+    """Under pytest-xdist each worker, and every process it starts, keeps to its own share of
+    the cores (worker k of n: the k-th n-th of them). Most tests wait on a trainer subprocess
+    whose default thread count is the cores it may use (rlhf_core.runtime.configure_threads):
+    unpinned, on 2 cores, each took 2 threads that contended with the other worker's process."""
+    worker = os.environ.get("PYTEST_XDIST_WORKER")
+    count = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "0"))
+    if not worker or not hasattr(os, "sched_setaffinity"):
+        return
+    cores = sorted(os.sched_getaffinity(0))
+    if count > len(cores):
+        return
+    share = len(cores) // count
+    k = int(worker.removeprefix("gw"))
+    os.sched_setaffinity(0, cores[k * share : (k + 1) * share])
+    import torch
+
+    torch.set_num_threads(share)
+
+
 def write_yaml(path: Path, data: dict) -> Path:
     path.write_text(yaml.safe_dump(data, sort_keys=False))
     return path
