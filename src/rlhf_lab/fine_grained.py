@@ -164,7 +164,9 @@ def check_reading(out: Path, offset: int, size: int = 400) -> dict[str, float]:
     return figures
 
 
-FEEDBACK_SAMPLES = 3  # answers per training prompt: one greedy, the rest sampled at T=1
+# The temperature of each answer to a training prompt: one greedy, two sampled at T=1 (a fourth at
+# T=0.7 was measured and not kept: docs/algorithms/fine_grained_rlhf.md, "Feedback at T=0.7")
+FEEDBACK_TEMPERATURES = (0.0, 1.0, 1.0)
 FEEDBACK_FILES = ("relevance", "factuality", "completeness", "preference")
 
 
@@ -181,11 +183,12 @@ def answer_pairs(prompt: str, answers: dict[str, Any], score: Any) -> list[dict[
 
 
 def collect_feedback(
-    sft: Path, prompts: Path, out: Path, *, samples: int = FEEDBACK_SAMPLES,
-    max_new_tokens: int = 40, chunk: int = 250,
+    sft: Path, prompts: Path, out: Path, *,
+    temperatures: tuple[float, ...] = FEEDBACK_TEMPERATURES, max_new_tokens: int = 40,
+    chunk: int = 250,
 ) -> float:  # fmt: skip
-    """Feedback on the SFT model's own answers, as the paper collects it: `samples` answers to
-    every prompt of `prompts` (the first greedy, the others sampled at T=1, seeded), graded by
+    """Feedback on the SFT model's own answers, as the paper collects it: an answer to every
+    prompt of `prompts` at each of `temperatures` (0: greedy; the others seeded), graded by
     the exact grader `rlhf_core.longform.grade` and written shuffled to `out/`:
     `relevance.jsonl` / `factuality.jsonl` (per sub-sentence irrelevant / per sentence
     unverifiable or wrong: the segment reward models' rows), `completeness.jsonl` (pairs of two
@@ -214,13 +217,13 @@ def collect_feedback(
     policy = load_policy(ModelConfig(name_or_path=str(sft))).eval()
     rows: dict[str, list[dict]] = {name: [] for name in FEEDBACK_FILES}
     graded: list[dict[str, Any]] = [{} for _ in items]  # per prompt: answer -> its grade
-    for k in range(samples):
+    for k, temperature in enumerate(temperatures):
         for first in range(0, len(items), chunk):
             part = items[first : first + chunk]
             with torch.no_grad():
                 ro = generate_rollouts(
                     policy, tokenizer, [it["prompt"] for it in part], group_size=1,
-                    max_new_tokens=max_new_tokens, sampling=Sampling(temperature=1.0 if k else 0.0),
+                    max_new_tokens=max_new_tokens, sampling=Sampling(temperature=temperature),
                     seeds=[10_000 * (k + 1) + first + i for i in range(len(part))],
                 )  # fmt: skip
             for i, (item, answer) in enumerate(zip(part, ro.completions, strict=True)):

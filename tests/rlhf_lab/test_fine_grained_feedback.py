@@ -19,7 +19,7 @@ def test_feedback_rows_are_the_policys_answers_graded_exactly(tmp_path):
     prompts.write_text("\n".join(rows) + "\n")
     out = tmp_path / "feedback"
     policy = preset_dir("tiny-t5-facts")  # untrained: its answers are mostly not template text
-    assert collect_feedback(policy, prompts, out, samples=2, max_new_tokens=12) > 0
+    assert collect_feedback(policy, prompts, out, temperatures=(0.0, 1.0), max_new_tokens=12) > 0
     questions = {json.loads(r)["prompt"] for r in rows}
     for name, level, field in (("relevance", "subsentence", "subsentence_irrelevant"),
                                ("factuality", "sentence", "sentence_factual")):  # fmt: skip
@@ -37,7 +37,9 @@ def test_feedback_rows_are_the_policys_answers_graded_exactly(tmp_path):
     rel = [json.loads(x)["labels"] for x in (out / "relevance.jsonl").read_text().splitlines()]
     assert sum(map(sum, rel)) > 0  # an untrained policy writes irrelevant text
     before = (out / "factuality.jsonl").read_text()
-    assert collect_feedback(policy, prompts, out, samples=2, max_new_tokens=12) == 0.0  # reused
+    assert (
+        collect_feedback(policy, prompts, out, temperatures=(0.0, 1.0), max_new_tokens=12) == 0.0
+    )  # reused
     assert (out / "factuality.jsonl").read_text() == before
 
 
