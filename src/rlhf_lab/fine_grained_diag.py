@@ -2,13 +2,16 @@
 models see it (docs/algorithms/fine_grained_rlhf.md, "Why the first comparison failed"):
 
     uv run python -m rlhf_lab.fine_grained_diag POLICY_DIR [--rm relevance=DIR]
-        [--rm factuality=DIR] [--heldout 100]
+        [--rm factuality=DIR] [--heldout 100] [--sampling-seeds 1]
 
 Greedy and sampled (T=1, seeded) answers to the first `--heldout` held-out prompts, as
 `rlhf_lab.fine_grained` evaluates them; every sub-sentence classed against the notes (a correct
 fact, an attribute the notes do not give, the distractor's value, another attested or an
 unattested value, another person, not a template clause); then each segment reward model's
 recall and precision of the exact error labels (`rlhf_core.longform.grade`) on those answers.
+With `--sampling-seeds K` the sampled answers are drawn K times (seeds offset by 0, 100,000, ...;
+offset 0 is the report's) and each draw's error rates are printed with their mean: how much of
+a sampled row of the report is the sampling's noise.
 """
 
 from __future__ import annotations
@@ -17,6 +20,7 @@ import argparse
 import collections
 import sys
 from pathlib import Path
+from statistics import mean
 
 LEVELS = {"relevance": "subsentence_irrelevant", "factuality": "sentence_factual"}
 
@@ -41,23 +45,56 @@ def clause_kind(question, text: str) -> str:
     return "another attested value"
 
 
+def report_clauses(mode: str, questions, answers: list[str], items, rms) -> None:
+    """Print the answers' clauses by kind and each segment reward model's recall / precision."""
+    from rlhf_core.longform import grade
+    from rlhf_core.scalar_head import ScalarHeadModel
+    from rlhf_core.segmentation import segment
+
+    kinds = collections.Counter(
+        clause_kind(q, sub.text)
+        for q, a in zip(questions, answers, strict=True)
+        for sentence in segment(a, "sentence")
+        for sub in segment(sentence.text, "subsentence")
+    )
+    print(f"{mode} clauses: " + ", ".join(f"{k} {v}" for k, v in kinds.most_common()))
+    for label, path in rms:
+        model = ScalarHeadModel.from_pretrained(path, device="cpu")
+        logits = model.segment_scores([it["messages"] for it in items], answers)
+        counts = collections.Counter()
+        for q, a, x in zip(questions, answers, logits, strict=True):
+            truth = getattr(grade(q, a), LEVELS[label])
+            said = (x.float().softmax(-1)[:, 1] > 0.5).tolist()
+            counts.update((bool(t), bool(p)) for t, p in zip(truth, said, strict=False))
+        tp, fn, fp = counts[True, True], counts[True, False], counts[False, True]
+        print(
+            f"  {label} RM {path}: errors {tp + fn}, found {tp} (recall "
+            f"{tp / max(1, tp + fn):.2f}), flagged {tp + fp} (precision "
+            f"{tp / max(1, tp + fp):.2f})"
+        )
+
+
 def main(argv: list[str] | None = None) -> int:
     import torch
 
     from policy_gradients.rollout import generate_rollouts, load_prompts
     from rlhf_core.data import DataSource
     from rlhf_core.generation import Sampling
-    from rlhf_core.longform import grade, question_from_prompt
+    from rlhf_core.longform import error_rates, question_from_prompt
     from rlhf_core.models import ModelConfig, load_policy, load_tokenizer
-    from rlhf_core.scalar_head import ScalarHeadModel
-    from rlhf_core.segmentation import segment
 
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("policy", type=Path)
     parser.add_argument("--rm", action="append", default=[], help="relevance=DIR or factuality=DIR")
     parser.add_argument("--heldout", type=int, default=100)
     parser.add_argument("--data", type=Path, default=Path("data/longform/heldout.jsonl"))
+    parser.add_argument(
+        "--sampling-seeds", type=int, default=1, metavar="K",
+        help="draw the sampled answers K times and print each draw's error rates",
+    )  # fmt: skip
     args = parser.parse_args(argv)
+    if args.sampling_seeds < 1:
+        parser.error(f"--sampling-seeds: expected an integer >= 1, got {args.sampling_seeds}")
     rms = []
     for spec in args.rm:
         label, _, path = spec.partition("=")
@@ -72,33 +109,22 @@ def main(argv: list[str] | None = None) -> int:
     questions = [question_from_prompt(it["messages"][-1]["content"]) for it in items]
     policy = load_policy(ModelConfig(name_or_path=str(args.policy))).eval()
     for mode, temperature in (("greedy", 0.0), ("sampled", 1.0)):
-        with torch.no_grad():
-            answers = generate_rollouts(
-                policy, tokenizer, [it["prompt"] for it in items], group_size=1,
-                max_new_tokens=40, sampling=Sampling(temperature=temperature),
-                seeds=list(range(len(items))),
-            ).completions  # fmt: skip
-        kinds = collections.Counter(
-            clause_kind(q, sub.text)
-            for q, a in zip(questions, answers, strict=True)
-            for sentence in segment(a, "sentence")
-            for sub in segment(sentence.text, "subsentence")
-        )
-        print(f"{mode} clauses: " + ", ".join(f"{k} {v}" for k, v in kinds.most_common()))
-        for label, path in rms:
-            model = ScalarHeadModel.from_pretrained(path, device="cpu")
-            logits = model.segment_scores([it["messages"] for it in items], answers)
-            counts = collections.Counter()
-            for q, a, x in zip(questions, answers, logits, strict=True):
-                truth = getattr(grade(q, a), LEVELS[label])
-                said = (x.float().softmax(-1)[:, 1] > 0.5).tolist()
-                counts.update((bool(t), bool(p)) for t, p in zip(truth, said, strict=False))
-            tp, fn, fp = counts[True, True], counts[True, False], counts[False, True]
-            print(
-                f"  {label} RM {path}: errors {tp + fn}, found {tp} (recall "
-                f"{tp / max(1, tp + fn):.2f}), flagged {tp + fp} (precision "
-                f"{tp / max(1, tp + fp):.2f})"
-            )
+        draws = []
+        for k in range(args.sampling_seeds if temperature else 1):
+            with torch.no_grad():
+                answers = generate_rollouts(
+                    policy, tokenizer, [it["prompt"] for it in items], group_size=1,
+                    max_new_tokens=40, sampling=Sampling(temperature=temperature),
+                    seeds=[100_000 * k + i for i in range(len(items))],
+                ).completions  # fmt: skip
+            draws.append(error_rates(list(zip(questions, answers, strict=True))))
+            if k == 0:
+                report_clauses(mode, questions, answers, items, rms)
+        if len(draws) > 1:
+            for key in ("irrelevant_rate", "factual_error_rate", "missing_rate"):
+                values = [d[key] for d in draws]
+                each = " ".join(f"{v:.3f}" for v in values)
+                print(f"  {mode} {key} over {len(draws)} draws: mean {mean(values):.3f}; {each}")
     return 0
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 
+import pytest
 from conftest import REPO
 
 from rlhf_core.longform import grade, holistic_score, question_from_prompt
@@ -99,3 +100,29 @@ def test_reading_accuracy_picks_each_facts_most_likely_value_as_scored_one_by_on
                 shared, bound = shared + 1, bound + (pick == value)
     assert (got["facts"], got["shared"]) == (n, shared) and shared >= 8
     assert got["all"] == right / n and got["bind"] == bound / shared
+
+
+def test_diag_draws_the_sampled_answers_again_the_first_draw_being_the_reports(capsys):
+    """`fine_grained_diag --sampling-seeds K`: K draws of the sampled answers, each draw's error
+    rates and their mean; the first draw is the one `evaluate_models` reports."""
+    from rlhf_lab.fine_grained import evaluate_models
+    from rlhf_lab.fine_grained_diag import main
+
+    policy, heldout = preset_dir("tiny-t5-facts"), REPO / "data" / "longform" / "heldout.jsonl"
+    assert (
+        main([str(policy), "--heldout", "4", "--sampling-seeds", "3", "--data", str(heldout)]) == 0
+    )
+    lines = {
+        line.split(" over ")[0].split()[-1]: line for line in capsys.readouterr().out.splitlines()
+        if " over 3 draws: mean " in line
+    }  # fmt: skip
+    assert set(lines) == {"irrelevant_rate", "factual_error_rate", "missing_rate"}
+    report, _ = evaluate_models({"p": policy}, policy, heldout, size=4, max_new_tokens=40)
+    for key, line in lines.items():
+        mean, draws = line.split(": mean ")[1].split("; ")
+        draws = [float(v) for v in draws.split()]
+        assert len(draws) == 3 and float(mean) == pytest.approx(sum(draws) / 3, abs=1e-3)
+        assert draws[0] == pytest.approx(report["p"][f"sampled/{key}"], abs=1e-3)
+    with pytest.raises(SystemExit):
+        main([str(policy), "--sampling-seeds", "0"])
+    assert "--sampling-seeds: expected an integer >= 1, got 0" in capsys.readouterr().err
