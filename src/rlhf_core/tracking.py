@@ -179,11 +179,12 @@ def plot_panels(
 ) -> None:
     """Curves against the step into the PNG `png` (written atomically): one panel per title of
     `panels`, one line per label in it ({title: {label: (steps, values)}}); three panels a row.
-    A panel of one line is titled by its label and has no legend.
+    A panel of one line has no legend: its label is in the title ("train/loss/kl" for the panel
+    "loss/kl"; "eval/loss (run-a)" for the panel "eval/loss" with one line "run-a").
 
     Drawn on a bare matplotlib Figure with fixed margins: `tight_layout` and a legend on every
-    panel made a policy-gradient run's 33 panels take 3.5 s instead of 1.7 s (about a tenth of a
-    2-step test run; `benchmarks/results/20261128-022330-plot.md`)."""
+    panel made a policy-gradient run's 33 panels take 3.35 s instead of 1.79 s, more than the
+    training of a 2-step test run (`benchmarks/results/20261128-022330-plot.md`)."""
     if not panels:
         return
     from matplotlib.figure import Figure
@@ -199,8 +200,9 @@ def plot_panels(
     for ax, (title, lines) in zip(axes.flat, panels.items(), strict=False):
         for label, (xs, ys) in lines.items():
             ax.plot(xs, ys, marker="." if len(xs) < 30 else None, label=label)
-        if len(lines) == 1:
-            ax.set_title(next(iter(lines)))
+        if len(lines) == 1:  # its label in the title, no legend
+            (label,) = lines
+            ax.set_title(label if title in label else f"{title} ({label})")
         else:
             ax.set_title(title)
             ax.legend(fontsize=legend_fontsize)

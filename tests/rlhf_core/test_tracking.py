@@ -80,6 +80,33 @@ def test_curves_png_is_written_and_redrawn(tmp_path):
     assert not list(tmp_path.glob(".*.tmp"))
 
 
+def test_a_panel_of_one_line_has_its_label_in_the_title_and_no_legend(tmp_path, monkeypatch):
+    from matplotlib.axes import Axes
+
+    from rlhf_core.tracking import plot_panels
+
+    drawn = {"set_title": [], "legend": []}
+    for method in drawn:
+        real = getattr(Axes, method)
+
+        def spy(self, *args, _real=real, _name=method, **kwargs):  # the real call, recorded
+            drawn[_name].append(args)
+            return _real(self, *args, **kwargs)
+
+        monkeypatch.setattr(Axes, method, spy)
+    panels = {
+        "loss": {"eval/loss": ([2], [2.5]), "train/loss": ([1, 2], [3.0, 2.0])},
+        "loss/kl": {"train/loss/kl": ([1, 2], [0.0, 0.1])},  # a trainer's panel of one key
+        "eval/loss": {"run-a": ([1], [1.0])},  # `runs compare`: one run has the key
+    }
+    plot_panels(panels, tmp_path / "curves.png")
+    assert [args[0] for args in drawn["set_title"]] == [
+        "loss", "train/loss/kl", "eval/loss (run-a)",
+    ]  # fmt: skip
+    assert len(drawn["legend"]) == 1  # the panel of two lines only
+    assert (tmp_path / "curves.png").read_bytes().startswith(PNG_SIGNATURE)
+
+
 def test_finish_writes_summary_with_wall_time(tmp_path):
     tracker = make_tracker(tmp_path)
     tracker.log(1, {"train/loss": 1.0}, show=False)
