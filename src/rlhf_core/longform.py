@@ -349,9 +349,9 @@ def write_reading_corpus(path: str | Path, n: int, *, seed: int = 0, shared: flo
     factuality reward model needs (the paper's start from a pretrained Longformer; the tiny world
     has none). A share `shared` of the questions have a distractor with the target's attributes
     (`sample_question(shared=True)`), so that more values need the name to be told apart than
-    the task's quarter; at 0.5 it did not make the binding more often learned (1 language model
-    of 11 learned it, on either mix), so the pipeline writes the task's own mix (0: the same rows
-    as before the option; docs/algorithms/fine_grained_rlhf.md)."""
+    the task's quarter; at 0.5 it did not make the binding more often learned, so the pipeline
+    writes the task's own mix (0: the same rows as before the option; the runs are in
+    docs/algorithms/fine_grained_rlhf.md)."""
     rng, path = random.Random(seed + 3_000_017), Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     with path.open("w") as f:

@@ -182,9 +182,9 @@ def plot_panels(
     A panel of one line has no legend: its label is in the title ("train/loss/kl" for the panel
     "loss/kl"; "eval/loss (run-a)" for the panel "eval/loss" with one line "run-a").
 
-    Drawn on a bare matplotlib Figure with fixed margins: `tight_layout` and a legend on every
-    panel made a policy-gradient run's 33 panels take 3.35 s instead of 1.79 s, more than the
-    training of a 2-step test run (`benchmarks/results/20261128-022330-plot.md`)."""
+    Drawn on a bare matplotlib Figure with fixed margins, without `tight_layout`: every trainer
+    draws it in its main loop, and the previous drawing cost more than a short run's training
+    (`python -m benchmarks.plot`; figures in docs/performance.md)."""
     if not panels:
         return
     from matplotlib.figure import Figure
