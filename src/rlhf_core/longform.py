@@ -209,6 +209,48 @@ def sample_retrieval_answer(rng: random.Random, q: Question, *, max_clauses: int
     return join_in_sentences(rng, clauses)
 
 
+#: the edits `edit_answer` makes to an answer: one of the two kinds of irrelevant text the PPO
+#: policy writes in its greedy answers and the SFT model's (the feedback's) do not
+EDITS = ("other_person", "mismatched_value")
+_ANY_CLAUSE = re.compile(
+    "|".join(
+        "(?:" + tpl.format(name=f"(?P<name{i}>[A-Z]\\w*)", value=f"(?P<value{i}>\\w+)") + ")"
+        for i, (tpl, _) in enumerate(ATTRIBUTES.values())
+    )  # fmt: skip
+)
+
+
+def edit_answer(rng: random.Random, q: Question, answer: str, kind: str) -> str | None:
+    """`answer` (its template clauses) with irrelevant text put in, or None if it has no clause:
+    `other_person`: the target's name of every clause (half the time) or of one clause becomes
+    another person's (the distractor's half the time), as in an answer about the wrong person;
+    `mismatched_value`: one clause's value becomes a value of another attribute, taken from the
+    notes where they give one ("Mira lives in nurse"): not a statement about the target at all."""
+    if kind not in EDITS:
+        raise ValueError(f"edit_answer: kind {kind!r}: expected one of {', '.join(EDITS)}")
+    found = [m for m in _ANY_CLAUSE.finditer(answer) if parse_clause(m.group(0))]
+    if not found:
+        return None
+    chosen = found if kind == "other_person" and rng.random() < 0.5 else [rng.choice(found)]
+    spans = []  # (start, end, new text), left to right
+    if kind == "other_person":
+        other = q.distractor if q.distractor and rng.random() < 0.5 else rng.choice(
+            [n for n in NAMES if n not in (q.target, q.distractor)])  # fmt: skip
+        for m in chosen:
+            group = next(g for g in m.groupdict() if g.startswith("name") and m.group(g))
+            spans.append((m.start(group), m.end(group), other))
+    else:
+        m = chosen[0]
+        group = next(g for g in m.groupdict() if g.startswith("value") and m.group(g))
+        attribute = parse_clause(m.group(0))[1]
+        noted = [v for a, v in {**q.distractor_facts, **q.facts}.items() if a != attribute]
+        pool = noted or [v for a, (_, vs) in ATTRIBUTES.items() if a != attribute for v in vs]
+        spans.append((m.start(group), m.end(group), rng.choice(pool)))
+    for start, end, text in reversed(spans):
+        answer = answer[:start] + text + answer[end:]
+    return answer
+
+
 # ----------------------------------------------------------------------------- grading
 
 

@@ -10,17 +10,23 @@ under `--out` is reused):
                    grader (the paper collects all its feedback on SFT samples): per segment
                    <out>/feedback/{relevance,factuality}.jsonl, and pairs of answers to one
                    prompt {completeness,preference}.jsonl; every reward model's data
-  rm_relevance     configs/reward_models/tiny_segment_relevance.yaml      per sub-sentence
   lm_facts         configs/instruction_tuning/tiny_lm_facts.yaml          the factuality reward
                    model's backbone, pre-trained as a language model on <out>/reading/ (new
                    questions with correct answers); what it learned is checked
                    (`reading_accuracy`, <out>/lm_facts/reading.json)
+  rm_relevance     configs/reward_models/tiny_segment_relevance.yaml      per sub-sentence
   rm_factuality    configs/reward_models/tiny_segment_factuality.yaml     per sentence, starting
                    from lm_facts
   rm_completeness  configs/reward_models/tiny_completeness.yaml           preference, last token
   rm_holistic      configs/reward_models/tiny_holistic.yaml               preference, last token
                    (each trained on 90% of its feedback rows, the rest held out)
   fine_grained_ppo / holistic_ppo (configs/policy_gradients/), per seed, `--steps` steps each
+
+`--edited-feedback` adds to the relevance feedback the SFT model's greedy answers with irrelevant
+clauses put in (`rlhf_core.longform.edit_answer`: about another person, or a value of another
+attribute: what fine-grained PPO's greedy answers get wrong) and trains the relevance reward model
+from lm_facts with configs/reward_models/tiny_segment_relevance_lm.yaml; measured, not the
+default (docs/algorithms/fine_grained_rlhf.md, "Edited feedback"); use another `--out`.
 
 `--segment-encoder DIR` trains the two segment reward models on a bidirectional encoder instead
 (a BERT / DeBERTa / Longformer-family checkpoint directory, or an encoder-decoder's such as the
@@ -44,13 +50,13 @@ import time
 from pathlib import Path
 from typing import Any
 
-from rlhf_core.longform import write_reading_corpus
+from rlhf_core.longform import EDITS, write_reading_corpus
 
 CONFIGS = Path("configs")
 STAGES = {
     "sft": ("instruction_tuning", "tiny_t5_sft_longform"),
-    "rm_relevance": ("reward_models", "tiny_segment_relevance"),
     "lm_facts": ("instruction_tuning", "tiny_lm_facts"),
+    "rm_relevance": ("reward_models", "tiny_segment_relevance"),
     "rm_factuality": ("reward_models", "tiny_segment_factuality"),
     "rm_completeness": ("reward_models", "tiny_completeness"),
     "rm_holistic": ("reward_models", "tiny_holistic"),
@@ -184,8 +190,8 @@ def answer_pairs(prompt: str, answers: dict[str, Any], score: Any) -> list[dict[
 
 def collect_feedback(
     sft: Path, prompts: Path, out: Path, *,
-    temperatures: tuple[float, ...] = FEEDBACK_TEMPERATURES, max_new_tokens: int = 40,
-    chunk: int = 250,
+    temperatures: tuple[float, ...] = FEEDBACK_TEMPERATURES, edits: tuple[str, ...] = (),
+    max_new_tokens: int = 40, chunk: int = 250,
 ) -> float:  # fmt: skip
     """Feedback on the SFT model's own answers, as the paper collects it: an answer to every
     prompt of `prompts` at each of `temperatures` (0: greedy; the others seeded), graded by
@@ -193,8 +199,10 @@ def collect_feedback(
     `relevance.jsonl` / `factuality.jsonl` (per sub-sentence irrelevant / per sentence
     unverifiable or wrong: the segment reward models' rows), `completeness.jsonl` (pairs of two
     answers to one prompt, chosen = the one stating more of the target's facts correctly) and
-    `preference.jsonl` (chosen = the higher `holistic_score`, the holistic baseline's). Reused
-    when all four exist. Seconds."""
+    `preference.jsonl` (chosen = the higher `holistic_score`, the holistic baseline's). `edits`
+    (kinds of `rlhf_core.longform.edit_answer`): each greedy answer is also written to the
+    relevance rows once per kind with that irrelevant text put in, mixed in with an rng of their
+    own so that the other files stay as without them. Reused when all four exist. Seconds."""
     import random
 
     import torch
@@ -202,7 +210,7 @@ def collect_feedback(
     from policy_gradients.rollout import generate_rollouts, load_prompts
     from rlhf_core.data import DataSource
     from rlhf_core.generation import Sampling
-    from rlhf_core.longform import grade, holistic_score, question_from_prompt
+    from rlhf_core.longform import edit_answer, grade, holistic_score, question_from_prompt
     from rlhf_core.models import ModelConfig, load_policy, load_tokenizer
 
     files = {name: out / f"{name}.jsonl" for name in FEEDBACK_FILES}
@@ -217,6 +225,7 @@ def collect_feedback(
     policy = load_policy(ModelConfig(name_or_path=str(sft))).eval()
     rows: dict[str, list[dict]] = {name: [] for name in FEEDBACK_FILES}
     graded: list[dict[str, Any]] = [{} for _ in items]  # per prompt: answer -> its grade
+    edited_rows: list[dict] = []  # relevance rows of the edited greedy answers
     for k, temperature in enumerate(temperatures):
         for first in range(0, len(items), chunk):
             part = items[first : first + chunk]
@@ -228,7 +237,8 @@ def collect_feedback(
                 )  # fmt: skip
             for i, (item, answer) in enumerate(zip(part, ro.completions, strict=True)):
                 question = item["messages"][-1]["content"]
-                g = grade(question_from_prompt(question), answer)
+                q = question_from_prompt(question)
+                g = grade(q, answer)
                 graded[first + i][answer] = g
                 for name, labels in (("relevance", g.subsentence_irrelevant),
                                      ("factuality", g.sentence_factual)):  # fmt: skip
@@ -236,6 +246,12 @@ def collect_feedback(
                         rows[name].append(
                             {"prompt": question, "completion": answer, "labels": labels}
                         )
+                for kind in edits if temperature == 0 else ():
+                    edited = edit_answer(random.Random(f"{first + i} {kind}"), q, answer, kind)
+                    if edited is not None:
+                        labels = grade(q, edited).subsentence_irrelevant
+                        edited_rows.append({"prompt": question, "completion": edited,
+                                            "labels": labels})  # fmt: skip
     for item, answers in zip(items, graded, strict=True):
         rows["completeness"] += answer_pairs(item["messages"][-1]["content"], answers,
                                              lambda g: g.covered)  # fmt: skip
@@ -245,6 +261,9 @@ def collect_feedback(
     rng = random.Random(0)
     for name, path in files.items():
         rng.shuffle(rows[name])
+        if name == "relevance" and edited_rows:  # mixed in with an rng of their own
+            rows[name] += edited_rows
+            random.Random(1).shuffle(rows[name])
         path.write_text("".join(json.dumps(r) + "\n" for r in rows[name]))
     return time.perf_counter() - start
 
@@ -364,7 +383,14 @@ def main(argv: list[str] | None = None) -> int:
         "--segment-encoder", type=Path, default=None,
         help="an encoder checkpoint directory for the segment reward models (encoder_only)",
     )  # fmt: skip
+    parser.add_argument(
+        "--edited-feedback", action="store_true",
+        help="relevance feedback with edited greedy answers, and its reward model from lm_facts",
+    )  # fmt: skip
     args = parser.parse_args(argv)
+    if args.edited_feedback and args.segment_encoder is not None:
+        parser.error("--edited-feedback starts the relevance reward model from lm_facts, "
+                     "--segment-encoder from an encoder: choose one")  # fmt: skip
     out: Path = args.out
     times: dict[str, float] = {}
     encoder = args.segment_encoder
@@ -384,14 +410,16 @@ def main(argv: list[str] | None = None) -> int:
             if "feedback" not in times:
                 times["feedback"] = collect_feedback(
                     out / "sft" / "final", Path("data/longform/prompts.jsonl"), out / "feedback",
-                    max_new_tokens=args.max_new_tokens,
+                    edits=EDITS if args.edited_feedback else (), max_new_tokens=args.max_new_tokens,
                 )  # fmt: skip
             rows = out / "feedback" / f"{FEEDBACK_OF[stage]}.jsonl"
             n_train = int(0.9 * sum(1 for _ in rows.open()))
             overrides = [f"data.train.path={rows}", f"data.train.limit={n_train}",
                          f"data.eval.path={rows}", f"data.eval.offset={n_train}"]  # fmt: skip
-            if stage == "rm_factuality":
+            if stage == "rm_factuality" or (stage == "rm_relevance" and args.edited_feedback):
                 overrides.append(f"model.name_or_path={out / 'lm_facts' / 'final'}")
+            if stage == "rm_relevance" and args.edited_feedback:
+                name = "tiny_segment_relevance_lm"
         if encoder is not None and name.startswith("tiny_segment_"):
             overrides += [f"model.name_or_path={encoder}", "encoder_only=true"]
         times[stage] = run_stage(package, name, out / stage, overrides)

@@ -186,6 +186,40 @@ def test_shared_questions_need_the_name_and_the_reading_corpus_mixes_them(tmp_pa
     assert 0.5 < share < 0.7  # 0.5 shared, plus 0.5 x 0.2 unshared that happen to share
 
 
+def test_edited_answers_put_in_the_irrelevant_text_the_policy_writes():
+    """`edit_answer`: `other_person` renames the target in one clause or in all of them (the
+    distractor or another name) and `mismatched_value` gives one clause another attribute's value;
+    only the edited clauses change, and the grader calls exactly those irrelevant."""
+    rng = random.Random(7)
+    seen = {"all": 0, "one": 0, "distractor": 0, "noted": 0}
+    for _ in range(300):
+        q = longform.sample_question(rng)
+        answer = q.reference() + " " + longform.FILLERS[0] + "."
+        before = [s.text for s in segment(answer, "subsentence")]
+        for kind in longform.EDITS:
+            edited = longform.edit_answer(rng, q, answer, kind)
+            after = [s.text for s in segment(edited, "subsentence")]
+            assert len(after) == len(before)
+            changed = [i for i, (a, b) in enumerate(zip(before, after, strict=True)) if a != b]
+            labels = longform.grade(q, edited).subsentence_irrelevant
+            assert [i for i, x in enumerate(labels) if x] == changed + [len(before) - 1]
+            if kind == "mismatched_value":
+                assert len(changed) == 1
+                assert longform.parse_clause(after[changed[0]]) is None  # not a fact at all
+                value = after[changed[0]].rstrip(".,").split()[-1]
+                notes = {**q.facts, **q.distractor_facts}.values()
+                seen["noted"] += value in notes
+            else:
+                names = {longform.parse_clause(after[i])[0] for i in changed}
+                assert len(names) == 1 and q.target not in names
+                seen["all" if len(changed) == len(before) - 1 else "one"] += 1
+                seen["distractor"] += q.distractor in names
+    assert all(n > 60 for n in seen.values()), seen
+    assert longform.edit_answer(rng, q, "HugoIvHuNo, andTell in Oslo.", "other_person") is None
+    with pytest.raises(ValueError, match="kind 'swap': expected one of other_person"):
+        longform.edit_answer(rng, q, answer, "swap")
+
+
 @pytest.mark.parametrize("level", ["sentence", "subsentence"])
 def test_control_characters_in_sampled_text_do_not_break_segmentation(level):
     """A policy's sampled bytes can hold control characters; pysbd alone raises on "a 1.\\x1d8. b"

@@ -4,14 +4,15 @@ own answers, each labelled per segment by the exact grader, and a segment RM tra
 from __future__ import annotations
 
 import json
+import random
 
 import pytest
 from conftest import REPO
 
-from rlhf_core.longform import grade, holistic_score, question_from_prompt
+from rlhf_core.longform import EDITS, edit_answer, grade, holistic_score, question_from_prompt
 from rlhf_core.segmentation import segment
 from rlhf_core.tiny import preset_dir
-from rlhf_lab.fine_grained import answer_pairs, collect_feedback
+from rlhf_lab.fine_grained import answer_pairs, collect_feedback, run_stage
 
 
 def test_feedback_rows_are_the_policys_answers_graded_exactly(tmp_path):
@@ -42,6 +43,36 @@ def test_feedback_rows_are_the_policys_answers_graded_exactly(tmp_path):
         collect_feedback(policy, prompts, out, temperatures=(0.0, 1.0), max_new_tokens=12) == 0.0
     )  # reused
     assert (out / "factuality.jsonl").read_text() == before
+
+
+def test_edited_feedback_adds_relevance_rows_of_the_greedy_answers_and_nothing_else(tmp_path):
+    """`collect_feedback(edits=EDITS)`: every greedy answer with a template clause comes back once
+    per kind of edit in the relevance rows, labelled by the grader; the other files are as
+    without edits."""
+    rows = (REPO / "data" / "longform" / "prompts.jsonl").read_text().splitlines()[:8]
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text("\n".join(rows) + "\n")
+    # 60 steps of the pipeline's SFT stage: its greedy answers hold template clauses
+    run_stage(
+        "instruction_tuning", "tiny_t5_sft_longform", tmp_path / "sft", ["train.max_steps=60"]
+    )
+    policy = tmp_path / "sft" / "final"
+    plain, edited = tmp_path / "plain", tmp_path / "edited"
+    collect_feedback(policy, prompts, plain, temperatures=(0.0,), max_new_tokens=24)
+    collect_feedback(policy, prompts, edited, temperatures=(0.0,), edits=EDITS, max_new_tokens=24)
+    for name in ("factuality", "completeness", "preference"):
+        assert (plain / f"{name}.jsonl").read_text() == (edited / f"{name}.jsonl").read_text()
+    before = [json.loads(x) for x in (plain / "relevance.jsonl").read_text().splitlines()]
+    after = [json.loads(x) for x in (edited / "relevance.jsonl").read_text().splitlines()]
+    rng = random.Random(0)
+    with_clause = [r for r in before if edit_answer(rng, question_from_prompt(r["prompt"]),
+                                                    r["completion"], EDITS[0])]  # fmt: skip
+    assert len(after) == len(before) + len(EDITS) * len(with_clause)
+    assert all(r in after for r in before)
+    for row in after:
+        q = question_from_prompt(row["prompt"])
+        assert row["labels"] == grade(q, row["completion"]).subsentence_irrelevant
+    assert with_clause, "no greedy answer held a template clause: the edits went untested"
 
 
 def test_answer_pairs_prefer_the_higher_grade_and_skip_ties():
@@ -126,3 +157,14 @@ def test_diag_draws_the_sampled_answers_again_the_first_draw_being_the_reports(c
     with pytest.raises(SystemExit):
         main([str(policy), "--sampling-seeds", "0"])
     assert "--sampling-seeds: expected an integer >= 1, got 0" in capsys.readouterr().err
+
+
+def test_edited_feedback_and_a_segment_encoder_are_one_error(tmp_path, capsys):
+    from rlhf_lab.fine_grained import main
+
+    with pytest.raises(SystemExit) as exit_info:
+        main(["--out", str(tmp_path), "--edited-feedback", "--segment-encoder", str(tmp_path)])
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err
+    assert "--edited-feedback starts the relevance reward model from lm_facts" in err
+    assert not any(tmp_path.iterdir())  # nothing ran
