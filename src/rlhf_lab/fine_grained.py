@@ -202,7 +202,9 @@ def collect_feedback(
     `preference.jsonl` (chosen = the higher `holistic_score`, the holistic baseline's). `edits`
     (kinds of `rlhf_core.longform.edit_answer`): each greedy answer is also written to the
     relevance rows once per kind with that irrelevant text put in, mixed in with an rng of their
-    own so that the other files stay as without them. Reused when all four exist. Seconds."""
+    own so that the other files stay as without them. Reused when all four exist and
+    `out/settings.json` (missing: the defaults) names the same temperatures and edits; other
+    settings are an error naming the file. Seconds."""
     import random
 
     import torch
@@ -213,8 +215,17 @@ def collect_feedback(
     from rlhf_core.longform import edit_answer, grade, holistic_score, question_from_prompt
     from rlhf_core.models import ModelConfig, load_policy, load_tokenizer
 
+    if unknown := [kind for kind in edits if kind not in EDITS]:
+        raise ValueError(f"collect_feedback: edits {unknown}: expected kinds of {', '.join(EDITS)}")
     files = {name: out / f"{name}.jsonl" for name in FEEDBACK_FILES}
+    settings = {"temperatures": list(temperatures), "edits": list(edits)}
     if all(path.is_file() for path in files.values()):
+        kept = out / "settings.json"
+        found = json.loads(kept.read_text()) if kept.is_file() else {
+            "temperatures": list(FEEDBACK_TEMPERATURES), "edits": []}  # fmt: skip
+        if found != settings:
+            raise ValueError(f"{kept}: the feedback there was collected with {found}, this run "
+                             f"asks for {settings}: use another output directory")  # fmt: skip
         return 0.0
     start = time.perf_counter()
     tokenizer = load_tokenizer(ModelConfig(name_or_path=str(sft)), padding_side="left")
@@ -265,6 +276,7 @@ def collect_feedback(
             rows[name] += edited_rows
             random.Random(1).shuffle(rows[name])
         path.write_text("".join(json.dumps(r) + "\n" for r in rows[name]))
+    (out / "settings.json").write_text(json.dumps(settings) + "\n")
     return time.perf_counter() - start
 
 

@@ -73,6 +73,13 @@ def test_edited_feedback_adds_relevance_rows_of_the_greedy_answers_and_nothing_e
         q = question_from_prompt(row["prompt"])
         assert row["labels"] == grade(q, row["completion"]).subsentence_irrelevant
     assert with_clause, "no greedy answer held a template clause: the edits went untested"
+    # reused only with the settings it was collected with; another kind of edit is named
+    with pytest.raises(ValueError, match=r"plain/settings.json: the feedback there was collected"):
+        collect_feedback(policy, prompts, plain, temperatures=(0.0,), edits=EDITS)
+    assert collect_feedback(policy, prompts, edited, temperatures=(0.0,), edits=EDITS) == 0.0
+    with pytest.raises(ValueError, match=r"edits \['swap'\]: expected kinds of other_person"):
+        collect_feedback(policy, prompts, tmp_path / "other", edits=("swap",))
+    assert not (tmp_path / "other").exists()
 
 
 def test_answer_pairs_prefer_the_higher_grade_and_skip_ties():
