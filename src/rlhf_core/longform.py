@@ -212,7 +212,8 @@ def sample_retrieval_answer(rng: random.Random, q: Question, *, max_clauses: int
 #: the edits `edit_answer` makes to an answer: one of the two kinds of irrelevant text the PPO
 #: policy writes in its greedy answers and the SFT model's (the feedback's) do not
 EDITS = ("other_person", "mismatched_value")
-_ANY_CLAUSE = re.compile(
+#: a clause's shape, any word in its name and value slots ("Mira lives in nurse" too)
+CLAUSE_SHAPE = re.compile(
     "|".join(
         "(?:" + tpl.format(name=f"(?P<name{i}>[A-Z]\\w*)", value=f"(?P<value{i}>\\w+)") + ")"
         for i, (tpl, _) in enumerate(ATTRIBUTES.values())
@@ -228,7 +229,7 @@ def edit_answer(rng: random.Random, q: Question, answer: str, kind: str) -> str 
     notes where they give one ("Mira lives in nurse"): not a statement about the target at all."""
     if kind not in EDITS:
         raise ValueError(f"edit_answer: kind {kind!r}: expected one of {', '.join(EDITS)}")
-    found = [m for m in _ANY_CLAUSE.finditer(answer) if parse_clause(m.group(0))]
+    found = [m for m in CLAUSE_SHAPE.finditer(answer) if parse_clause(m.group(0))]
     if not found:
         return None
     chosen = found if kind == "other_person" and rng.random() < 0.5 else [rng.choice(found)]

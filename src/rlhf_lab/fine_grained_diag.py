@@ -7,8 +7,9 @@ models see it (docs/algorithms/fine_grained_rlhf.md, "Why the first comparison f
 Greedy and sampled (T=1, seeded) answers to the first `--heldout` held-out prompts, as
 `rlhf_lab.fine_grained` evaluates them; every sub-sentence classed against the notes (a correct
 fact, an attribute the notes do not give, the distractor's value, another attested or an
-unattested value, another person, not a template clause); then each segment reward model's
-recall and precision of the exact error labels (`rlhf_core.longform.grade`) on those answers.
+unattested value, another person, a clause with another attribute's value such as "Mira lives in
+nurse", not a template clause); then each segment reward model's recall and precision of the
+exact error labels (`rlhf_core.longform.grade`) on those answers.
 With `--sampling-seeds K` the sampled answers are drawn K times (seeds offset by 0, 100,000, ...;
 offset 0 is the report's) and each draw's error rates are printed with their mean: how much of
 a sampled row of the report is the sampling's noise.
@@ -26,11 +27,12 @@ LEVELS = {"relevance": "subsentence_irrelevant", "factuality": "sentence_factual
 
 
 def clause_kind(question, text: str) -> str:
-    from rlhf_core.longform import ATTESTED, ATTRIBUTES, parse_clause
+    from rlhf_core.longform import ATTESTED, ATTRIBUTES, CLAUSE_SHAPE, parse_clause
 
     parsed = parse_clause(text)
     if parsed is None:
-        return "not a template clause"
+        shaped = CLAUSE_SHAPE.search(text)
+        return "another attribute's value" if shaped else "not a template clause"
     name, attribute, value = parsed
     if name != question.target:
         return "about another person"

@@ -9,7 +9,14 @@ import random
 import pytest
 from conftest import REPO
 
-from rlhf_core.longform import EDITS, edit_answer, grade, holistic_score, question_from_prompt
+from rlhf_core.longform import (
+    EDITS,
+    clause,
+    edit_answer,
+    grade,
+    holistic_score,
+    question_from_prompt,
+)
 from rlhf_core.segmentation import segment
 from rlhf_core.tiny import preset_dir
 from rlhf_lab.fine_grained import answer_pairs, collect_feedback, run_stage
@@ -175,3 +182,17 @@ def test_edited_feedback_and_a_segment_encoder_are_one_error(tmp_path, capsys):
     err = capsys.readouterr().err
     assert "--edited-feedback starts the relevance reward model from lm_facts" in err
     assert not any(tmp_path.iterdir())  # nothing ran
+
+
+def test_diag_names_each_kind_of_clause():
+    from rlhf_core.longform import sample_question
+    from rlhf_lab.fine_grained_diag import clause_kind
+
+    q = sample_question(random.Random(4))
+    attribute, value = next(iter(q.facts.items()))
+    other_attribute = next(a for a in q.facts if a != attribute)
+    assert clause_kind(q, clause(q.target, attribute, value)) == "correct"
+    assert clause_kind(q, clause(q.distractor, attribute, value)) == "about another person"
+    mismatched = clause(q.target, attribute, q.facts[other_attribute])
+    assert clause_kind(q, mismatched) == "another attribute's value"
+    assert clause_kind(q, "HugoIvHuNo, andTell") == "not a template clause"
