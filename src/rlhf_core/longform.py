@@ -65,15 +65,21 @@ def clause(name: str, attribute: str, value: str) -> str:
     return ATTRIBUTES[attribute][0].format(name=name, value=value)
 
 
-def parse_clause(text: str) -> tuple[str, str, str] | None:
-    """(name, attribute, value) of a template clause (leading "and", trailing punctuation and
-    spaces ignored), or None if `text` is not one."""
+def clause_shape(text: str) -> tuple[str, str, str] | None:
+    """(name, attribute, word) of text shaped like a template clause (leading "and", trailing
+    punctuation and spaces ignored), whatever word fills the value ("Mira lives in nurse" too)."""
     text = re.sub(r"^\s*(and\s+)?", "", text).strip().rstrip(".,;").strip()
     for attribute, pattern in _CLAUSES:
-        found = pattern.match(text)
-        if found and found["value"] in ATTRIBUTES[attribute][1]:
+        if found := pattern.match(text):
             return found["name"], attribute, found["value"]
     return None
+
+
+def parse_clause(text: str) -> tuple[str, str, str] | None:
+    """(name, attribute, value) of a template clause, or None if `text` is not one (its shape
+    with a value that is not one of the attribute's)."""
+    shaped = clause_shape(text)
+    return shaped if shaped and shaped[2] in ATTRIBUTES[shaped[1]][1] else None
 
 
 @dataclass
@@ -212,8 +218,8 @@ def sample_retrieval_answer(rng: random.Random, q: Question, *, max_clauses: int
 #: the edits `edit_answer` makes to an answer: one of the two kinds of irrelevant text the PPO
 #: policy writes in its greedy answers and the SFT model's (the feedback's) do not
 EDITS = ("other_person", "mismatched_value")
-#: a clause's shape, any word in its name and value slots ("Mira lives in nurse" too)
-CLAUSE_SHAPE = re.compile(
+#: template clauses inside a text, any word in their name and value slots (`edit_answer`)
+_CLAUSE_SPANS = re.compile(
     "|".join(
         "(?:" + tpl.format(name=f"(?P<name{i}>[A-Z]\\w*)", value=f"(?P<value{i}>\\w+)") + ")"
         for i, (tpl, _) in enumerate(ATTRIBUTES.values())
@@ -229,7 +235,7 @@ def edit_answer(rng: random.Random, q: Question, answer: str, kind: str) -> str 
     notes where they give one ("Mira lives in nurse"): not a statement about the target at all."""
     if kind not in EDITS:
         raise ValueError(f"edit_answer: kind {kind!r}: expected one of {', '.join(EDITS)}")
-    found = [m for m in CLAUSE_SHAPE.finditer(answer) if parse_clause(m.group(0))]
+    found = [m for m in _CLAUSE_SPANS.finditer(answer) if parse_clause(m.group(0))]
     if not found:
         return None
     chosen = found if kind == "other_person" and rng.random() < 0.5 else [rng.choice(found)]

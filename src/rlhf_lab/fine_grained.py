@@ -217,6 +217,9 @@ def collect_feedback(
 
     if unknown := [kind for kind in edits if kind not in EDITS]:
         raise ValueError(f"collect_feedback: edits {unknown}: expected kinds of {', '.join(EDITS)}")
+    if edits and 0.0 not in temperatures:
+        raise ValueError(f"collect_feedback: edits apply to greedy answers, and temperatures "
+                         f"{list(temperatures)} have none (0.0)")  # fmt: skip
     files = {name: out / f"{name}.jsonl" for name in FEEDBACK_FILES}
     settings = {"temperatures": list(temperatures), "edits": list(edits)}
     if all(path.is_file() for path in files.values()):

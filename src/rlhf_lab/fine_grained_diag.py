@@ -27,12 +27,15 @@ LEVELS = {"relevance": "subsentence_irrelevant", "factuality": "sentence_factual
 
 
 def clause_kind(question, text: str) -> str:
-    from rlhf_core.longform import ATTESTED, ATTRIBUTES, CLAUSE_SHAPE, parse_clause
+    from rlhf_core.longform import ATTESTED, ATTRIBUTES, clause_shape, parse_clause
 
     parsed = parse_clause(text)
     if parsed is None:
-        shaped = CLAUSE_SHAPE.search(text)
-        return "another attribute's value" if shaped else "not a template clause"
+        shaped = clause_shape(text)
+        if shaped and any(shaped[2] in values for attribute, (_, values) in ATTRIBUTES.items()
+                          if attribute != shaped[1]):  # fmt: skip
+            return "another attribute's value"
+        return "not a template clause"
     name, attribute, value = parsed
     if name != question.target:
         return "about another person"

@@ -86,6 +86,10 @@ def test_edited_feedback_adds_relevance_rows_of_the_greedy_answers_and_nothing_e
     assert collect_feedback(policy, prompts, edited, temperatures=(0.0,), edits=EDITS) == 0.0
     with pytest.raises(ValueError, match=r"edits \['swap'\]: expected kinds of other_person"):
         collect_feedback(policy, prompts, tmp_path / "other", edits=("swap",))
+    with pytest.raises(
+        ValueError, match=r"edits apply to greedy answers, and temperatures \[1.0\]"
+    ):
+        collect_feedback(policy, prompts, tmp_path / "other", temperatures=(1.0,), edits=EDITS)
     assert not (tmp_path / "other").exists()
 
 
@@ -196,3 +200,6 @@ def test_diag_names_each_kind_of_clause():
     mismatched = clause(q.target, attribute, q.facts[other_attribute])
     assert clause_kind(q, mismatched) == "another attribute's value"
     assert clause_kind(q, "HugoIvHuNo, andTell") == "not a template clause"
+    cut = clause(q.target, "city", "Oslo").replace("Oslo", "To")  # a word no attribute has
+    assert clause_kind(q, cut) == "not a template clause"
+    assert clause_kind(q, "so " + mismatched) == "not a template clause"
