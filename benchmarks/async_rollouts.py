@@ -94,6 +94,8 @@ def arm_config(arm: str, args: argparse.Namespace, model: str, seed: int) -> dic
                         threads=threads)  # fmt: skip
     cfg["reference"] = {"mode": "model"}
     cfg["optim"]["warmup_steps"] = 0
+    if args.rl_lr is not None:
+        cfg["optim"]["lr"] = args.rl_lr
     cfg["checkpoint"] = {"save_every": 0, "save_final": False}
     cfg["tracking"] = {"log_every": 1, "plot_every": 1000}
     return cfg
@@ -264,7 +266,9 @@ def plot(payload: dict[str, Any], path: Path) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--model", choices=("tiny", "real"), default="tiny")
+    parser.add_argument("--model", choices=("tiny", "small", "real", "wide"), default="tiny",
+                        help="tiny: the tiny SFT model (--sft); small, real, wide: "
+                        "benchmarks.workload's shapes, randomly initialised")  # fmt: skip
     parser.add_argument("--sft", help="tiny: the tiny SFT model directory")
     parser.add_argument("--arms", default="k0,k1,k2,k1+dec,k2+dec")
     parser.add_argument("--steps", type=int, default=20)
@@ -291,6 +295,8 @@ def main() -> None:
         "--task local rows for this many steps; the arms start from it",
     )
     parser.add_argument("--sft-lr", type=float, default=3e-4)
+    parser.add_argument("--rl-lr", type=float, default=None,
+                        help="the arms' optim.lr (default: tiny_grpo.yaml's)")  # fmt: skip
     parser.add_argument("--out", help="also copy the result files into this folder")
     parser.add_argument("--plot", help="write the reward curves to this PNG")
     parser.add_argument(
@@ -305,7 +311,7 @@ def main() -> None:
     else:
         from benchmarks.workload import model_dir
 
-        model = str(model_dir("real"))
+        model = str(model_dir(args.model))
     if args.sft_steps < 0:
         parser.error(f"--sft-steps must be >= 0, got {args.sft_steps}")
     if (args.spaced or args.sft_steps) and args.task != "local":
@@ -318,7 +324,8 @@ def main() -> None:
         "task": args.task,
         "shape": f"GRPO (tiny_grpo.yaml: 2 PPO epochs, clip 0.2), {args.prompts} prompts x "
         f"{args.group} completions x {args.tokens} new tokens per step, {args.steps} steps, "
-        f"train.threads {args.threads}." + (" Letters spaced." if args.spaced else ""),
+        f"train.threads {args.threads}, lr {args.rl_lr or 'as in tiny_grpo.yaml'}, no warmup."
+        + (" Letters spaced." if args.spaced else ""),
         "runs": [],
     }  # fmt: skip
     with tempfile.TemporaryDirectory(prefix="async-bench-") as tmp:
