@@ -79,7 +79,7 @@ def tiny_sft_dict() -> dict:
         },
         "optim": {"lr": 1e-3, "warmup_steps": 2},
         "checkpoint": {"save_every": 0, "keep_last": 2},
-        "tracking": {"log_every": 1, "plot_every": 100},
+        "tracking": {"log_every": 1, "plot_every": 0},  # no curves.png: ~1-2 s a run
     }
 
 
@@ -169,7 +169,7 @@ def tiny_dpo_dict() -> dict:
         "train": {"batch_size": 8, "max_steps": 4, "threads": 1},
         "optim": {"lr": 1e-3, "warmup_steps": 1},
         "checkpoint": {"save_every": 0},
-        "tracking": {"log_every": 1, "plot_every": 100},
+        "tracking": {"log_every": 1, "plot_every": 0},  # no curves.png: ~1-2 s a run
     }
 
 
@@ -213,7 +213,7 @@ def tiny_pg_dict(model_path: Path, **algorithm) -> dict:
         "train": {"max_steps": 2, "micro_batch_size": 16, "threads": 1},
         "optim": {"lr": 1e-4, "warmup_steps": 0, "schedule": "constant"},
         "checkpoint": {"save_every": 0},
-        "tracking": {"log_every": 1, "plot_every": 100},
+        "tracking": {"log_every": 1, "plot_every": 0},  # no curves.png: ~1-2 s a run
     }
 
 

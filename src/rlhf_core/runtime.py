@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import os
 import random
+import sys
 from typing import Any
 
 import numpy as np
@@ -73,12 +74,19 @@ def configure_threads(threads: int | None) -> int:
 
 
 def quiet_libraries() -> None:
-    """Silence per-call progress bars and advisory logs of transformers/datasets."""
+    """Silence per-call progress bars and advisory logs of transformers/datasets. datasets is
+    told through the environment variables it reads when imported, so a run that never loads a
+    data file (reasoning-gym rows, the tiny world) does not pay its import (~0.6 s a process);
+    a user's own setting of them is kept."""
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-    import datasets
+    os.environ.setdefault("DATASETS_VERBOSITY", "error")
+    os.environ.setdefault("HF_DATASETS_DISABLE_PROGRESS_BARS", "1")
     import transformers
 
     transformers.utils.logging.set_verbosity_error()
     transformers.utils.logging.disable_progress_bar()
-    datasets.utils.logging.set_verbosity_error()
-    datasets.disable_progress_bars()
+    if "datasets" in sys.modules:  # imported already: its settings were read; set them now
+        import datasets
+
+        datasets.utils.logging.set_verbosity_error()
+        datasets.disable_progress_bars()

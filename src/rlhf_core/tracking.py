@@ -48,7 +48,12 @@ class WandbConfig(StrictModel):
 
 class TrackingConfig(StrictModel):
     log_every: int = Field(10, ge=1, description="log training metrics every k optimizer steps")
-    plot_every: int = Field(10, ge=1, description="redraw curves.png every k metric lines")
+    plot_every: int = Field(
+        10,
+        ge=0,
+        description="redraw curves.png every k metric lines (and at the end); 0 = no curves.png: "
+        "metrics.jsonl holds the same numbers, and `rlhf-lab runs compare` draws them later",
+    )
     backends: list[Backend] = Field(
         default_factory=list,
         description="experiment trackers besides metrics.jsonl: wandb, tensorboard (event files "
@@ -134,12 +139,12 @@ class Tracker:
             pct = 100.0 * step / max(1, self.total_steps)
             print(f"[{step}/{self.total_steps} {pct:3.0f}%] {shown}", file=sys.stderr, flush=True)
         self._lines_since_plot += 1
-        if self._lines_since_plot >= self.tracking.plot_every:
+        if self.tracking.plot_every and self._lines_since_plot >= self.tracking.plot_every:
             self.plot()
 
     def plot(self) -> None:
-        """Redraw curves.png: one panel per metric family, x = step."""
-        if not self.enabled or not self.history:
+        """Redraw curves.png: one panel per metric family, x = step (not with plot_every 0)."""
+        if not self.enabled or not self.history or not self.tracking.plot_every:
             return
         self._lines_since_plot = 0
         series: dict[str, dict[str, tuple[list[int], list[float]]]] = defaultdict(dict)

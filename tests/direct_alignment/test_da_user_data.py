@@ -46,7 +46,7 @@ def dpo_config(path: Path, **data) -> dict:
         "train": {"batch_size": 4, "max_steps": 3, "threads": 1},
         "optim": {"lr": 1e-3, "warmup_steps": 1},
         "checkpoint": {"save_every": 0},
-        "tracking": {"log_every": 1, "plot_every": 100},
+        "tracking": {"log_every": 1, "plot_every": 0},
     }
 
 

@@ -35,6 +35,7 @@ def run_cfg(data: dict, out: Path) -> int:
 
 def test_a_few_steps_change_every_parameter_and_write_the_run_dir(tiny_sft_dict, tmp_path):
     tiny_sft_dict["train"]["eval_every"] = 3
+    tiny_sft_dict["tracking"]["plot_every"] = 4  # drawn at line 4 and at the end
     assert run_cfg(tiny_sft_dict, tmp_path / "run") == 0
     run = tmp_path / "run"
     for name in ("config.yaml", "metrics.jsonl", "summary.json", "curves.png", "final"):

@@ -123,7 +123,7 @@ def t5_pg_dict(segment_rms: dict[str, Path], algorithm: dict) -> dict:
         "train": {"max_steps": 2, "micro_batch_size": 16, "threads": 1},
         "optim": {"lr": 1e-3, "warmup_steps": 0, "schedule": "constant"},
         "checkpoint": {"save_every": 0},
-        "tracking": {"log_every": 1, "plot_every": 100},
+        "tracking": {"log_every": 1, "plot_every": 0},
     }
 
 

@@ -146,7 +146,7 @@ def pg_config(model: str, rm: Path, prompts: dict, rewards: list[dict] | None = 
         "train": {"max_steps": 2, "micro_batch_size": 16, "threads": 1, "eval_size": 4},
         "optim": {"lr": 1e-3, "warmup_steps": 0, "schedule": "constant"},
         "checkpoint": {"save_every": 0},
-        "tracking": {"log_every": 1, "plot_every": 100},
+        "tracking": {"log_every": 1, "plot_every": 0},
     }  # fmt: skip
 
 

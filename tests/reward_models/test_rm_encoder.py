@@ -172,7 +172,7 @@ def test_an_encoder_segment_rm_rewards_fine_grained_ppo(encoder_segment_rm, tmp_
         "rollout": {"prompts_per_step": 8, "group_size": 1, "max_new_tokens": 16},
         "train": {"max_steps": 2, "micro_batch_size": 8, "threads": 1},
         "optim": {"lr": 1e-3, "warmup_steps": 0, "schedule": "constant"},
-        "checkpoint": {"save_every": 0}, "tracking": {"log_every": 1, "plot_every": 100},
+        "checkpoint": {"save_every": 0}, "tracking": {"log_every": 1, "plot_every": 0},
     }  # fmt: skip
     run = tmp_path / "run"
     assert train_pg(PGConfig.model_validate(data), RunArgs(Path("t.yaml"), output_dir=run)) == 0

@@ -49,7 +49,7 @@ def pref_dict() -> dict:
         "train": {"batch_size": 16, "max_steps": 4, "threads": 1},
         "optim": {"lr": 3e-3, "warmup_steps": 5},
         "checkpoint": {"save_every": 0},
-        "tracking": {"log_every": 1, "plot_every": 1000},
+        "tracking": {"log_every": 1, "plot_every": 0},
     }
 
 

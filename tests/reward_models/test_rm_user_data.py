@@ -53,7 +53,7 @@ def rm_config(path: Path, **data) -> dict:
         "train": {"batch_size": 4, "max_steps": 3, "threads": 1},
         "optim": {"lr": 3e-3, "warmup_steps": 1},
         "checkpoint": {"save_every": 0},
-        "tracking": {"log_every": 1, "plot_every": 1000},
+        "tracking": {"log_every": 1, "plot_every": 0},
     }
 
 

@@ -140,7 +140,7 @@ def test_qlora_reward_model_step(tmp_path):
         "name": "qlora_rm", "model": QLORA,
         "data": {"train": {"reasoning_gym": {**rg, "size": 32, "seed": 1}}, "max_length": 48},
         "train": {"batch_size": 8, "max_steps": 1, "threads": 1},
-        "checkpoint": {"save_every": 1}, "tracking": {"log_every": 1, "plot_every": 100},
+        "checkpoint": {"save_every": 1}, "tracking": {"log_every": 1, "plot_every": 0},
     })  # fmt: skip
     assert train(cfg, RunArgs(Path("t.yaml"), output_dir=tmp_path)) == 0
     state = torch.load(tmp_path / "checkpoints" / "checkpoint-1" / "trainer_state.pt",

@@ -70,3 +70,35 @@ def test_a_cpu_trainer_retains_freed_memory_unless_switched_off():
     on, off = probe("loop-on"), probe("loop-off")
     assert on["applied"] == "retain" and off["applied"] == "glibc defaults"
     assert settles(on) and faulted_every_round(off)
+
+
+QUIET = """
+import json, os, sys
+from rlhf_core.runtime import quiet_libraries
+quiet_libraries()
+before = "datasets" in sys.modules
+import datasets, transformers
+print(json.dumps({"imported_before": before,
+                  "datasets": datasets.utils.logging.get_verbosity(),
+                  "bars": datasets.is_progress_bar_enabled(),
+                  "transformers": transformers.utils.logging.get_verbosity()}))
+"""
+
+
+@pytest.mark.parametrize("user_level", [None, "info"])
+def test_quiet_libraries_silences_datasets_without_importing_it(user_level):
+    """quiet_libraries() leaves datasets unimported (its import costs a trainer ~0.6 s) and it is
+    quiet when a data file loads it later; a user's own DATASETS_VERBOSITY is kept."""
+    import logging
+    import os
+
+    ours = ("DATASETS_VERBOSITY", "HF_DATASETS_DISABLE_PROGRESS_BARS")
+    env = {k: v for k, v in os.environ.items() if k not in ours}
+    if user_level:
+        env["DATASETS_VERBOSITY"] = user_level
+    out = subprocess.run([sys.executable, "-c", QUIET], capture_output=True, text=True, env=env,
+                         check=True).stdout  # fmt: skip
+    got = json.loads(out.strip().splitlines()[-1])
+    assert got["imported_before"] is False
+    assert got["datasets"] == (logging.INFO if user_level else logging.ERROR)
+    assert got["bars"] is False and got["transformers"] == logging.ERROR

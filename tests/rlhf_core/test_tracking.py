@@ -80,6 +80,18 @@ def test_curves_png_is_written_and_redrawn(tmp_path):
     assert not list(tmp_path.glob(".*.tmp"))
 
 
+def test_plot_every_0_draws_no_curves_and_keeps_every_metric(tmp_path):
+    tracker = make_tracker(tmp_path, plot_every=0)
+    for step in range(1, 4):
+        tracker.log(step, {"train/loss": 1.0 / step}, show=False)
+    tracker.plot()  # what a stop signal calls
+    summary = tracker.finish({"steps": 3})
+    assert not (tmp_path / "curves.png").exists() and not list(tmp_path.glob(".*.tmp"))
+    rows = [json.loads(x) for x in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert [r["train/loss"] for r in rows] == [1.0, 0.5, 1.0 / 3]
+    assert json.loads((tmp_path / "summary.json").read_text())["steps"] == summary["steps"] == 3
+
+
 def test_a_panel_of_one_line_has_its_label_in_the_title_and_no_legend(tmp_path, monkeypatch):
     from matplotlib.axes import Axes
 

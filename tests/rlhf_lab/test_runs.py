@@ -66,7 +66,7 @@ def _sft_dict() -> dict:
                   "threads": 1},
         "optim": {"lr": 1e-3, "warmup_steps": 2},
         "checkpoint": {"save_every": 3, "keep_last": 2},
-        "tracking": {"log_every": 1, "plot_every": 100},
+        "tracking": {"log_every": 1, "plot_every": 0},
     }  # fmt: skip
 
 
