@@ -112,7 +112,10 @@ def our_config(w: Workload, workdir: Path) -> Any:
             batch_size=w.batch_size, micro_batch_size=w.micro_batch_size, max_steps=w.steps,
             threads=w.threads, device="cpu", eval_every=0, samples_every=0, speed=w.speed,
         ),
-        optim=OptimConfig(lr=w.lr, schedule="cosine", warmup_steps=0, max_grad_norm=1.0),
+        # master_weights off: TRL's bf16 arm steps its bf16 weights directly (pure bf16)
+        optim=OptimConfig(
+            lr=w.lr, schedule="cosine", warmup_steps=0, max_grad_norm=1.0, master_weights=False
+        ),
         checkpoint=CheckpointConfig(save_every=0, save_final=False),
         tracking=TrackingConfig(log_every=w.log_every),
     )  # fmt: skip

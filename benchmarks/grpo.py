@@ -201,7 +201,7 @@ def run_ours(w: Workload, workdir: Path) -> dict[str, Any]:
         "train": {"max_steps": w.steps, "micro_batch_size": w.micro, "threads": w.threads,
                   "device": "cpu", "eval_every": 0},
         "optim": {"lr": w.lr, "schedule": "constant", "warmup_steps": 0, "weight_decay": 0.0,
-                  "max_grad_norm": 1.0},
+                  "max_grad_norm": 1.0, "master_weights": False},  # TRL's bf16 arm is pure bf16
         "checkpoint": {"save_every": 0, "save_final": False},
         "tracking": {"log_every": 1, "plot_every": 10_000},
     })  # fmt: skip

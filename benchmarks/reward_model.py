@@ -141,7 +141,8 @@ def run_ours(w: Workload, workdir: Path, *, share_prompt: bool = True) -> dict[s
         "loss": {"name": "bradley_terry"},
         "train": {"batch_size": w.batch_size, "max_steps": w.steps, "threads": w.threads,
                   "device": "cpu", "eval_every": 0, "share_prompt": share_prompt},
-        "optim": {"lr": w.lr, "schedule": "cosine", "warmup_steps": 0, "max_grad_norm": 1.0},
+        "optim": {"lr": w.lr, "schedule": "cosine", "warmup_steps": 0, "max_grad_norm": 1.0,
+                  "master_weights": False},  # like TRL's bf16 arm: pure bf16
         "checkpoint": {"save_every": 0, "save_final": False},
         "tracking": {"log_every": w.log_every},
     })  # fmt: skip

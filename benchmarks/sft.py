@@ -182,7 +182,7 @@ def run_ours(w: Workload, workdir: Path) -> dict[str, Any]:
         "train": {"batch_size": w.batch_size, "max_steps": w.steps, "threads": w.threads,
                   "device": "cpu", "eval_every": 0, "evaluate": False},
         "optim": {"lr": w.lr, "schedule": "cosine", "warmup_steps": 0, "weight_decay": 0.0,
-                  "max_grad_norm": 1.0},
+                  "max_grad_norm": 1.0, "master_weights": False},  # TRL's bf16 arm: pure bf16
         "checkpoint": {"save_every": 0, "save_final": False},
         "tracking": {"log_every": w.log_every},
     })  # fmt: skip

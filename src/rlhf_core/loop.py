@@ -141,7 +141,7 @@ def start_optimizer(
 ) -> tuple[torch.optim.Optimizer, LambdaLR]:
     """AdamW over `model`'s trainable parameters, prepared for the engine (after the model was),
     and its learning-rate schedule over `total_steps` (rlhf_core.optim)."""
-    optimizer = engine.prepare_optimizer(build_optimizer(model, optim))
+    optimizer = engine.prepare_optimizer(build_optimizer(model, optim, sharded=engine.sharded))
     return optimizer, build_scheduler(optimizer, optim, total_steps)
 
 

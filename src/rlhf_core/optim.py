@@ -3,18 +3,23 @@
 AdamW with decoupled weight decay on matrices only (biases, norms and embeddings' 1-D params get
 none); torch's fused kernel on CPU and CUDA. Schedules: linear warmup to the peak, then cosine or
 linear decay to `min_lr_ratio x lr`, or constant.
+
+bf16 (or fp16) weights are stepped through fp32 master copies (`MasterWeightAdamW`): an AdamW
+update of lr 1e-6 is about 1% of a bf16 step between neighbouring values at a weight of 0.02,
+so written straight into bf16 weights it rounds away and the model does not train.
 """
 
 from __future__ import annotations
 
 import math
-from typing import Literal
+from typing import Any, Literal
 
 import torch
 from pydantic import Field, field_validator
 from torch.optim.lr_scheduler import LambdaLR
 
 from rlhf_core.config import StrictModel
+from rlhf_core.errors import UserError
 
 
 class OptimConfig(StrictModel):
@@ -30,6 +35,13 @@ class OptimConfig(StrictModel):
     schedule: Literal["cosine", "linear", "constant"] = Field("cosine", description="decay shape")
     warmup_steps: int = Field(0, ge=0, description="linear warmup steps")
     min_lr_ratio: float = Field(0.0, ge=0, le=1, description="final lr as a fraction of the peak")
+    master_weights: bool | Literal["auto"] = Field(
+        "auto",
+        description="step bf16/fp16 trainable weights through fp32 master copies kept in the "
+        "optimizer state (4 more bytes a trainable parameter, and fp32 moments); auto = on "
+        "wherever a trainable parameter is bf16/fp16 (the CUDA default dtype) except under fsdp2, "
+        "whose train.fsdp.mixed_precision keeps fp32 weights itself; false = pure low precision",
+    )
     max_consecutive_skips: int = Field(
         3, ge=1,
         description="stop the run (exit 2) after this many optimizer steps in a row skipped for a "
@@ -51,7 +63,69 @@ class OptimConfig(StrictModel):
         return value
 
 
-def build_optimizer(model: torch.nn.Module, cfg: OptimConfig) -> torch.optim.AdamW:
+LOW_PRECISION = (torch.bfloat16, torch.float16)
+
+
+class MasterWeightAdamW(torch.optim.AdamW):
+    """AdamW that steps each bf16/fp16 parameter as an fp32 master copy, then writes the master,
+    rounded, back into the parameter (the mixed-precision recipe of Micikevicius et al. 2018,
+    "Mixed Precision Training", as DeepSpeed and Megatron keep it). Forward and backward stay in
+    the model's dtype; only the update is fp32.
+
+    The master lives in the optimizer state (`state[p]["master"]`), so a checkpoint of the
+    optimizer holds it and a resume continues from the same fp32 values. For the step, each such
+    parameter's storage is swapped for its master (and its gradient for an fp32 copy), the
+    ordinary AdamW step runs on fp32 tensors (its moments are created fp32), and the storage is
+    swapped back, rounded. fp32 parameters are stepped as by `torch.optim.AdamW`."""
+
+    @staticmethod
+    def _swap(p: torch.Tensor, data: torch.Tensor, grad: torch.Tensor | None) -> None:
+        p.grad = None  # a gradient must match the dtype of the data it is set on
+        p.data = data
+        p.grad = grad
+
+    @torch.no_grad()
+    def step(self, closure: Any = None) -> Any:
+        swapped = []
+        for group in self.param_groups:
+            for p in group["params"]:
+                if p.grad is None or p.dtype not in LOW_PRECISION:
+                    continue
+                # out of the state while AdamW steps: it creates its moments in an empty state
+                master = self.state[p].pop("master", None)
+                if master is None:
+                    master = p.detach().to(torch.float32, copy=True)
+                low, grad = p.data, p.grad
+                self._swap(p, master, grad.to(torch.float32))
+                swapped.append((p, low, grad, master))
+        try:
+            return super().step(closure)
+        finally:
+            for p, low, grad, master in swapped:
+                low.copy_(master)  # the updated master, rounded to the model's dtype
+                self._swap(p, low, grad)
+                self.state[p]["master"] = master
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """torch casts loaded state to each parameter's dtype: the masters and moments of the
+        low-precision parameters are loaded while those parameters are viewed as fp32."""
+        low = [p for g in self.param_groups for p in g["params"] if p.dtype in LOW_PRECISION]
+        held = [(p, p.data, p.grad) for p in low]
+        for p in low:
+            self._swap(p, p.data.to(torch.float32), None)
+        try:
+            super().load_state_dict(state_dict)
+        finally:
+            for p, data, grad in held:
+                self._swap(p, data, grad)
+
+
+def build_optimizer(
+    model: torch.nn.Module, cfg: OptimConfig, *, sharded: bool = False
+) -> torch.optim.AdamW:
+    """AdamW over `model`'s trainable parameters; `MasterWeightAdamW` when
+    `cfg.master_weights` asks for it (auto: some trainable parameter is bf16/fp16 and the model
+    is not sharded by fsdp2)."""
     decay, no_decay = [], []
     for param in model.parameters():
         if param.requires_grad:
@@ -65,7 +139,15 @@ def build_optimizer(model: torch.nn.Module, cfg: OptimConfig) -> torch.optim.Ada
     # the fused kernel exists for CUDA and (torch >= 2.4) CPU: ~6x faster optimizer step on CPU
     params = decay + no_decay
     fused = all(p.device.type in ("cpu", "cuda") and p.dtype.is_floating_point for p in params)
-    return torch.optim.AdamW(groups, lr=cfg.lr, betas=cfg.betas, eps=cfg.eps, fused=fused or None)
+    low = any(p.dtype in LOW_PRECISION for p in params)
+    if cfg.master_weights is True and sharded:
+        raise UserError(
+            "optim.master_weights: true does not apply under fsdp2; keep fp32 weights there "
+            "with model.dtype fp32 and train.fsdp.mixed_precision bf16"
+        )
+    master = cfg.master_weights is True or (cfg.master_weights == "auto" and low and not sharded)
+    kind = MasterWeightAdamW if master else torch.optim.AdamW
+    return kind(groups, lr=cfg.lr, betas=cfg.betas, eps=cfg.eps, fused=fused or None)
 
 
 def lr_factor(step: int, cfg: OptimConfig, total_steps: int) -> float:

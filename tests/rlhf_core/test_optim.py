@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import io
 import math
 
 import pytest
@@ -237,3 +238,112 @@ def test_clip_grad_norm_equals_torchs(max_norm):
             assert torch.equal(a.grad.nan_to_num(7.0), a0.nan_to_num(7.0))  # untouched
         else:
             assert torch.equal(a.grad, b.grad)
+
+
+# ----------------------------------------------------------------------------- master weights
+
+
+def bf16_model(seed: int = 0) -> nn.Module:
+    torch.manual_seed(seed)
+    model = nn.Sequential(nn.Linear(64, 64), nn.LayerNorm(64), nn.Linear(64, 8))
+    with torch.no_grad():
+        for p in model.parameters():
+            p.normal_(0.0, 0.05)
+    return model.to(torch.bfloat16)
+
+
+def grads(model: nn.Module, step: int) -> list[torch.Tensor]:
+    """A fixed gradient per step, the same for every run (bf16, as a bf16 backward leaves it)."""
+    g = torch.Generator().manual_seed(1000 + step)
+    return [torch.randn(p.shape, generator=g).to(p.dtype) for p in model.parameters()]
+
+
+def run_steps(model, optimizer, steps: range) -> None:
+    for step in steps:
+        for p, g in zip(model.parameters(), grads(model, step), strict=True):
+            p.grad = g.clone()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+
+
+def test_bf16_weights_train_at_a_small_lr_only_through_fp32_masters():
+    """At lr 1e-6 the update is far below a bf16 weight's spacing: plain AdamW on bf16 weights
+    leaves almost all of them as they were. MasterWeightAdamW's masters equal fp32 AdamW run on
+    fp32 copies with the same gradients, exactly, and the bf16 weights are those masters
+    rounded."""
+    from rlhf_core.optim import MasterWeightAdamW
+
+    c = OptimConfig(lr=1e-6, weight_decay=0.1)
+    start = bf16_model()
+    plain, mixed = bf16_model(), bf16_model()
+    plain_opt = build_optimizer(plain, c.model_copy(update={"master_weights": False}))
+    mixed_opt = build_optimizer(mixed, c)  # auto: bf16 parameters
+    assert type(plain_opt) is torch.optim.AdamW and type(mixed_opt) is MasterWeightAdamW
+    reference = nn.Sequential(nn.Linear(64, 64), nn.LayerNorm(64), nn.Linear(64, 8))
+    reference.load_state_dict({k: v.float() for k, v in start.state_dict().items()})
+    ref_opt = build_optimizer(reference, c)
+    assert type(ref_opt) is torch.optim.AdamW  # fp32 parameters: the plain optimizer
+    run_steps(plain, plain_opt, range(20))
+    run_steps(mixed, mixed_opt, range(20))
+    for step in range(20):  # fp32 AdamW on the same (bf16-valued) gradients
+        for p, g in zip(reference.parameters(), grads(start, step), strict=True):
+            p.grad = g.float()
+        ref_opt.step()
+        ref_opt.zero_grad(set_to_none=True)
+    moved = [(a != b).float().mean().item() for a, b in
+             zip(plain.parameters(), start.parameters(), strict=True)]  # fmt: skip
+    assert max(moved) < 0.05, moved  # rounded away
+    for p, r in zip(mixed.parameters(), reference.parameters(), strict=True):
+        master = mixed_opt.state[p]["master"]
+        assert p.dtype == torch.bfloat16 and master.dtype == torch.float32
+        assert torch.equal(master, r.detach()) and torch.equal(p.detach(), r.detach().bfloat16())
+        assert mixed_opt.state[p]["exp_avg"].dtype == torch.float32
+    total = sum((r.detach() - s.float()).abs().sum() for r, s in
+                zip(reference.parameters(), start.parameters(), strict=True))  # fmt: skip
+    assert total > 0
+
+
+def test_master_weights_resume_exactly_from_the_optimizer_state():
+    """The masters are in the optimizer's state_dict: a fresh bf16 model with the saved (rounded)
+    weights and the loaded state continues exactly as the uninterrupted run, though the weights
+    alone could not give back the masters."""
+    c = OptimConfig(lr=1e-5)
+    whole = bf16_model()
+    whole_opt = build_optimizer(whole, c)
+    run_steps(whole, whole_opt, range(12))
+    first = bf16_model()
+    first_opt = build_optimizer(first, c)
+    run_steps(first, first_opt, range(5))
+    saved = {"model": first.state_dict(), "optimizer": first_opt.state_dict()}
+    saved = torch.load(_roundtrip(saved), weights_only=True)
+    resumed = bf16_model(seed=1)
+    resumed.load_state_dict(saved["model"])
+    resumed_opt = build_optimizer(resumed, c)
+    resumed_opt.load_state_dict(saved["optimizer"])
+    state = resumed_opt.state[next(resumed.parameters())]
+    assert state["master"].dtype == state["exp_avg"].dtype == torch.float32
+    assert not torch.equal(state["master"], next(resumed.parameters()).float())  # not the weights
+    run_steps(resumed, resumed_opt, range(5, 12))
+    for a, b in zip(whole.parameters(), resumed.parameters(), strict=True):
+        assert torch.equal(a, b)
+        assert torch.equal(whole_opt.state[a]["master"], resumed_opt.state[b]["master"])
+
+
+def _roundtrip(obj) -> io.BytesIO:
+    buffer = io.BytesIO()
+    torch.save(obj, buffer)
+    buffer.seek(0)
+    return buffer
+
+
+def test_master_weights_settings():
+    model = bf16_model()
+    assert type(build_optimizer(model, OptimConfig(), sharded=True)) is torch.optim.AdamW
+    from rlhf_core.errors import UserError
+
+    with pytest.raises(UserError, match="fsdp2.*mixed_precision"):
+        build_optimizer(model, OptimConfig(master_weights=True), sharded=True)
+    fp32 = nn.Linear(4, 4)
+    assert type(build_optimizer(fp32, OptimConfig(master_weights=True))).__name__ == (
+        "MasterWeightAdamW"
+    )
