@@ -56,6 +56,7 @@ from pydantic import Field
 from rlhf_core.config import StrictModel
 from rlhf_core.errors import UserError
 from rlhf_core.fastpath import allocator_policy, announce_plan
+from rlhf_core.optim import announced_state_bytes
 
 EngineName = Literal["auto", "single", "ddp", "fsdp2"]
 ROOT_FORWARD = "rlhf_root_forward"
@@ -115,15 +116,16 @@ def memory_bytes(
     models: list[torch.nn.Module], optimizers: list[torch.optim.Optimizer]
 ) -> dict[str, int]:
     """This process's bytes of parameters, gradients (allocated, or to be: one per trainable
-    parameter) and optimizer state (allocated, or AdamW's two moments before the first step,
-    each in its parameter's dtype as torch allocates them)."""
+    parameter) and optimizer state (allocated, or before the first step what it will allocate:
+    `rlhf_core.optim.announced_state_bytes`)."""
     params = [p for m in models for p in m.parameters()]
     trainable = [p for p in params if p.requires_grad]
     state = [
         v for opt in optimizers for s in opt.state.values() for v in s.values()
         if torch.is_tensor(v) and v.dim() > 0
     ]  # fmt: skip
-    optim = tensor_bytes(state) if state else 2 * tensor_bytes(trainable)
+    announced = sum(announced_state_bytes(o, local_tensor) for o in optimizers)
+    optim = tensor_bytes(state) if state else announced
     return {"params": tensor_bytes(params), "grads": tensor_bytes(trainable), "optim": optim}
 
 

@@ -12,6 +12,7 @@ so written straight into bf16 weights it rounds away and the model does not trai
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from typing import Any, Literal
 
 import torch
@@ -118,6 +119,23 @@ class MasterWeightAdamW(torch.optim.AdamW):
         finally:
             for p, data, grad in held:
                 self._swap(p, data, grad)
+
+
+def announced_state_bytes(
+    optimizer: torch.optim.Optimizer, local: Callable[[torch.Tensor], torch.Tensor] = lambda t: t
+) -> int:
+    """The bytes of state `optimizer` (an AdamW, perhaps wrapped by accelerate) will allocate at
+    its first step: two moments per parameter in the parameter's dtype, or, for a bf16/fp16
+    parameter of `MasterWeightAdamW`, an fp32 master and two fp32 moments. `local` gives the
+    part of a parameter this process holds (a DTensor's shard)."""
+    inner = getattr(optimizer, "optimizer", optimizer)
+    masters = isinstance(inner, MasterWeightAdamW)
+    total = 0
+    for group in inner.param_groups:
+        for p in group["params"]:
+            low = masters and p.dtype in LOW_PRECISION
+            total += local(p).numel() * (12 if low else 2 * p.element_size())
+    return total
 
 
 def build_optimizer(
