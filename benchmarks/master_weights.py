@@ -8,7 +8,13 @@ constant `--lr` on the same rows, and reports its train loss per step, the held-
 match at the end, and the seconds per step (bf16 on a CPU without bf16 matmul units is slow:
 compare the losses, not the times, across dtypes on such a machine).
 
-    uv run python -m benchmarks.master_weights --model small --sft-steps 250 --steps 60 --lr 1e-5
+`--step-shapes real,wide` also times the optimizer step alone on those shapes (randomly
+initialised, bf16, every parameter trainable, a fixed random gradient): `torch.optim.AdamW` on the
+bf16 weights against `MasterWeightAdamW`, alternating, the median of `--step-repeats` steps each.
+That is what the masters add to a training step, whatever its forward and backward cost.
+
+    uv run python -m benchmarks.master_weights --model small --sft-steps 250 --steps 60 --lr 1e-5 \
+        --step-shapes real,wide
 
 writes benchmarks/results/<time>-master-weights-<model>.{json,md}.
 """
@@ -74,6 +80,48 @@ def run_arm(name: str, args: argparse.Namespace, base: str, workdir: Path) -> di
     }  # fmt: skip
 
 
+def time_steps(shape: str, repeats: int, threads: int) -> dict[str, Any]:
+    """Seconds of one optimizer step on `shape` in bf16: plain AdamW and MasterWeightAdamW
+    side by side (alternating), after one warm-up step each (which creates the state)."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from benchmarks.workload import model_dir
+    from rlhf_core.optim import MasterWeightAdamW, OptimConfig, build_optimizer
+
+    torch.set_num_threads(threads)
+    arms = {}
+    for name, master in (("bf16 pure", False), ("bf16+masters", "auto")):
+        model = AutoModelForCausalLM.from_pretrained(model_dir(shape), dtype=torch.bfloat16)
+        opt = build_optimizer(model, OptimConfig(lr=1e-6, master_weights=master))
+        assert isinstance(opt, MasterWeightAdamW) == (master == "auto")
+        gen = torch.Generator().manual_seed(0)
+        for p in model.parameters():
+            p.grad = torch.randn(p.shape, generator=gen).to(p.dtype)
+        opt.step()  # warm-up: the state
+        arms[name] = (model, opt)
+    times: dict[str, list[float]] = {name: [] for name in arms}
+    for _ in range(repeats):
+        for name, (_, opt) in arms.items():
+            t0 = time.perf_counter()
+            opt.step()
+            times[name].append(time.perf_counter() - t0)
+    params = sum(p.numel() for p in arms["bf16 pure"][0].parameters())
+    med = {name: statistics.median(t) for name, t in times.items()}
+    return {
+        "shape": shape, "parameters": params,
+        "step_s": {name: round(v, 4) for name, v in med.items()},
+        "ratio": round(med["bf16+masters"] / med["bf16 pure"], 2),
+        "state_bytes": {name: announced(opt) for name, (_, opt) in arms.items()},
+    }  # fmt: skip
+
+
+def announced(opt: Any) -> int:
+    from rlhf_core.optim import announced_state_bytes
+
+    return announced_state_bytes(opt)
+
+
 def window(losses: list[float], part: slice) -> float:
     return statistics.fmean(losses[part])
 
@@ -98,6 +146,18 @@ def markdown(payload: dict[str, Any]) -> str:
             f"{window(r['loss'], slice(-k, None)):.4f} | {r['eval_loss']:.4f} | "
             f"{r['eval_greedy_exact_match']:.3f} | {r['step_s_median']} |"
         )
+    if payload.get("optimizer_steps"):
+        lines += ["", "The optimizer step alone, bf16, every parameter trainable (median of "
+                  f"{payload['step_repeats']} alternating steps):", "",
+                  "| shape | parameters | AdamW on bf16 s | MasterWeightAdamW s | ratio | state "
+                  "MiB, pure / masters |", "|---|---|---|---|---|---|"]  # fmt: skip
+        for r in payload["optimizer_steps"]:
+            st, b = r["step_s"], r["state_bytes"]
+            lines.append(
+                f"| {r['shape']} | {r['parameters'] / 1e6:.1f}M | {st['bf16 pure']} | "
+                f"{st['bf16+masters']} | {r['ratio']}x | {b['bf16 pure'] / 2**20:.0f} / "
+                f"{b['bf16+masters'] / 2**20:.0f} |"
+            )
     return "\n".join(lines) + "\n"
 
 
@@ -109,6 +169,12 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=60)
     parser.add_argument("--lr", type=float, default=1e-5)
     parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument(
+        "--step-shapes",
+        default="",
+        help="comma-separated benchmarks shapes whose optimizer step to time",
+    )
+    parser.add_argument("--step-repeats", type=int, default=7)
     args = parser.parse_args()
     if args.sft_steps < 1 or args.steps < 2:
         parser.error("--sft-steps must be >= 1 and --steps >= 2")
@@ -128,6 +194,11 @@ def main() -> None:
             result = run_arm(name, args, base, Path(tmp))
             payload["runs"].append(result)
             print(json.dumps({k: v for k, v in result.items() if k != "loss"}), flush=True)
+    payload["step_repeats"] = args.step_repeats
+    payload["optimizer_steps"] = [
+        time_steps(shape, args.step_repeats, args.threads)
+        for shape in filter(None, args.step_shapes.split(","))
+    ]
     stem = f"{payload['when']}-master-weights-{args.model}"
     json_path, md_path = write_results(stem, payload, markdown(payload), latest=False)
     print(md_path.read_text())

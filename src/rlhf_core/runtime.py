@@ -76,8 +76,8 @@ def configure_threads(threads: int | None) -> int:
 def quiet_libraries() -> None:
     """Silence per-call progress bars and advisory logs of transformers/datasets. datasets is
     told through the environment variables it reads when imported, so a run that never loads a
-    data file (reasoning-gym rows, the tiny world) does not pay its import (~0.6 s a process);
-    a user's own setting of them is kept."""
+    data file (reasoning-gym rows, the tiny world) does not pay its import (with pandas'); a
+    user's own setting of them is kept."""
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     os.environ.setdefault("DATASETS_VERBOSITY", "error")
     os.environ.setdefault("HF_DATASETS_DISABLE_PROGRESS_BARS", "1")

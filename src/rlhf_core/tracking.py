@@ -139,7 +139,7 @@ class Tracker:
             pct = 100.0 * step / max(1, self.total_steps)
             print(f"[{step}/{self.total_steps} {pct:3.0f}%] {shown}", file=sys.stderr, flush=True)
         self._lines_since_plot += 1
-        if self.tracking.plot_every and self._lines_since_plot >= self.tracking.plot_every:
+        if self._lines_since_plot >= self.tracking.plot_every:  # plot() draws none with 0
             self.plot()
 
     def plot(self) -> None:
