@@ -34,7 +34,7 @@ import torch
 from reward_models.config import RMConfig
 from reward_models.losses import RewardLoss
 from rlhf_core.attention import fast_attention
-from rlhf_core.layout import additive_mask
+from rlhf_core.layout import packed_attention_mask
 from rlhf_core.lm_likelihood import add_lm_likelihood
 from rlhf_core.prefix import shared_prefix_forward
 from rlhf_core.scalar_head import ScalarHeadModel
@@ -102,10 +102,11 @@ class BaseRewardModel(ScalarHeadModel):
             raise ValueError("a 4D attention mask (packed rows) needs explicit position_ids")
         # the boolean mask as the additive one transformers passes on untouched
         dtype = self.backbone.get_input_embeddings().weight.dtype
+        mask = packed_attention_mask(self.backbone.config, allowed, position_ids, dtype)
         with self._grad_context(), fast_attention(self.backbone, segments):
             hidden = self.backbone(
-                input_ids=input_ids, attention_mask=additive_mask(allowed, dtype),
-                position_ids=position_ids, use_cache=False,
+                input_ids=input_ids, attention_mask=mask, position_ids=position_ids,
+                use_cache=False,
             ).last_hidden_state  # fmt: skip
         scores = self.head(hidden.to(self.head.weight.dtype))
         if self.info.lm_likelihood:  # a token is predicted from the last key before it it sees

@@ -44,6 +44,7 @@ plan's (`rlhf_core.fastpath`).
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Any
 
 import torch
 
@@ -222,6 +223,40 @@ def additive_mask(allowed: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     mask in every layer's forward and backward."""
     mask = torch.zeros(allowed.shape, dtype=dtype, device=allowed.device)
     return mask.masked_fill_(~allowed.bool(), torch.finfo(dtype).min)
+
+
+def sliding_window(config: Any) -> int | None:
+    """The attention window of a model's sliding-window layers (Mistral; Gemma 2/3 and Qwen2/3
+    with `layer_types`: some or all layers "sliding_attention"), None where no layer has one."""
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    window = getattr(text, "sliding_window", None)
+    types = getattr(text, "layer_types", None)
+    if not window or (types is not None and "sliding_attention" not in types):
+        return None
+    return int(window)
+
+
+def packed_attention_mask(
+    config: Any, allowed: torch.Tensor, position_ids: torch.Tensor, dtype: torch.dtype
+) -> torch.Tensor | dict[str, torch.Tensor]:
+    """What a packed batch passes as `attention_mask` to a model of `config`: the additive 4D
+    mask (`additive_mask`). transformers uses a 4D mask as given in every layer, so a model with
+    sliding-window layers would attend past its window there; for it the window is applied
+    here, on the position ids (a shared prefix's distance is its positions', not its columns'):
+    one windowed mask where every layer slides, or transformers' per-layer-type mapping
+    {"full_attention": ..., "sliding_attention": ...} where only some do. Rows no longer than
+    the window need none of this."""
+    window = sliding_window(config)
+    if window is None or allowed.shape[-1] <= window:
+        return additive_mask(allowed, dtype)
+    distance = position_ids[:, None, :, None] - position_ids[:, None, None, :]
+    near = allowed.bool() & (distance < window)
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    types = getattr(text, "layer_types", None)
+    if types is None or set(types) == {"sliding_attention"}:
+        return additive_mask(near, dtype)
+    full, sliding = additive_mask(allowed, dtype), additive_mask(near, dtype)
+    return {"full_attention": full, "sliding_attention": sliding}
 
 
 def stream_sums(values: torch.Tensor, batch: dict[str, torch.Tensor]) -> torch.Tensor:

@@ -24,7 +24,7 @@ import torch
 
 from rlhf_core.attention import fast_attention
 from rlhf_core.fastpath import unwrapped
-from rlhf_core.layout import additive_mask, is_packed
+from rlhf_core.layout import is_packed, packed_attention_mask
 from rlhf_core.logprobs import causal_lm_logprobs_at
 from rlhf_core.policy_model import is_encoder_decoder, policy_logprobs
 from rlhf_core.prefix import shared_prompt_logprobs
@@ -100,8 +100,11 @@ def _packed_logprobs(
     dtype = unwrapped(model).get_input_embeddings().weight.dtype
     if not dtype.is_floating_point:
         dtype = torch.float32
+    mask = packed_attention_mask(
+        unwrapped(model).config, batch["attention_mask"], batch["position_ids"], dtype
+    )
     with fast_attention(model, batch.get("segments")):
         return causal_lm_logprobs_at(
-            model, batch["input_ids"], additive_mask(batch["attention_mask"], dtype),
-            batch["position_ids"], batch["sources"], batch["targets"], temperature=temperature,
+            model, batch["input_ids"], mask, batch["position_ids"], batch["sources"],
+            batch["targets"], temperature=temperature,
         )  # fmt: skip

@@ -196,3 +196,34 @@ def test_lm_likelihood_is_the_backbones_own_log_likelihood_of_the_completion():
             chosen, rejected = preference_rewards(model, batch)
             torch.testing.assert_close(torch.cat([chosen, rejected]), expected,
                                        rtol=1e-4, atol=1e-4)  # fmt: skip
+
+
+def test_every_layout_keeps_a_sliding_window(tmp_path):
+    """A backbone whose first layer attends to the last 4 positions only (as Mistral's, Gemma
+    2/3's): every layout's rewards equal each prompt + completion scored in its own row."""
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+
+    from rlhf_core.tiny import preset_dir
+
+    source = preset_dir("tiny-qwen3")
+    config = AutoConfig.from_pretrained(source)
+    config.use_sliding_window, config.sliding_window = True, 4
+    config.layer_types = ["sliding_attention", "full_attention"]
+    AutoModelForCausalLM.from_pretrained(source, config=config).save_pretrained(tmp_path)
+    AutoTokenizer.from_pretrained(source).save_pretrained(tmp_path)
+    torch.manual_seed(0)
+    model = BaseRewardModel.from_config(
+        ModelConfig(name_or_path=str(tmp_path)), ScalarHeadInfo(kind="preference"), "cpu"
+    )
+    assert model.backbone.config.layer_types[0] == "sliding_attention"
+    pairs = random_pairs([(5, 3, 7), (9, 1, 4), (2, 6, 6), (12, 8, 2)])
+    with torch.no_grad():
+        alone = torch.tensor([
+            model(torch.tensor([p.prompt_ids + c]), torch.ones(1, len(p.prompt_ids + c)))[0, -1, 0]
+            for c_side in ("chosen_ids", "rejected_ids") for p in pairs
+            for c in [getattr(p, c_side)]
+        ])  # fmt: skip
+        for batch in (collate_pairs(pairs, 0, share_prompt=True), pack_pairs(pairs, 0),
+                      pack_pairs(pairs, 0, row_tokens=64)):  # fmt: skip
+            rewards = torch.cat(preference_rewards(model, batch))
+            torch.testing.assert_close(rewards, alone, rtol=1e-5, atol=1e-5)

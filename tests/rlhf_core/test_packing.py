@@ -18,6 +18,7 @@ from direct_alignment.reference import pair_logps
 from rlhf_core.attention import fast_attention
 from rlhf_core.fastpath import speed_plan
 from rlhf_core.layout import is_packed, pack_groups, pack_rows, stream_sums, unpacked_tokens
+from rlhf_core.logprobs import causal_lm_token_logprobs
 from rlhf_core.models import ModelConfig, load_policy
 from rlhf_core.preference import PreferencePair, collate_pairs, pack_pairs
 
@@ -343,3 +344,58 @@ def test_packing_layout_follows_the_attention_implementation():
                                              d_kv=8, vocab_size=32))  # fmt: skip
     t5.config._attn_implementation_internal = "flash_attention_2"
     assert speed_plan(t5).layout == "padded"
+
+
+def sliding_policy(attention: str, layer_types: list[str]) -> torch.nn.Module:
+    """tiny-qwen3's weights under a config whose layers (some or all) attend to the last 4
+    positions only, as Mistral's, Gemma 2/3's or a Qwen3 with `use_sliding_window` do."""
+    from transformers import AutoModelForCausalLM
+
+    base = tiny_policy(attention)
+    config = base.config.__class__.from_dict(
+        {
+            **base.config.to_dict(),
+            "use_sliding_window": True,
+            "sliding_window": 4,
+            "layer_types": layer_types,
+        }  # fmt: skip
+    )
+    config._attn_implementation = attention
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float64)
+    model.load_state_dict(base.state_dict())
+    return model.train()
+
+
+def one_row_each(model, pairs):
+    """`logps_and_grads` with every completion its own unpadded row (a padding query whose
+    window holds only padding is NaN in transformers' float64 eager attention, and spreads)."""
+    model.zero_grad(set_to_none=True)
+    sides = []
+    for side in ("chosen_ids", "rejected_ids"):
+        logps = []
+        for pair in pairs:
+            ids = torch.tensor([pair.prompt_ids + getattr(pair, side)])
+            logp = causal_lm_token_logprobs(model, ids, torch.ones_like(ids))
+            logps.append(logp[0, len(pair.prompt_ids) - 1 :].sum())
+        sides.append(torch.stack(logps))
+    weights = torch.arange(1.0, 1.0 + 2 * len(pairs), dtype=sides[0].dtype)
+    (weights * torch.cat(sides)).sum().backward()
+    grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+    return sides[0].detach(), sides[1].detach(), grads
+
+
+@pytest.mark.parametrize("attention", ["sdpa", "eager"])
+@pytest.mark.parametrize(
+    "layer_types", [["sliding_attention", "full_attention"], ["sliding_attention"] * 2]
+)
+def test_packed_rows_keep_a_sliding_window(attention, layer_types):
+    # transformers uses a 4D mask as given in every layer: the window must be in the packed
+    # mask (on the position ids: a branch token's distance to its shared prompt), or packed
+    # rows would attend past it where the model itself never does
+    model = sliding_policy(attention, layer_types)
+    pairs = random_pairs(PAIRS)
+    reference = one_row_each(model, pairs)  # transformers' own masks, no padding
+    assert (one_row_each(sliding_policy(attention, ["full_attention"] * 2), pairs)[0]
+            - reference[0]).abs().max() > 1e-3  # fmt: skip
+    for packed in (pack_pairs(pairs, 0, pack=True), pack_pairs(pairs, 0, row_tokens=80)):
+        assert_same_as(reference, *logps_and_grads(model, packed))
