@@ -95,7 +95,7 @@ PLAN: dict[str, str] = {
     "of CPU over 2,312 HH pairs; tests/rlhf_lab/test_data_report.py runs it on a slice",
     "uv run python -m rlhf_core.longform data/longform": "writes the committed data files; "
     "tests/rlhf_core/test_segmentation.py checks them",
-    "uv run python -m rlhf_lab.fine_grained --steps 20 --seeds 0 1 2": "~70 min on 2 cores",
+    "uv run python -m rlhf_lab.fine_grained --steps 20 --seeds 0 1 2 3 4 5": "~1.5 h on 2 cores",
     "uv run torchrun --nproc_per_node 2 -m instruction_tuning.train --config "
     "configs/instruction_tuning/tiny_sft.yaml --set train.engine=fsdp2 --set "
     "train.micro_batch_size=32 --set train.max_steps=20": "two minutes of two processes; "

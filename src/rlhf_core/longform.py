@@ -391,7 +391,15 @@ def write_retrieval_factuality(path: str | Path, n: int, *, seed: int = 0) -> Pa
     return path
 
 
-def write_reading_corpus(path: str | Path, n: int, *, seed: int = 0, shared: float = 0.0) -> Path:
+#: `write_reading_corpus`'s draw: the one whose language model (configs/instruction_tuning/
+#: tiny_lm_facts_cosine.yaml, then tiny_lm_facts.yaml) learns to bind values to names; other draws
+#: and schedules tried did not (docs/algorithms/fine_grained_rlhf.md)
+READING_SEED = 777
+
+
+def write_reading_corpus(
+    path: str | Path, n: int, *, seed: int = READING_SEED, shared: float = 0.0
+) -> Path:
     """Write `n` rows {"prompt", "completion"}: new questions, each with a correct answer (1-3 of
     the target's facts, in random order). Language-model text for a reward model's backbone:
     predicting each value means reading it off the notes for the right person, the look-up the
@@ -399,9 +407,8 @@ def write_reading_corpus(path: str | Path, n: int, *, seed: int = 0, shared: flo
     has none). A share `shared` of the questions have a distractor with the target's attributes
     (`sample_question(shared=True)`), so that more values need the name to be told apart than
     the task's quarter; at 0.5 it did not make the binding more often learned, so the pipeline
-    writes the task's own mix (0: the same rows as before the option; the runs are in
-    docs/algorithms/fine_grained_rlhf.md)."""
-    rng, path = random.Random(seed + 3_000_017), Path(path)
+    writes the task's own mix (0: no extra random draw per row), at `READING_SEED`."""
+    rng, path = random.Random(seed), Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     with path.open("w") as f:
         for _ in range(n):
@@ -453,7 +460,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"factuality_retrieval: {path} ({args.retrieval} rows)")
     if args.reading:
         path = write_reading_corpus(Path(args.out_dir) / "reading.jsonl", args.reading,
-                                    seed=args.seed)  # fmt: skip
+                                    seed=READING_SEED + args.seed)  # fmt: skip
         print(f"reading: {path} ({args.reading} rows)")
     return 0
 

@@ -10,11 +10,13 @@ under `--out` is reused):
                    grader (the paper collects all its feedback on SFT samples): per segment
                    <out>/feedback/{relevance,factuality}.jsonl, and pairs of answers to one
                    prompt {completeness,preference}.jsonl; every reward model's data
-  lm_facts         configs/instruction_tuning/tiny_lm_facts.yaml          the factuality reward
-                   model's backbone, pre-trained as a language model on <out>/reading/ (new
-                   questions with correct answers); what it learned is checked
-                   (`reading_accuracy`, <out>/lm_facts/reading.json)
-  rm_relevance     configs/reward_models/tiny_segment_relevance.yaml      per sub-sentence
+  lm_facts_cosine  configs/instruction_tuning/tiny_lm_facts_cosine.yaml   the segment reward
+  lm_facts         configs/instruction_tuning/tiny_lm_facts.yaml          models' backbone,
+                   pre-trained as a language model on <out>/reading/ (new questions with correct
+                   answers) in two runs; what it learned is checked (`reading_accuracy`,
+                   <out>/lm_facts/reading.json)
+  rm_relevance     configs/reward_models/tiny_segment_relevance_lm.yaml   per sub-sentence,
+                   starting from lm_facts
   rm_factuality    configs/reward_models/tiny_segment_factuality.yaml     per sentence, starting
                    from lm_facts
   rm_completeness  configs/reward_models/tiny_completeness.yaml           preference, last token
@@ -22,11 +24,11 @@ under `--out` is reused):
                    (each trained on 90% of its feedback rows, the rest held out)
   fine_grained_ppo / holistic_ppo (configs/policy_gradients/), per seed, `--steps` steps each
 
-`--edited-feedback` adds to the relevance feedback the SFT model's greedy answers with irrelevant
+The relevance feedback holds, besides the SFT model's answers, its greedy answers with irrelevant
 clauses put in (`rlhf_core.longform.edit_answer`: about another person, or a value of another
-attribute: what fine-grained PPO's greedy answers get wrong) and trains the relevance reward model
-from lm_facts with configs/reward_models/tiny_segment_relevance_lm.yaml; measured, not the
-default (docs/algorithms/fine_grained_rlhf.md, "Edited feedback"); use another `--out`.
+attribute: what fine-grained PPO's greedy answers get wrong; docs/algorithms/fine_grained_rlhf.md,
+"Edited feedback"). `--no-edited-feedback` leaves them out and trains the relevance reward model
+from random init with configs/reward_models/tiny_segment_relevance.yaml; use another `--out`.
 
 `--segment-encoder DIR` trains the two segment reward models on a bidirectional encoder instead
 (a BERT / DeBERTa / Longformer-family checkpoint directory, or an encoder-decoder's such as the
@@ -55,6 +57,7 @@ from rlhf_core.longform import EDITS, write_reading_corpus
 CONFIGS = Path("configs")
 STAGES = {
     "sft": ("instruction_tuning", "tiny_t5_sft_longform"),
+    "lm_facts_cosine": ("instruction_tuning", "tiny_lm_facts_cosine"),
     "lm_facts": ("instruction_tuning", "tiny_lm_facts"),
     "rm_relevance": ("reward_models", "tiny_segment_relevance"),
     "rm_factuality": ("reward_models", "tiny_segment_factuality"),
@@ -399,28 +402,32 @@ def main(argv: list[str] | None = None) -> int:
         help="an encoder checkpoint directory for the segment reward models (encoder_only)",
     )  # fmt: skip
     parser.add_argument(
-        "--edited-feedback", action="store_true",
-        help="relevance feedback with edited greedy answers, and its reward model from lm_facts",
+        "--edited-feedback", action=argparse.BooleanOptionalAction, default=True,
+        help="relevance feedback with edited greedy answers, and its reward model from lm_facts "
+        "(default); --no-edited-feedback: the answers only, the reward model from random init",
     )  # fmt: skip
     args = parser.parse_args(argv)
     if args.edited_feedback and args.segment_encoder is not None:
-        parser.error("--edited-feedback starts the relevance reward model from lm_facts, "
-                     "--segment-encoder from an encoder: choose one")  # fmt: skip
+        parser.error("--edited-feedback (the default) starts the relevance reward model from "
+                     "lm_facts, --segment-encoder from an encoder: add --no-edited-feedback "
+                     "to use the encoder")  # fmt: skip
     out: Path = args.out
     times: dict[str, float] = {}
     encoder = args.segment_encoder
     reading_figures: dict[str, float] = {}
     for stage, (package, name) in STAGES.items():
         overrides = []
-        if stage == "lm_facts" and encoder is not None:
+        if stage.startswith("lm_facts") and encoder is not None:
             continue  # the segment reward models start from the encoder instead
-        if stage == "lm_facts":
+        if stage.startswith("lm_facts"):
             reading = out / "reading" / "reading.jsonl"
             if not reading.is_file():
                 write_reading_corpus(reading, READING_ROWS)
             n_train = READING_ROWS - 1000
             overrides = [f"data.train.path={reading}", f"data.train.limit={n_train}",
                          f"data.eval.path={reading}", f"data.eval.offset={n_train}"]  # fmt: skip
+            if stage == "lm_facts":  # the second run continues the first
+                overrides.append(f"model.name_or_path={out / 'lm_facts_cosine' / 'final'}")
         elif stage != "sft":
             if "feedback" not in times:
                 times["feedback"] = collect_feedback(

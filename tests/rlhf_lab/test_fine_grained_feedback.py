@@ -177,14 +177,16 @@ def test_diag_draws_the_sampled_answers_again_the_first_draw_being_the_reports(c
     assert "--sampling-seeds: expected an integer >= 1, got 0" in capsys.readouterr().err
 
 
-def test_edited_feedback_and_a_segment_encoder_are_one_error(tmp_path, capsys):
+@pytest.mark.parametrize("edited", [[], ["--edited-feedback"]])
+def test_edited_feedback_and_a_segment_encoder_are_one_error(tmp_path, capsys, edited):
     from rlhf_lab.fine_grained import main
 
-    with pytest.raises(SystemExit) as exit_info:
-        main(["--out", str(tmp_path), "--edited-feedback", "--segment-encoder", str(tmp_path)])
+    with pytest.raises(SystemExit) as exit_info:  # edited feedback is the default
+        main(["--out", str(tmp_path), *edited, "--segment-encoder", str(tmp_path)])
     assert exit_info.value.code == 2
     err = capsys.readouterr().err
-    assert "--edited-feedback starts the relevance reward model from lm_facts" in err
+    assert "--edited-feedback (the default) starts the relevance reward model from lm_facts" in err
+    assert "add --no-edited-feedback to use the encoder" in err
     assert not any(tmp_path.iterdir())  # nothing ran
 
 
