@@ -178,13 +178,14 @@ def unwrapped(model: torch.nn.Module) -> torch.nn.Module:
     return model.get_base_model() if hasattr(model, "get_base_model") else model
 
 
-def _text_config(config: Any) -> Any:
+def text_config(config: Any) -> Any:
+    """A multimodal config's text part (`get_text_config`), or the config itself."""
     return config.get_text_config() if hasattr(config, "get_text_config") else config
 
 
 def query_groups(config: Any) -> int:
     """Query heads per key/value head (1 without grouped-query attention)."""
-    text = _text_config(config)
+    text = text_config(config)
     heads = getattr(text, "num_attention_heads", None) or 1
     return max(1, heads // (getattr(text, "num_key_value_heads", None) or heads))
 
@@ -192,7 +193,7 @@ def query_groups(config: Any) -> int:
 def layer_token_macs(config: Any) -> int:
     """Multiply-adds of one token through one decoder layer's matmuls: the q, k, v and o
     projections and a gated MLP (three matrices; two for a plain one), from the config."""
-    text = _text_config(config)
+    text = text_config(config)
     hidden = getattr(text, "hidden_size", 0) or 0
     heads = getattr(text, "num_attention_heads", 1) or 1
     kv_heads = getattr(text, "num_key_value_heads", None) or heads

@@ -48,6 +48,8 @@ from typing import Any
 
 import torch
 
+from rlhf_core.fastpath import text_config
+
 Group = tuple[Sequence[int], Sequence[Sequence[int]]]  # (prefix ids, [branch ids, ...])
 
 
@@ -228,7 +230,7 @@ def additive_mask(allowed: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
 def sliding_window(config: Any) -> int | None:
     """The attention window of a model's sliding-window layers (Mistral; Gemma 2/3 and Qwen2/3
     with `layer_types`: some or all layers "sliding_attention"), None where no layer has one."""
-    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    text = text_config(config)
     window = getattr(text, "sliding_window", None)
     types = getattr(text, "layer_types", None)
     if not window or (types is not None and "sliding_attention" not in types):
@@ -251,8 +253,7 @@ def packed_attention_mask(
         return additive_mask(allowed, dtype)
     distance = position_ids[:, None, :, None] - position_ids[:, None, None, :]
     near = allowed.bool() & (distance < window)
-    text = config.get_text_config() if hasattr(config, "get_text_config") else config
-    types = getattr(text, "layer_types", None)
+    types = getattr(text_config(config), "layer_types", None)
     if types is None or set(types) == {"sliding_attention"}:
         return additive_mask(near, dtype)
     full, sliding = additive_mask(allowed, dtype), additive_mask(near, dtype)
