@@ -30,7 +30,6 @@ Components:
                  Fine-Grained RLHF: a token-level (segment) reward model saved by `reward_models`
                  judges every sentence or sub-sentence; each segment's reward lands on the policy
                  token that ends it (dense, (B, T)); see `SegmentRewardModelReward`
-  rouge          ROUGE F1 of the completion against the prompt row's reference answer
   environment    a multi-turn episode's summed rewards from its environment (`environment:`)
 """
 
@@ -324,7 +323,7 @@ class ImplicitRewardModel(LearnedReward):
 
 
 @REWARDS.register("segment_reward_model")
-class SegmentRewardModelReward:
+class SegmentRewardModelReward(LearnedReward):
     """Fine-grained reward (Wu et al. 2023, "Fine-Grained Human Feedback Gives Better Rewards for
     Language Model Training", arXiv:2306.01693, eq. 1). A segment reward model (kind 'segment',
     saved by `reward_models`, loaded through `rlhf_core.scalar_head`) reads the completion text,
@@ -339,9 +338,9 @@ class SegmentRewardModelReward:
     19.5 -> 32.8 tokens in 4 PPO steps). The paper uses one such model per error
     type, each with its own segment level and weight w_k; `CombinedReward` sums the components,
     r_t = sum_k w_k r_t^k, and places sequence-level components (its completeness reward, or a
-    holistic preference model) on the last token."""
-
-    learned = True  # a score, not a grade: no share-scoring-1.0 (`_exact`) at evaluation
+    holistic preference model) on the last token. `alone: true` scores each segment after the
+    prompt alone (`segment_scores(alone=True)`): a model trained on short answers misses the
+    errors later in a PPO policy's longer ones (docs/algorithms/fine_grained_rlhf.md)."""
 
     def __init__(
         self,
@@ -352,14 +351,12 @@ class SegmentRewardModelReward:
         std: float = 1.0,
         batch_size: int = 32,
         device: str = "auto",
+        alone: bool = False,
     ) -> None:
         from rlhf_core.scalar_head import ScalarHeadModel
 
-        if std <= 0:
-            raise ValueError(f"segment_reward_model: std must be > 0, got {std}")
-        if device == "auto":
-            device = "cuda" if torch.cuda.is_available() else "cpu"
-        self.model = ScalarHeadModel.from_pretrained(path, device=device)
+        device_ = self._learned_setup(mean=mean, std=std, scale=1.0, bias=0.0, device=device)
+        self.model = ScalarHeadModel.from_pretrained(path, device=device_)
         if self.model.info.kind != "segment":
             raise ValueError(
                 f"segment_reward_model: {path} is a {self.model.info.kind!r} model; expected a "
@@ -374,12 +371,14 @@ class SegmentRewardModelReward:
             )
         self.values = torch.tensor(values, dtype=torch.float32)
         self.level = self.model.info.segment_level
-        self.mean, self.std, self.batch_size = mean, std, batch_size
+        self.batch_size, self.alone = batch_size, alone
 
     def segment_rewards(self, batch: RewardInput) -> list[torch.Tensor]:
         """R(x, y, j) for every segment j of every completion, (n_i,)."""
         prompts = [item["messages"] for item in batch.items]
-        logits = self.model.segment_scores(prompts, batch.completions, batch_size=self.batch_size)
+        logits = self.model.segment_scores(
+            prompts, batch.completions, batch_size=self.batch_size, alone=self.alone
+        )
         return [(x.float().softmax(-1) * self.values).sum(-1) for x in logits]
 
     def __call__(self, batch: RewardInput) -> torch.Tensor:

@@ -149,15 +149,36 @@ class TextScoring:
         return out
 
     def segment_scores(
-        self, prompts: list[str | Messages], completions: list[str], *, batch_size: int = 16
-    ) -> list[torch.Tensor]:
+        self, prompts: list[str | Messages], completions: list[str], *, batch_size: int = 16,
+        alone: bool = False,
+    ) -> list[torch.Tensor]:  # fmt: skip
         """Segment model: the class logits (n_i, head_dim) at the token ending each segment of
         each completion, in the order of `segment(completion, info.segment_level)`; segments cut
-        off by `max_length` get no row."""
+        off by `max_length` get no row. `alone`: each segment is scored as a completion of its
+        own after the prompt, without the completion's earlier segments (a judgment that needs
+        only the prompt, such as a sentence's facts against the notes, then reads every segment
+        where the model saw most of its training segments: first)."""
         if self.info.kind != "segment":
             raise ValueError(
                 f"segment_scores needs a 'segment' model, this one is {self.info.kind!r}"
             )
+        if alone:
+            from rlhf_core.segmentation import segment
+
+            parts = [
+                [s.text.strip() for s in segment(c, self.info.segment_level)] for c in completions
+            ]
+            flat = self.segment_scores(
+                [p for p, ss in zip(prompts, parts, strict=True) for _ in ss],
+                [s for ss in parts for s in ss], batch_size=batch_size,
+            )  # fmt: skip
+            out, k = [], 0
+            for ss in parts:
+                rows = [x[-1:] for x in flat[k : k + len(ss)]]  # its last segment ends it
+                k += len(ss)
+                kept = next((i for i, r in enumerate(rows) if len(r) == 0), len(rows))
+                out.append(torch.cat([torch.zeros(0, self.info.head_dim), *rows[:kept]]))
+            return out
         tokenizer = self._require_tokenizer()
         texts = [render_prompt(tokenizer, p, where=f"prompts[{i}]") for i, p in enumerate(prompts)]
         encoded = encode_segments(

@@ -13,8 +13,8 @@ under `--out` is reused):
   lm_facts_cosine  configs/instruction_tuning/tiny_lm_facts_cosine.yaml   the segment reward
   lm_facts         configs/instruction_tuning/tiny_lm_facts.yaml          models' backbone,
                    pre-trained as a language model on <out>/reading/ (new questions with correct
-                   answers) in two runs; what it learned is checked (`reading_accuracy`,
-                   <out>/lm_facts/reading.json)
+                   answers) in two runs; what it learned is checked
+                   (`fine_grained_diag.reading_accuracy`, <out>/lm_facts/reading.json)
   rm_relevance     configs/reward_models/tiny_segment_relevance_lm.yaml   per sub-sentence,
                    starting from lm_facts
   rm_factuality    configs/reward_models/tiny_segment_factuality.yaml     per sentence, starting
@@ -53,6 +53,7 @@ from pathlib import Path
 from typing import Any
 
 from rlhf_core.longform import EDITS, write_reading_corpus
+from rlhf_lab.fine_grained_diag import check_reading
 
 CONFIGS = Path("configs")
 STAGES = {
@@ -104,75 +105,6 @@ def run_stage(package: str, name: str, out: Path, overrides: list[str]) -> float
     return time.perf_counter() - start
 
 
-def reading_accuracy(model_dir: Path, rows: list[dict[str, str]]) -> dict[str, float]:
-    """How well a causal LM reads the notes: after '<target> <verb>' in the answer, is the
-    target's value the most likely of its attribute's values (each value's whole log-prob: some
-    are several tokens)? `all` over every fact of the questions of `rows`; `bind` and `distractor`
-    over the facts whose attribute the other person also has, with another value: the ones only
-    the name tells apart. lm_facts' check: a model that never bound values to names reads `bind`
-    near 0.5, one that did near 1 (docs/algorithms/fine_grained_rlhf.md)."""
-    import torch
-
-    from rlhf_core.logprobs import causal_lm_token_logprobs, masked_sum
-    from rlhf_core.longform import ATTESTED, ATTRIBUTES, question_from_prompt
-    from rlhf_core.models import ModelConfig, load_policy, load_tokenizer
-
-    tokenizer = load_tokenizer(ModelConfig(name_or_path=str(model_dir)), padding_side="right")
-    model = load_policy(ModelConfig(name_or_path=str(model_dir))).eval()
-    n = right = shared = bound = distracted = 0
-    for row in rows:
-        q = question_from_prompt(row["prompt"])
-        head = tokenizer.apply_chat_template(
-            [{"role": "user", "content": row["prompt"]}], tokenize=False, add_generation_prompt=True
-        )  # fmt: skip
-        for attribute, value in q.facts.items():
-            stem = head + ATTRIBUTES[attribute][0].format(name=q.target, value="\0").split("\0")[0]
-            start = len(tokenizer(stem.rstrip(), add_special_tokens=False).input_ids)
-            values = ATTRIBUTES[attribute][1][:ATTESTED]
-            ids = [tokenizer(stem + v, add_special_tokens=False).input_ids for v in values]
-            width = max(map(len, ids))
-            batch = torch.tensor([x + [tokenizer.pad_token_id] * (width - len(x)) for x in ids])
-            mask = torch.tensor([[1] * len(x) + [0] * (width - len(x)) for x in ids])
-            value_tokens = mask[:, 1:].clone()  # logprob t-1 is token t's
-            value_tokens[:, : start - 1] = 0
-            with torch.no_grad():
-                logp = causal_lm_token_logprobs(model, batch, mask)
-            scores = masked_sum(logp, value_tokens, dim=-1).tolist()
-            pick = values[max(range(len(values)), key=scores.__getitem__)]
-            other = q.distractor_facts.get(attribute)
-            n, right = n + 1, right + (pick == value)
-            if other is not None and other != value:
-                shared, bound = shared + 1, bound + (pick == value)
-                distracted += pick == other
-    return {"all": right / n, "bind": bound / max(shared, 1),
-            "distractor": distracted / max(shared, 1), "facts": n, "shared": shared}  # fmt: skip
-
-
-#: lm_facts' `bind` below this: the factuality reward model will not tell the target's values
-#: from the other person's (warned and reported)
-MIN_BIND = 0.9
-
-
-def check_reading(out: Path, offset: int, size: int = 400) -> dict[str, float]:
-    """`reading_accuracy` of lm_facts' model on `size` held-out reading rows (from `offset`),
-    kept in <out>/lm_facts/reading.json; a warning where it did not learn to bind."""
-    path = out / "lm_facts" / "reading.json"
-    if not path.is_file():
-        lines = (out / "reading" / "reading.jsonl").read_text().splitlines()
-        rows = [json.loads(line) for line in lines[offset : offset + size]]
-        path.write_text(json.dumps(reading_accuracy(out / "lm_facts" / "final", rows)) + "\n")
-    figures = json.loads(path.read_text())
-    print(f"lm_facts reads the notes: {figures}")
-    if figures["bind"] < MIN_BIND:
-        print(
-            f"warning: lm_facts' model tells the target's values from the other person's in only "
-            f"{figures['bind']:.2f} of the held-out facts that need the name (< {MIN_BIND}): the "
-            f"factuality reward model built on it will confuse the two; train it longer or from "
-            f"another seed ({path})", file=sys.stderr,
-        )  # fmt: skip
-    return figures
-
-
 # The temperature of each answer to a training prompt: one greedy, two sampled at T=1 (a fourth at
 # T=0.7 was measured and not kept: docs/algorithms/fine_grained_rlhf.md, "Feedback at T=0.7")
 FEEDBACK_TEMPERATURES = (0.0, 1.0, 1.0)
@@ -194,7 +126,7 @@ def answer_pairs(prompt: str, answers: dict[str, Any], score: Any) -> list[dict[
 def collect_feedback(
     sft: Path, prompts: Path, out: Path, *,
     temperatures: tuple[float, ...] = FEEDBACK_TEMPERATURES, edits: tuple[str, ...] = (),
-    max_new_tokens: int = 40, chunk: int = 250,
+    joined: bool = False, max_new_tokens: int = 40, chunk: int = 250,
 ) -> float:  # fmt: skip
     """Feedback on the SFT model's own answers, as the paper collects it: an answer to every
     prompt of `prompts` at each of `temperatures` (0: greedy; the others seeded), graded by
@@ -205,9 +137,11 @@ def collect_feedback(
     `preference.jsonl` (chosen = the higher `holistic_score`, the holistic baseline's). `edits`
     (kinds of `rlhf_core.longform.edit_answer`): each greedy answer is also written to the
     relevance rows once per kind with that irrelevant text put in, mixed in with an rng of their
-    own so that the other files stay as without them. Reused when all four exist and
-    `out/settings.json` (missing: the defaults) names the same temperatures and edits; other
-    settings are an error naming the file. Seconds."""
+    own so that the other files stay as without them. `joined`: the factuality rows also hold,
+    per prompt, its answers joined into one longer answer (`rlhf_core.longform.join_answers`,
+    at most `max_new_tokens` of the SFT tokenizer's tokens), mixed in the same way. Reused when
+    all four exist and `out/settings.json` (missing: the defaults) names the same settings;
+    other settings are an error naming the file. Seconds."""
     import random
 
     import torch
@@ -215,7 +149,13 @@ def collect_feedback(
     from policy_gradients.rollout import generate_rollouts, load_prompts
     from rlhf_core.data import DataSource
     from rlhf_core.generation import Sampling
-    from rlhf_core.longform import edit_answer, grade, holistic_score, question_from_prompt
+    from rlhf_core.longform import (
+        edit_answer,
+        grade,
+        holistic_score,
+        join_answers,
+        question_from_prompt,
+    )
     from rlhf_core.models import ModelConfig, load_policy, load_tokenizer
 
     if unknown := [kind for kind in edits if kind not in EDITS]:
@@ -224,7 +164,9 @@ def collect_feedback(
         raise ValueError(f"collect_feedback: edits apply to greedy answers, and temperatures "
                          f"{list(temperatures)} have none (0.0)")  # fmt: skip
     files = {name: out / f"{name}.jsonl" for name in FEEDBACK_FILES}
-    settings = {"temperatures": list(temperatures), "edits": list(edits)}
+    settings: dict[str, Any] = {"temperatures": list(temperatures), "edits": list(edits)}
+    if joined:
+        settings["joined"] = True
     if all(path.is_file() for path in files.values()):
         kept = out / "settings.json"
         found = json.loads(kept.read_text()) if kept.is_file() else {
@@ -269,6 +211,14 @@ def collect_feedback(
                         labels = grade(q, edited).subsentence_irrelevant
                         edited_rows.append({"prompt": question, "completion": edited,
                                             "labels": labels})  # fmt: skip
+    joined_rows: list[dict] = []  # factuality rows of the joined answers
+    for i, (item, answers) in enumerate(zip(items, graded, strict=True) if joined else ()):
+        q = question_from_prompt(item["messages"][-1]["content"])
+        text = join_answers(random.Random(f"{i} joined"), list(answers), lambda t: len(
+            tokenizer(t, add_special_tokens=False)["input_ids"]) <= max_new_tokens)  # fmt: skip
+        if text is not None:
+            joined_rows.append({"prompt": item["messages"][-1]["content"], "completion": text,
+                                "labels": grade(q, text).sentence_factual})  # fmt: skip
     for item, answers in zip(items, graded, strict=True):
         rows["completeness"] += answer_pairs(item["messages"][-1]["content"], answers,
                                              lambda g: g.covered)  # fmt: skip
@@ -281,6 +231,9 @@ def collect_feedback(
         if name == "relevance" and edited_rows:  # mixed in with an rng of their own
             rows[name] += edited_rows
             random.Random(1).shuffle(rows[name])
+        if name == "factuality" and joined_rows:
+            rows[name] += joined_rows
+            random.Random(2).shuffle(rows[name])
         path.write_text("".join(json.dumps(r) + "\n" for r in rows[name]))
     (out / "settings.json").write_text(json.dumps(settings) + "\n")
     return time.perf_counter() - start

@@ -2,14 +2,16 @@
 models see it (docs/algorithms/fine_grained_rlhf.md, "Why the first comparison failed"):
 
     uv run python -m rlhf_lab.fine_grained_diag POLICY_DIR [--rm relevance=DIR]
-        [--rm factuality=DIR] [--heldout 100] [--sampling-seeds 1]
+        [--rm factuality=DIR] [--alone] [--heldout 100] [--sampling-seeds 1]
 
 Greedy and sampled (T=1, seeded) answers to the first `--heldout` held-out prompts, as
 `rlhf_lab.fine_grained` evaluates them; every sub-sentence classed against the notes (a correct
 fact, an attribute the notes do not give, the distractor's value, another attested or an
 unattested value, another person, a clause with another attribute's value such as "Mira lives in
 nurse", not a template clause); then each segment reward model's recall and precision of the
-exact error labels (`rlhf_core.longform.grade`) on those answers.
+exact error labels (`rlhf_core.longform.grade`) on those answers, in all and by the segment's
+position in its answer (a reward model trained on short answers may not see errors further on;
+`--alone` scores each segment after the prompt alone, as a reward with `alone: true` does).
 With `--sampling-seeds K` the sampled answers are drawn K times (seeds offset by 0, 100,000, ...;
 offset 0 is the report's) and each draw's error rates are printed with their mean: how much of
 a sampled row of the report is the sampling's noise.
@@ -19,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import collections
+import json
 import sys
 from pathlib import Path
 from statistics import mean
@@ -50,7 +53,7 @@ def clause_kind(question, text: str) -> str:
     return "another attested value"
 
 
-def report_clauses(mode: str, questions, answers: list[str], items, rms) -> None:
+def report_clauses(mode: str, questions, answers: list[str], items, rms, alone=False) -> None:
     """Print the answers' clauses by kind and each segment reward model's recall / precision."""
     from rlhf_core.longform import grade
     from rlhf_core.scalar_head import ScalarHeadModel
@@ -65,18 +68,93 @@ def report_clauses(mode: str, questions, answers: list[str], items, rms) -> None
     print(f"{mode} clauses: " + ", ".join(f"{k} {v}" for k, v in kinds.most_common()))
     for label, path in rms:
         model = ScalarHeadModel.from_pretrained(path, device="cpu")
-        logits = model.segment_scores([it["messages"] for it in items], answers)
-        counts = collections.Counter()
+        logits = model.segment_scores([it["messages"] for it in items], answers, alone=alone)
+        counts, at = collections.Counter(), collections.Counter()  # at: (position, found)
         for q, a, x in zip(questions, answers, logits, strict=True):
             truth = getattr(grade(q, a), LEVELS[label])
             said = (x.float().softmax(-1)[:, 1] > 0.5).tolist()
-            counts.update((bool(t), bool(p)) for t, p in zip(truth, said, strict=False))
+            pairs = list(zip(truth, said, strict=False))
+            counts.update((bool(t), bool(p)) for t, p in pairs)
+            at.update((min(i, 3), bool(p)) for i, (t, p) in enumerate(pairs) if t)
         tp, fn, fp = counts[True, True], counts[True, False], counts[False, True]
         print(
             f"  {label} RM {path}: errors {tp + fn}, found {tp} (recall "
             f"{tp / max(1, tp + fn):.2f}), flagged {tp + fp} (precision "
             f"{tp / max(1, tp + fp):.2f})"
         )
+        print("    errors found by the segment's position in the answer: " + ", ".join(
+            f"{('1st', '2nd', '3rd', '4th on')[i]} {at[i, True]} of {at[i, True] + at[i, False]}"
+            for i in range(4)
+        ))  # fmt: skip
+
+
+def reading_accuracy(model_dir: Path, rows: list[dict[str, str]]) -> dict[str, float]:
+    """How well a causal LM reads the notes: after '<target> <verb>' in the answer, is the
+    target's value the most likely of its attribute's values (each value's whole log-prob: some
+    are several tokens)? `all` over every fact of the questions of `rows`; `bind` and `distractor`
+    over the facts whose attribute the other person also has, with another value: the ones only
+    the name tells apart. lm_facts' check: a model that never bound values to names reads `bind`
+    near 0.5, one that did near 1 (docs/algorithms/fine_grained_rlhf.md)."""
+    import torch
+
+    from rlhf_core.logprobs import causal_lm_token_logprobs, masked_sum
+    from rlhf_core.longform import ATTESTED, ATTRIBUTES, question_from_prompt
+    from rlhf_core.models import ModelConfig, load_policy, load_tokenizer
+
+    tokenizer = load_tokenizer(ModelConfig(name_or_path=str(model_dir)), padding_side="right")
+    model = load_policy(ModelConfig(name_or_path=str(model_dir))).eval()
+    n = right = shared = bound = distracted = 0
+    for row in rows:
+        q = question_from_prompt(row["prompt"])
+        head = tokenizer.apply_chat_template(
+            [{"role": "user", "content": row["prompt"]}], tokenize=False, add_generation_prompt=True
+        )  # fmt: skip
+        for attribute, value in q.facts.items():
+            stem = head + ATTRIBUTES[attribute][0].format(name=q.target, value="\0").split("\0")[0]
+            start = len(tokenizer(stem.rstrip(), add_special_tokens=False).input_ids)
+            values = ATTRIBUTES[attribute][1][:ATTESTED]
+            ids = [tokenizer(stem + v, add_special_tokens=False).input_ids for v in values]
+            width = max(map(len, ids))
+            batch = torch.tensor([x + [tokenizer.pad_token_id] * (width - len(x)) for x in ids])
+            mask = torch.tensor([[1] * len(x) + [0] * (width - len(x)) for x in ids])
+            value_tokens = mask[:, 1:].clone()  # logprob t-1 is token t's
+            value_tokens[:, : start - 1] = 0
+            with torch.no_grad():
+                logp = causal_lm_token_logprobs(model, batch, mask)
+            scores = masked_sum(logp, value_tokens, dim=-1).tolist()
+            pick = values[max(range(len(values)), key=scores.__getitem__)]
+            other = q.distractor_facts.get(attribute)
+            n, right = n + 1, right + (pick == value)
+            if other is not None and other != value:
+                shared, bound = shared + 1, bound + (pick == value)
+                distracted += pick == other
+    return {"all": right / n, "bind": bound / max(shared, 1),
+            "distractor": distracted / max(shared, 1), "facts": n, "shared": shared}  # fmt: skip
+
+
+#: lm_facts' `bind` below this: the factuality reward model will not tell the target's values
+#: from the other person's (warned and reported)
+MIN_BIND = 0.9
+
+
+def check_reading(out: Path, offset: int, size: int = 400) -> dict[str, float]:
+    """`reading_accuracy` of lm_facts' model on `size` held-out reading rows (from `offset`),
+    kept in <out>/lm_facts/reading.json; a warning where it did not learn to bind."""
+    path = out / "lm_facts" / "reading.json"
+    if not path.is_file():
+        lines = (out / "reading" / "reading.jsonl").read_text().splitlines()
+        rows = [json.loads(line) for line in lines[offset : offset + size]]
+        path.write_text(json.dumps(reading_accuracy(out / "lm_facts" / "final", rows)) + "\n")
+    figures = json.loads(path.read_text())
+    print(f"lm_facts reads the notes: {figures}")
+    if figures["bind"] < MIN_BIND:
+        print(
+            f"warning: lm_facts' model tells the target's values from the other person's in only "
+            f"{figures['bind']:.2f} of the held-out facts that need the name (< {MIN_BIND}): the "
+            f"factuality reward model built on it will confuse the two; train it longer or from "
+            f"another seed ({path})", file=sys.stderr,
+        )  # fmt: skip
+    return figures
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -91,6 +169,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("policy", type=Path)
     parser.add_argument("--rm", action="append", default=[], help="relevance=DIR or factuality=DIR")
+    parser.add_argument("--alone", action="store_true", help="score each segment on its own")
     parser.add_argument("--heldout", type=int, default=100)
     parser.add_argument("--data", type=Path, default=Path("data/longform/heldout.jsonl"))
     parser.add_argument(
@@ -124,7 +203,7 @@ def main(argv: list[str] | None = None) -> int:
                 ).completions  # fmt: skip
             draws.append(error_rates(list(zip(questions, answers, strict=True))))
             if k == 0:
-                report_clauses(mode, questions, answers, items, rms)
+                report_clauses(mode, questions, answers, items, rms, args.alone)
         if len(draws) > 1:
             for key in ("irrelevant_rate", "factual_error_rate", "missing_rate"):
                 values = [d[key] for d in draws]

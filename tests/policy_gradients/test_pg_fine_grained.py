@@ -93,6 +93,36 @@ def test_each_component_reward_lands_on_its_segment_end_token(segment_rms):
     assert 0 < parts["rouge"][0] < 1
 
 
+def test_alone_scores_each_segment_after_the_prompt_only(segment_rms):
+    """`alone: true`: each sentence's reward is the model's score of that sentence as the whole
+    completion (`segment_scores(alone=True)`), on the same end tokens as without it; without it,
+    later sentences are read after the earlier ones and score otherwise."""
+    tok = load_tokenizer(POLICY, padding_side="left")
+    sentences = ["Mira lives in Oslo, and Mira has a cat.", "Mira eats rice.", "I hope this helps."]
+    ids = tok(" ".join(sentences), add_special_tokens=False)["input_ids"] + [tok.eos_token_id]
+    msgs = [{"role": "user", "content": "Tell me about Mira. Notes: Mira lives in Oslo."}]
+    batch = RewardInput(
+        prompts=["p"], completions=[tok.decode(ids, skip_special_tokens=True)],
+        items=[{"messages": msgs, "answer": "Mira lives in Oslo."}],
+        lengths=torch.tensor([len(ids)]), action_mask=torch.ones(1, len(ids), dtype=torch.long),
+        completion_ids=[ids], tokenizer=tok,
+    )  # fmt: skip
+    spec = {"name": "segment_reward_model", "label": "f", "path": str(segment_rms["sentence"])}
+    alone = CombinedReward([{**spec, "alone": True}])(batch)[1]["f"][0]
+    whole = CombinedReward([spec])(batch)[1]["f"][0]
+    assert (alone != 0).nonzero().flatten().tolist() == (whole != 0).nonzero().flatten().tolist()
+    rm = ScalarHeadModel.from_pretrained(segment_rms["sentence"])
+    logits = rm.segment_scores([msgs], batch.completions, alone=True)[0]
+    each = torch.cat([rm.segment_scores([msgs], [s])[0][-1:] for s in sentences])
+    torch.testing.assert_close(logits, each)
+    torch.testing.assert_close(alone[alone != 0], -logits.softmax(-1)[:, 1])
+    read_after = rm.segment_scores([msgs], batch.completions)[0]
+    torch.testing.assert_close(logits[0], read_after[0])  # the first sentence: the same
+    assert not torch.allclose(logits[1:], read_after[1:])
+    empty = rm.segment_scores([msgs, msgs], ["", sentences[1]], alone=True)
+    assert [tuple(x.shape) for x in empty] == [(0, 2), (1, 2)]
+
+
 def t5_pg_dict(segment_rms: dict[str, Path], algorithm: dict) -> dict:
     return {
         "name": "test_t5_pg",
