@@ -36,10 +36,6 @@ import re
 import sys
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING
-
-if TYPE_CHECKING:
-    from collections.abc import Callable
 
 NAMES = ["Mira", "Tom", "Ada", "Ravi", "Lena", "Omar", "Kira", "Ivan", "Nora", "Hugo", "Sara"]
 #: attribute -> (clause template, values). Notes draw from the first `ATTESTED` values of each
@@ -260,28 +256,6 @@ def edit_answer(rng: random.Random, q: Question, answer: str, kind: str) -> str 
     for start, end, text in reversed(spans):
         answer = answer[:start] + text + answer[end:]
     return answer
-
-
-def join_answers(rng: random.Random, answers: list[str], fits: Callable[[str], bool]) -> str | None:
-    """One longer answer from several answers to one prompt: their sentences, each answer's kept
-    together and the answers in a shuffled order, as many whole sentences as `fits` (the policy's
-    token budget) takes; None if that is no more sentences than the longest of `answers` has.
-    PPO policies write longer answers than the SFT model their feedback comes from, and a segment
-    reward model that has only seen errors in an answer's first two sentences does not see them
-    later (docs/algorithms/fine_grained_rlhf.md, "Errors the factuality reward model did not
-    see")."""
-    from rlhf_core.segmentation import segment
-
-    split = [[s.text.strip() for s in segment(a, "sentence")] for a in answers]
-    order = rng.sample(split, len(split))
-    kept: list[str] = []
-    for sentence in (s for sentences in order for s in sentences if s):
-        if not fits(" ".join([*kept, sentence])):
-            break
-        kept.append(sentence)
-    if len(kept) <= max(map(len, split), default=0):
-        return None
-    return " ".join(kept)
 
 
 # ----------------------------------------------------------------------------- grading

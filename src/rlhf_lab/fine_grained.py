@@ -126,7 +126,7 @@ def answer_pairs(prompt: str, answers: dict[str, Any], score: Any) -> list[dict[
 def collect_feedback(
     sft: Path, prompts: Path, out: Path, *,
     temperatures: tuple[float, ...] = FEEDBACK_TEMPERATURES, edits: tuple[str, ...] = (),
-    joined: bool = False, max_new_tokens: int = 40, chunk: int = 250,
+    max_new_tokens: int = 40, chunk: int = 250,
 ) -> float:  # fmt: skip
     """Feedback on the SFT model's own answers, as the paper collects it: an answer to every
     prompt of `prompts` at each of `temperatures` (0: greedy; the others seeded), graded by
@@ -137,11 +137,9 @@ def collect_feedback(
     `preference.jsonl` (chosen = the higher `holistic_score`, the holistic baseline's). `edits`
     (kinds of `rlhf_core.longform.edit_answer`): each greedy answer is also written to the
     relevance rows once per kind with that irrelevant text put in, mixed in with an rng of their
-    own so that the other files stay as without them. `joined`: the factuality rows also hold,
-    per prompt, its answers joined into one longer answer (`rlhf_core.longform.join_answers`,
-    at most `max_new_tokens` of the SFT tokenizer's tokens), mixed in the same way. Reused when
-    all four exist and `out/settings.json` (missing: the defaults) names the same settings;
-    other settings are an error naming the file. Seconds."""
+    own so that the other files stay as without them. Reused when all four exist and
+    `out/settings.json` (missing: the defaults) names the same temperatures and edits; other
+    settings are an error naming the file. Seconds."""
     import random
 
     import torch
@@ -149,13 +147,7 @@ def collect_feedback(
     from policy_gradients.rollout import generate_rollouts, load_prompts
     from rlhf_core.data import DataSource
     from rlhf_core.generation import Sampling
-    from rlhf_core.longform import (
-        edit_answer,
-        grade,
-        holistic_score,
-        join_answers,
-        question_from_prompt,
-    )
+    from rlhf_core.longform import edit_answer, grade, holistic_score, question_from_prompt
     from rlhf_core.models import ModelConfig, load_policy, load_tokenizer
 
     if unknown := [kind for kind in edits if kind not in EDITS]:
@@ -164,9 +156,7 @@ def collect_feedback(
         raise ValueError(f"collect_feedback: edits apply to greedy answers, and temperatures "
                          f"{list(temperatures)} have none (0.0)")  # fmt: skip
     files = {name: out / f"{name}.jsonl" for name in FEEDBACK_FILES}
-    settings: dict[str, Any] = {"temperatures": list(temperatures), "edits": list(edits)}
-    if joined:
-        settings["joined"] = True
+    settings = {"temperatures": list(temperatures), "edits": list(edits)}
     if all(path.is_file() for path in files.values()):
         kept = out / "settings.json"
         found = json.loads(kept.read_text()) if kept.is_file() else {
@@ -211,14 +201,6 @@ def collect_feedback(
                         labels = grade(q, edited).subsentence_irrelevant
                         edited_rows.append({"prompt": question, "completion": edited,
                                             "labels": labels})  # fmt: skip
-    joined_rows: list[dict] = []  # factuality rows of the joined answers
-    for i, (item, answers) in enumerate(zip(items, graded, strict=True) if joined else ()):
-        q = question_from_prompt(item["messages"][-1]["content"])
-        text = join_answers(random.Random(f"{i} joined"), list(answers), lambda t: len(
-            tokenizer(t, add_special_tokens=False)["input_ids"]) <= max_new_tokens)  # fmt: skip
-        if text is not None:
-            joined_rows.append({"prompt": item["messages"][-1]["content"], "completion": text,
-                                "labels": grade(q, text).sentence_factual})  # fmt: skip
     for item, answers in zip(items, graded, strict=True):
         rows["completeness"] += answer_pairs(item["messages"][-1]["content"], answers,
                                              lambda g: g.covered)  # fmt: skip
@@ -231,9 +213,6 @@ def collect_feedback(
         if name == "relevance" and edited_rows:  # mixed in with an rng of their own
             rows[name] += edited_rows
             random.Random(1).shuffle(rows[name])
-        if name == "factuality" and joined_rows:
-            rows[name] += joined_rows
-            random.Random(2).shuffle(rows[name])
         path.write_text("".join(json.dumps(r) + "\n" for r in rows[name]))
     (out / "settings.json").write_text(json.dumps(settings) + "\n")
     return time.perf_counter() - start

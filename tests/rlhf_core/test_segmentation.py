@@ -220,46 +220,6 @@ def test_edited_answers_put_in_the_irrelevant_text_the_policy_writes():
         longform.edit_answer(rng, q, answer, "swap")
 
 
-def test_joined_answers_keep_whole_sentences_within_the_budget():
-    """`join_answers`: the answers' sentences, each answer's together and the answers in a
-    shuffled order, as many whole sentences as `fits` takes; each keeps the factuality label it
-    has in its own answer; None when that is no more sentences than the longest answer has."""
-    rng = random.Random(11)
-    orders = set()
-    for k in range(200):
-        q = longform.sample_question(rng)
-        answers = [longform.sample_answer(rng, q, p_wrong=0.5) for _ in range(3)]
-        parts = [[s.text.strip() for s in segment(a, "sentence")] for a in answers]
-        labels = [longform.grade(q, a).sentence_factual for a in answers]
-        joined = longform.join_answers(random.Random(k), answers, lambda t: True)
-        if joined is None:  # possible only when one answer holds every sentence
-            assert sum(map(len, parts)) <= max(map(len, parts))
-            continue
-        got = [s.text.strip() for s in segment(joined, "sentence")]
-        order = next(o for o in _orders(len(answers)) if got == sum((parts[i] for i in o), []))
-        orders.add(order)
-        assert longform.grade(q, joined).sentence_factual == sum((labels[i] for i in order), [])
-        budget = len(joined.split()) - 1  # one word short: the last sentence goes
-        cut = longform.join_answers(
-            random.Random(k), answers, lambda t, n=budget: len(t.split()) <= n
-        )
-        if len(got) - 1 > max(map(len, parts)):
-            assert cut is not None and len(cut.split()) <= budget
-            assert [s.text.strip() for s in segment(cut, "sentence")] == got[:-1]
-        else:
-            assert cut is None
-    assert len(orders) == 6  # every order of three answers
-    assert longform.join_answers(rng, ["Ada has a cat. Ada eats rice."], lambda t: True) is None
-    two = ["Ada has a cat.", "Ada eats rice."]
-    assert longform.join_answers(rng, two, lambda t: len(t) < 20) is None  # one sentence fits
-
-
-def _orders(n: int) -> list[tuple[int, ...]]:
-    import itertools
-
-    return list(itertools.permutations(range(n)))
-
-
 @pytest.mark.parametrize("level", ["sentence", "subsentence"])
 def test_control_characters_in_sampled_text_do_not_break_segmentation(level):
     """A policy's sampled bytes can hold control characters; pysbd alone raises on "a 1.\\x1d8. b"

@@ -17,7 +17,6 @@ from rlhf_core.longform import (
     holistic_score,
     question_from_prompt,
 )
-from rlhf_core.models import ModelConfig, load_tokenizer
 from rlhf_core.segmentation import segment
 from rlhf_core.tiny import preset_dir
 from rlhf_lab.fine_grained import answer_pairs, collect_feedback, run_stage
@@ -56,7 +55,7 @@ def test_feedback_rows_are_the_policys_answers_graded_exactly(tmp_path):
 def test_edited_feedback_adds_relevance_rows_of_the_greedy_answers_and_nothing_else(tmp_path):
     """`collect_feedback(edits=EDITS)`: every greedy answer with a template clause comes back once
     per kind of edit in the relevance rows, labelled by the grader; the other files are as
-    without edits. `joined=True` adds factuality rows, each longer than its prompt's answers."""
+    without edits."""
     rows = (REPO / "data" / "longform" / "prompts.jsonl").read_text().splitlines()[:8]
     prompts = tmp_path / "prompts.jsonl"
     prompts.write_text("\n".join(rows) + "\n")
@@ -92,27 +91,6 @@ def test_edited_feedback_adds_relevance_rows_of_the_greedy_answers_and_nothing_e
     ):
         collect_feedback(policy, prompts, tmp_path / "other", temperatures=(1.0,), edits=EDITS)
     assert not (tmp_path / "other").exists()
-    # joined: factuality rows of each prompt's answers joined into a longer one, nothing else
-    two, joined = tmp_path / "two", tmp_path / "joined"
-    collect_feedback(policy, prompts, two, temperatures=(0.0, 1.0), max_new_tokens=24)
-    collect_feedback(policy, prompts, joined, temperatures=(0.0, 1.0), joined=True,
-                     max_new_tokens=24)  # fmt: skip
-    for name in ("relevance", "completeness", "preference"):
-        assert (two / f"{name}.jsonl").read_text() == (joined / f"{name}.jsonl").read_text()
-    before = [json.loads(x) for x in (two / "factuality.jsonl").read_text().splitlines()]
-    after = [json.loads(x) for x in (joined / "factuality.jsonl").read_text().splitlines()]
-    added = [r for r in after if r not in before]
-    assert all(r in after for r in before) and len(after) == len(before) + len(added)
-    tokenizer = load_tokenizer(ModelConfig(name_or_path=str(policy)), padding_side="left")
-    for row in added:
-        q = question_from_prompt(row["prompt"])
-        assert row["labels"] == grade(q, row["completion"]).sentence_factual
-        own = [len(r["labels"]) for r in before if r["prompt"] == row["prompt"]]
-        assert len(row["labels"]) > max(own)
-        assert len(tokenizer(row["completion"], add_special_tokens=False)["input_ids"]) <= 24
-    assert added, "no prompt's answers joined into a longer one: the option went untested"
-    with pytest.raises(ValueError, match=r"two/settings.json: the feedback there was collected"):
-        collect_feedback(policy, prompts, two, temperatures=(0.0, 1.0), joined=True)
 
 
 def test_answer_pairs_prefer_the_higher_grade_and_skip_ties():
