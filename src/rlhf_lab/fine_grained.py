@@ -1,7 +1,7 @@
 """Fine-grained vs holistic RLHF on the offline long-form task, from one SFT model.
 
     uv run python -m rlhf_lab.fine_grained [--steps 20] [--seeds 0 1] [--out outputs/longform]
-        [--segment-encoder DIR]
+        [--segment-encoder DIR] [--sampled-draws 5]
 
 Stages (each the trainer a user runs by hand with the named YAML; a stage whose `final/` exists
 under `--out` is reused):
@@ -37,10 +37,10 @@ SFT T5 model's, whose vocabulary fits the task's tokenizer: `model.name_or_path=
 reused.
 
 Then every model is evaluated on the same held-out prompts (data/longform/heldout.jsonl): greedy
-and sampled (T=1, seeded) answers graded exactly by `rlhf_core.longform.grade` (each error type's
-rate), ROUGE-L / ROUGE-1 F1 against the reference answers (`rlhf_core.scoring.rouge_scores`),
-answer length in tokens, and the per-token KL (k3) to the SFT model on the sampled answers.
-Writes `<out>/compare.md` and `compare.json`.
+and sampled (T=1, seeded; the mean of `--sampled-draws` draws) answers graded exactly by
+`rlhf_core.longform.grade` (each error type's rate), ROUGE-L / ROUGE-1 F1 against the reference
+answers (`rlhf_core.scoring.rouge_scores`), answer length in tokens, and the per-token KL (k3) to
+the SFT model on the sampled answers. Writes `<out>/compare.md` and `compare.json`.
 """
 
 from __future__ import annotations
@@ -219,10 +219,15 @@ def collect_feedback(
 
 
 def evaluate_models(
-    models: dict[str, Path], sft: Path, heldout: Path, *, size: int, max_new_tokens: int
-) -> tuple[dict[str, dict[str, float]], dict[str, list[str]]]:
+    models: dict[str, Path], sft: Path, heldout: Path, *, size: int, max_new_tokens: int,
+    draws: int = 1,
+) -> tuple[dict[str, dict[str, float]], dict[str, list[str]]]:  # fmt: skip
     """Error rates, ROUGE, length and KL to `sft` of each model on `size` held-out prompts, and
-    each model's first three sampled answers."""
+    each model's first three sampled answers. The sampled figures are means over `draws` draws
+    (seeds offset by 100,000 a draw, as `fine_grained_diag --sampling-seeds`): one draw's
+    sampled error rate varies by more than most differences between the models."""
+    import collections
+
     import torch
 
     from policy_gradients.rollout import completion_logprobs, generate_rollouts, load_prompts
@@ -247,30 +252,34 @@ def evaluate_models(
     results, examples = {}, {}
     for name, path in models.items():
         policy = load_policy(ModelConfig(name_or_path=str(path))).eval()
-        row: dict[str, float] = {}
-        for mode, temperature in (("greedy", 0.0), ("sampled", 1.0)):
+        row: dict[str, float] = collections.defaultdict(float)
+        for mode, temperature, k in [("greedy", 0.0, 0)] + [
+            ("sampled", 1.0, k) for k in range(draws)
+        ]:
             with torch.no_grad():
                 ro = generate_rollouts(
                     policy, tokenizer, [it["prompt"] for it in items], group_size=1,
                     max_new_tokens=max_new_tokens, sampling=Sampling(temperature=temperature),
-                    seeds=list(range(len(items))),
+                    seeds=[100_000 * k + i for i in range(len(items))],
                 )  # fmt: skip
-            rates = error_rates(list(zip(questions, ro.completions, strict=True)))
+            n = len(items) * (draws if temperature else 1)  # each draw adds its share of the mean
+            for key, v in error_rates(list(zip(questions, ro.completions, strict=True))).items():
+                row[f"{mode}/{key}"] += v * len(items) / n
             rouge = rouge_scores(ro.completions, references, ("rouge1", "rougeL"))
-            row.update({f"{mode}/{k}": v for k, v in rates.items()})
-            row[f"{mode}/rougeL"] = sum(rouge["rougeL"]) / len(items)
-            row[f"{mode}/rouge1"] = sum(rouge["rouge1"]) / len(items)
-            row[f"{mode}/length"] = float(ro.action_mask.sum(-1).float().mean())
-            row[f"{mode}/truncated"] = float(ro.truncated.float().mean())
+            row[f"{mode}/rougeL"] += sum(rouge["rougeL"]) / n
+            row[f"{mode}/rouge1"] += sum(rouge["rouge1"]) / n
+            row[f"{mode}/length"] += float(ro.action_mask.sum(-1).float().sum()) / n
+            row[f"{mode}/truncated"] += float(ro.truncated.float().sum()) / n
             if mode == "sampled":
                 args = (ro.sequence_ids, ro.attention_mask, ro.prompt_length)
                 with torch.no_grad():
                     logp = completion_logprobs(policy, *args, temperature=1.0)
                     ref = completion_logprobs(reference, *args, temperature=1.0)
                 kl = masked_mean(kl_estimate(logp, ref, "k3"), ro.action_mask, dim=-1)
-                row["sampled/kl_k3"] = float(kl.mean())
-        results[name] = row
-        examples[name] = ro.completions[:3]
+                row["sampled/kl_k3"] += float(kl.sum()) / n
+            if k == 0:
+                examples[name] = ro.completions[:3]
+        results[name] = dict(row)
     return results, examples
 
 
@@ -292,8 +301,11 @@ def write_report(out: Path, figures: dict[str, Any]) -> Path:
         "`rlhf_core.longform.grade` (irrelevant: share of sub-sentences; unverifiable/wrong: share "
         "of sentences; missing: mean share of the target's facts not stated correctly)."
     )
+    draws = figures.get("draws", 1)
     for mode in ("greedy", "sampled"):
         lines += ["", f"## {mode} answers", ""]
+        if mode == "sampled" and draws > 1:
+            lines += [f"T=1; each figure the mean over {draws} draws (seeds 100,000 apart).", ""]
         header = "| model | " + " | ".join(c for c, _ in COLUMNS)
         header += " | KL to SFT (k3/token) |" if mode == "sampled" else " |"
         lines += [header, "|---" * (len(COLUMNS) + 1 + (mode == "sampled")) + "|"]
@@ -327,8 +339,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", type=Path, default=Path("outputs/longform"))
     parser.add_argument("--steps", type=int, default=20, help="PPO steps per run")
     parser.add_argument("--seeds", type=int, nargs="+", default=[0])
-    parser.add_argument("--heldout", type=int, default=100, help="held-out prompts to evaluate")
+    parser.add_argument("--heldout", type=int, default=200, help="held-out prompts to evaluate")
     parser.add_argument("--max-new-tokens", type=int, default=40)
+    parser.add_argument(
+        "--sampled-draws", type=int, default=5, metavar="K",
+        help="draws of the sampled answers the report averages (one draw is noisy)",
+    )  # fmt: skip
     parser.add_argument(
         "--segment-encoder", type=Path, default=None,
         help="an encoder checkpoint directory for the segment reward models (encoder_only)",
@@ -339,6 +355,8 @@ def main(argv: list[str] | None = None) -> int:
         "(default); --no-edited-feedback: the answers only, the reward model from random init",
     )  # fmt: skip
     args = parser.parse_args(argv)
+    if args.sampled_draws < 1:
+        parser.error(f"--sampled-draws: expected an integer >= 1, got {args.sampled_draws}")
     if args.edited_feedback and args.segment_encoder is not None:
         parser.error("--edited-feedback (the default) starts the relevance reward model from "
                      "lm_facts, --segment-encoder from an encoder: add --no-edited-feedback "
@@ -398,13 +416,12 @@ def main(argv: list[str] | None = None) -> int:
             models[run.name] = run / "final"
     results, examples = evaluate_models(
         models, out / "sft" / "final", Path("data/longform/heldout.jsonl"), size=args.heldout,
-        max_new_tokens=args.max_new_tokens,
+        max_new_tokens=args.max_new_tokens, draws=args.sampled_draws,
     )  # fmt: skip
     figures = {
         "sft": str(out / "sft" / "final"), "steps": args.steps, "seeds": args.seeds,
-        "size": args.heldout, "times_s": times, "rms": rms, "reading": reading_figures,
-        "eval": results,
-        "examples": examples,
+        "size": args.heldout, "draws": args.sampled_draws, "times_s": times, "rms": rms,
+        "reading": reading_figures, "eval": results, "examples": examples,
     }  # fmt: skip
     print(write_report(out, figures).read_text())
     return 0

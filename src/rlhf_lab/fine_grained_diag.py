@@ -15,6 +15,8 @@ position in its answer (a reward model trained on short answers may not see erro
 With `--sampling-seeds K` the sampled answers are drawn K times (seeds offset by 0, 100,000, ...;
 offset 0 is the report's) and each draw's error rates are printed with their mean: how much of
 a sampled row of the report is the sampling's noise.
+Last, per mode, the sentences per answer: in all, about the target, wrong (`sentence_counts`:
+the factual error rate is wrong / all, so fewer sentences of garbage raise it).
 """
 
 from __future__ import annotations
@@ -51,6 +53,24 @@ def clause_kind(question, text: str) -> str:
     if question.distractor_facts.get(attribute) == value:
         return "the distractor's value"
     return "another attested value"
+
+
+def sentence_counts(questions, answers: list[str]) -> collections.Counter:
+    """Sentences of `answers` in all, those with a clause about the target (`about`), and those
+    with a factual error (`wrong`, always about the target): the grader's factual error rate is
+    wrong / all, so a sentence of garbage counts as a sentence without an error."""
+    from rlhf_core.longform import parse_clause
+    from rlhf_core.segmentation import segment
+
+    counts = collections.Counter()
+    for q, a in zip(questions, answers, strict=True):
+        for sentence in segment(a, "sentence"):
+            clauses = [parse_clause(s.text) for s in segment(sentence.text, "subsentence")]
+            about = [c for c in clauses if c is not None and c[0] == q.target]
+            counts["all"] += 1
+            counts["about"] += bool(about)
+            counts["wrong"] += any(q.facts.get(attribute) != value for _, attribute, value in about)
+    return counts
 
 
 def report_clauses(mode: str, questions, answers: list[str], items, rms, alone=False) -> None:
@@ -193,7 +213,7 @@ def main(argv: list[str] | None = None) -> int:
     questions = [question_from_prompt(it["messages"][-1]["content"]) for it in items]
     policy = load_policy(ModelConfig(name_or_path=str(args.policy))).eval()
     for mode, temperature in (("greedy", 0.0), ("sampled", 1.0)):
-        draws = []
+        draws, counts = [], collections.Counter()
         for k in range(args.sampling_seeds if temperature else 1):
             with torch.no_grad():
                 answers = generate_rollouts(
@@ -202,6 +222,7 @@ def main(argv: list[str] | None = None) -> int:
                     seeds=[100_000 * k + i for i in range(len(items))],
                 ).completions  # fmt: skip
             draws.append(error_rates(list(zip(questions, answers, strict=True))))
+            counts += sentence_counts(questions, answers)
             if k == 0:
                 report_clauses(mode, questions, answers, items, rms, args.alone)
         if len(draws) > 1:
@@ -209,6 +230,13 @@ def main(argv: list[str] | None = None) -> int:
                 values = [d[key] for d in draws]
                 each = " ".join(f"{v:.3f}" for v in values)
                 print(f"  {mode} {key} over {len(draws)} draws: mean {mean(values):.3f}; {each}")
+        n = len(items) * len(draws)
+        print(
+            f"  {mode} sentences per answer {counts['all'] / n:.2f}, about the target "
+            f"{counts['about'] / n:.2f}, wrong {counts['wrong'] / n:.2f}; wrong / all "
+            f"{counts['wrong'] / max(1, counts['all']):.3f}, wrong / about the target "
+            f"{counts['wrong'] / max(1, counts['about']):.3f}"
+        )
     return 0
 
 

@@ -153,7 +153,8 @@ def test_reading_accuracy_picks_each_facts_most_likely_value_as_scored_one_by_on
 
 def test_diag_draws_the_sampled_answers_again_the_first_draw_being_the_reports(capsys):
     """`fine_grained_diag --sampling-seeds K`: K draws of the sampled answers, each draw's error
-    rates and their mean; the first draw is the one `evaluate_models` reports."""
+    rates and their mean; the first draw is the one `evaluate_models` reports with one draw,
+    the mean the one it reports with `draws=K`."""
     from rlhf_lab.fine_grained import evaluate_models
     from rlhf_lab.fine_grained_diag import main
 
@@ -167,11 +168,15 @@ def test_diag_draws_the_sampled_answers_again_the_first_draw_being_the_reports(c
     }  # fmt: skip
     assert set(lines) == {"irrelevant_rate", "factual_error_rate", "missing_rate"}
     report, _ = evaluate_models({"p": policy}, policy, heldout, size=4, max_new_tokens=40)
+    three, _ = evaluate_models({"p": policy}, policy, heldout, size=4, max_new_tokens=40, draws=3)
     for key, line in lines.items():
         mean, draws = line.split(": mean ")[1].split("; ")
         draws = [float(v) for v in draws.split()]
         assert len(draws) == 3 and float(mean) == pytest.approx(sum(draws) / 3, abs=1e-3)
         assert draws[0] == pytest.approx(report["p"][f"sampled/{key}"], abs=1e-3)
+        assert three["p"][f"sampled/{key}"] == pytest.approx(sum(draws) / 3, abs=1e-3)
+        assert three["p"][f"greedy/{key}"] == report["p"][f"greedy/{key}"]
+    assert three["p"]["sampled/rougeL"] != report["p"]["sampled/rougeL"]  # not one draw again
     with pytest.raises(SystemExit):
         main([str(policy), "--sampling-seeds", "0"])
     assert "--sampling-seeds: expected an integer >= 1, got 0" in capsys.readouterr().err
@@ -205,3 +210,22 @@ def test_diag_names_each_kind_of_clause():
     cut = clause(q.target, "city", "Oslo").replace("Oslo", "To")  # a word no attribute has
     assert clause_kind(q, cut) == "not a template clause"
     assert clause_kind(q, "so " + mismatched) == "not a template clause"
+
+
+def test_sentence_counts_split_the_factual_error_rate():
+    """`sentence_counts`: wrong / all is the grader's factual error rate; a sentence of garbage
+    adds to all and to nothing else, so writing less garbage raises the rate."""
+    from rlhf_core.longform import error_rates, sample_answer, sample_question
+    from rlhf_lab.fine_grained_diag import sentence_counts
+
+    rng = random.Random(5)
+    questions = [sample_question(rng) for _ in range(40)]
+    answers = [sample_answer(rng, q, p_wrong=0.4) for q in questions]
+    counts = sentence_counts(questions, answers)
+    rate = error_rates(list(zip(questions, answers, strict=True)))["factual_error_rate"]
+    assert counts["wrong"] / counts["all"] == pytest.approx(rate)
+    assert 0 < counts["wrong"] < counts["about"] <= counts["all"]
+    garbage = [a + " HugoIvHuNo andTell." for a in answers]
+    more = sentence_counts(questions, garbage)
+    assert more["all"] == counts["all"] + len(answers)
+    assert (more["about"], more["wrong"]) == (counts["about"], counts["wrong"])
