@@ -253,32 +253,31 @@ def evaluate_models(
     for name, path in models.items():
         policy = load_policy(ModelConfig(name_or_path=str(path))).eval()
         row: dict[str, float] = collections.defaultdict(float)
-        for mode, temperature, k in [("greedy", 0.0, 0)] + [
-            ("sampled", 1.0, k) for k in range(draws)
-        ]:
+        passes = [("greedy", 0.0, 0)] + [("sampled", 1.0, k) for k in range(draws)]
+        for mode, temperature, k in passes:
             with torch.no_grad():
                 ro = generate_rollouts(
                     policy, tokenizer, [it["prompt"] for it in items], group_size=1,
                     max_new_tokens=max_new_tokens, sampling=Sampling(temperature=temperature),
                     seeds=[100_000 * k + i for i in range(len(items))],
                 )  # fmt: skip
-            n = len(items) * (draws if temperature else 1)  # each draw adds its share of the mean
+            share = 1 / draws if mode == "sampled" else 1.0  # this pass's weight in the mean
             for key, v in error_rates(list(zip(questions, ro.completions, strict=True))).items():
-                row[f"{mode}/{key}"] += v * len(items) / n
+                row[f"{mode}/{key}"] += share * v
             rouge = rouge_scores(ro.completions, references, ("rouge1", "rougeL"))
-            row[f"{mode}/rougeL"] += sum(rouge["rougeL"]) / n
-            row[f"{mode}/rouge1"] += sum(rouge["rouge1"]) / n
-            row[f"{mode}/length"] += float(ro.action_mask.sum(-1).float().sum()) / n
-            row[f"{mode}/truncated"] += float(ro.truncated.float().sum()) / n
+            row[f"{mode}/rougeL"] += share * sum(rouge["rougeL"]) / len(items)
+            row[f"{mode}/rouge1"] += share * sum(rouge["rouge1"]) / len(items)
+            row[f"{mode}/length"] += share * float(ro.action_mask.sum(-1).float().mean())
+            row[f"{mode}/truncated"] += share * float(ro.truncated.float().mean())
             if mode == "sampled":
                 args = (ro.sequence_ids, ro.attention_mask, ro.prompt_length)
                 with torch.no_grad():
                     logp = completion_logprobs(policy, *args, temperature=1.0)
                     ref = completion_logprobs(reference, *args, temperature=1.0)
                 kl = masked_mean(kl_estimate(logp, ref, "k3"), ro.action_mask, dim=-1)
-                row["sampled/kl_k3"] += float(kl.sum()) / n
-            if k == 0:
-                examples[name] = ro.completions[:3]
+                row["sampled/kl_k3"] += share * float(kl.mean())
+                if k == 0:
+                    examples[name] = ro.completions[:3]
         results[name] = dict(row)
     return results, examples
 
