@@ -106,7 +106,7 @@ def run_stage(package: str, name: str, out: Path, overrides: list[str]) -> float
 
 
 # The temperature of each answer to a training prompt: one greedy, two sampled at T=1 (a fourth at
-# T=0.7 was measured and not kept: docs/algorithms/fine_grained_rlhf.md, "Feedback at T=0.7")
+# T=0.7 was measured and not kept: docs/algorithms/fine_grained_rlhf.md, "Also tried")
 FEEDBACK_TEMPERATURES = (0.0, 1.0, 1.0)
 FEEDBACK_FILES = ("relevance", "factuality", "completeness", "preference")
 
